@@ -1,0 +1,48 @@
+"""The root of the engine's exceptions and the misuse/configuration errors shared by all packages.
+
+Errors carry structured fields; messages say what failed and what to do next, lower-case.
+Code never branches on message text.
+"""
+
+from __future__ import annotations
+
+
+class ChatEngineError(Exception):
+    """Root of every error the engine raises on purpose."""
+
+
+class ConfigError(ChatEngineError):
+    """The environment or a setting is wrong; the message names the variable and the fix."""
+
+    def __init__(self, message: str, *, variable: str | None = None) -> None:
+        super().__init__(message)
+        self.variable = variable
+
+
+class NotFound(ChatEngineError):
+    """A tenant-scoped thing does not exist (or belongs to another tenant: same answer)."""
+
+    def __init__(self, message: str, *, kind: str, key: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.key = key
+
+
+class Conflict(ChatEngineError):
+    """The request collides with existing state (a duplicate name, a stale version)."""
+
+
+class InvalidInput(ChatEngineError):
+    """A caller sent something malformed; `path` says where (`$.parameters.order_id`)."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class Overloaded(ChatEngineError):
+    """Admission refused; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -1,0 +1,47 @@
+"""structlog configuration, done once by the entrypoint (JSON in production, readable in a terminal).
+
+Context (`tenant_id`, `session_id`, `request_id`) is bound with contextvars at the gateway and at
+actor entry. Never log a body, a header value or a secret: `redact_secrets` is the last guard.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import structlog
+
+_SECRET_KEYS = frozenset(
+    {"authorization", "auth_header", "api_key", "password", "secret", "token", "x-api-key"}
+)
+
+
+def redact_secrets(_logger, _name, event_dict: dict) -> dict:
+    """Drop values of keys that look like credentials, whatever a caller passed."""
+    for key in list(event_dict):
+        if key.lower() in _SECRET_KEYS:
+            event_dict[key] = "[redacted]"
+    return event_dict
+
+
+def configure_logging(*, fmt: str = "console", level: str = "info") -> None:
+    """Configure structlog and the stdlib root logger. Idempotent."""
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact_secrets,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        ),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")

@@ -1,0 +1,170 @@
+"""Settings: one frozen object read from the environment once, at start-up, by the entrypoint.
+
+No other module reads `os.environ`. Every variable is listed in ../shared/CONTRACT.md § Configuration;
+the CE_* tuning knobs beyond it are documented in README.md.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from services.errors import ConfigError
+
+Placement = Literal["sharded", "dedicated"]
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    database_url: str | None = None
+    ray_address: str | None = None
+    anthropic_api_key: str | None = None
+    anthropic_base_url: str | None = None
+    secret_keys: tuple[str, ...] = ()
+    placement: Placement = "sharded"
+    shards: int = 4
+    host: str = "127.0.0.1"
+    port: int = 8080
+    webhook_allow: tuple[str, ...] = ()
+    data_dir: str = ".data"
+    main_model: str = "claude-sonnet-4-5"
+    cheap_model: str = "claude-haiku-4-5"
+    idle_seconds: float = 300.0
+    output_gate: bool = True
+    flush_interval_ms: float = 5.0
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "info"
+
+    @property
+    def secret_key(self) -> str | None:
+        """The current encryption key (the first one); older keys only decrypt."""
+        return self.secret_keys[0] if self.secret_keys else None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read and validate the environment.
+
+        Raises ConfigError with one sentence naming the variable and what to set.
+        """
+        env = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        database_url = get("DATABASE_URL")
+        if database_url is not None:
+            _check_database_url(database_url)
+
+        placement = get("CE_PLACEMENT") or "sharded"
+        if placement not in ("sharded", "dedicated"):
+            raise ConfigError(
+                f"CE_PLACEMENT must be 'sharded' or 'dedicated', got {placement!r}",
+                variable="CE_PLACEMENT",
+            )
+        allow = tuple(p.strip() for p in (get("CE_WEBHOOK_ALLOW") or "").split(",") if p.strip())
+        for entry in allow:
+            _check_allow_entry(entry)
+        keys = tuple(k.strip() for k in (get("CE_SECRET_KEY") or "").split(",") if k.strip())
+        log_format = get("CE_LOG_FORMAT") or ("json" if get("CI") is None and not _is_tty() else "console")
+        if log_format not in ("console", "json"):
+            raise ConfigError(
+                f"CE_LOG_FORMAT must be 'console' or 'json', got {log_format!r}",
+                variable="CE_LOG_FORMAT",
+            )
+        return cls(
+            database_url=database_url,
+            ray_address=get("RAY_ADDRESS"),
+            anthropic_api_key=get("ANTHROPIC_API_KEY"),
+            anthropic_base_url=get("ANTHROPIC_BASE_URL"),
+            secret_keys=keys,
+            placement=placement,  # type: ignore[arg-type]
+            shards=_int(get, "CE_SHARDS", 4, minimum=1),
+            host=get("CE_HOST") or "127.0.0.1",
+            port=_int(get, "CE_PORT", 8080, minimum=0),
+            webhook_allow=allow,
+            data_dir=get("CE_DATA_DIR") or ".data",
+            main_model=get("CE_MAIN_MODEL") or "claude-sonnet-4-5",
+            cheap_model=get("CE_CHEAP_MODEL") or "claude-haiku-4-5",
+            idle_seconds=_float(get, "CE_IDLE_SECONDS", 300.0),
+            output_gate=(get("CE_OUTPUT_GATE") or "on").lower() not in ("off", "0", "false", "no"),
+            flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
+            log_format=log_format,  # type: ignore[arg-type]
+            log_level=(get("CE_LOG_LEVEL") or "info").lower(),
+        )
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+
+def _is_tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _int(get, name: str, default: int, *, minimum: int) -> int:
+    raw = get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, got {raw!r}", variable=name) from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}", variable=name)
+    return value
+
+
+def _float(get, name: str, default: float) -> float:
+    raw = get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}", variable=name) from None
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}", variable=name)
+    return value
+
+
+def _check_database_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgres", "postgresql"):
+        raise ConfigError(
+            "DATABASE_URL must look like postgresql://user:password@host:5432/dbname "
+            f"(got a URL with scheme {parts.scheme or 'none'!r}); unset it to use the embedded Postgres",
+            variable="DATABASE_URL",
+        )
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(
+            "DATABASE_URL has an invalid port; use postgresql://user:password@host:5432/dbname",
+            variable="DATABASE_URL",
+        ) from None
+    if not parts.hostname and "host=" not in parts.query:
+        raise ConfigError(
+            "DATABASE_URL names no host; use postgresql://user:password@host:5432/dbname",
+            variable="DATABASE_URL",
+        )
+
+
+def _check_allow_entry(entry: str) -> None:
+    try:
+        ipaddress.ip_network(entry, strict=False)
+        return
+    except ValueError:
+        pass
+    if not entry.replace("-", "").replace(".", "").replace("_", "").isalnum():
+        raise ConfigError(
+            f"CE_WEBHOOK_ALLOW entry {entry!r} is neither a CIDR (10.0.0.0/8) nor a host name",
+            variable="CE_WEBHOOK_ALLOW",
+        )

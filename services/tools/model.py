@@ -1,0 +1,118 @@
+"""Tool definitions as data: a tagged union over the families of seed 001, plus seed 000's shape.
+
+A definition is inert data. `services.tools.registry` compiles a published definition into a
+handler with a known compiler; nothing in a definition is ever evaluated as code.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+Mutability = Literal["read", "write"]
+HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+#: Argument names the model may never supply (seed 001 § "Tenant scope comes from the service").
+PROTECTED_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId", "account_id", "accountId"})
+
+TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
+_TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
+
+
+class _ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON-schema object, normalised by `normalise_parameters`
+    mutability: Mutability = "read"
+    requires_approval: bool | None = None  # None: approval required exactly for write tools
+    intents: tuple[str, ...] = ()
+    enabled: bool = True
+    sensitive: tuple[str, ...] = ()  # parameter names redacted in traces and ce_tool_calls
+    protected: tuple[str, ...] = ()  # extra argument names stripped from model input
+    timeout_ms: int = 5000
+    #: session variable set on success; while set, the tool is not offered again (seed 000 dedup)
+    completes_variable: str | None = None
+    #: the resource whose concurrency limit this tool shares (default: the tool itself)
+    resource: str | None = None
+
+    @property
+    def needs_approval(self) -> bool:
+        if self.requires_approval is None:
+            return self.mutability == "write"
+        return self.requires_approval
+
+    @property
+    def protected_keys(self) -> frozenset[str]:
+        return PROTECTED_KEYS | frozenset(self.protected)
+
+
+class WebhookTool(_ToolBase, tag="webhook"):
+    """Seed 000's tenant tool: a URL template with `{param}` holes, called over HTTP."""
+
+    webhook_url: str
+    method: HttpMethod = "GET"
+    auth_header_enc: str | None = None  # ciphertext (services.tools.crypto); never leaves the server
+
+
+class BackendBindingTool(_ToolBase, tag="backend_binding"):
+    """Seed 001's declarative binding against the tenant's configured backend."""
+
+    path: str
+    method: HttpMethod = "GET"
+    parameter_map: dict[str, str] = {}  # model-facing name -> backend-facing name
+    scope: tuple[str, ...] = ()  # backend keys filled from trusted context, never from the model
+
+
+class PythonTool(_ToolBase, tag="python"):
+    """Binds to a handler registered in code under `handler`; nothing else."""
+
+    handler: str
+
+
+class WorkflowTool(_ToolBase, tag="workflow"):
+    """Starts a long-running job now (returns a reference); the result reaches the session later."""
+
+    handler: str
+
+
+class ClientTool(_ToolBase, tag="client"):
+    """Presentation: the call becomes a `client_action` event for the UI; nothing runs here."""
+
+
+ToolDefinition = WebhookTool | BackendBindingTool | PythonTool | WorkflowTool | ClientTool
+
+tool_decoder = msgspec.json.Decoder(ToolDefinition)
+
+
+def template_holes(template: str) -> list[str]:
+    """The `{param}` names of a URL or path template, in order."""
+    return _TEMPLATE_HOLE_RE.findall(template)
+
+
+def normalise_parameters(parameters: dict[str, Any], *, required_hint: list[str] = ()) -> dict[str, Any]:
+    """Return a JSON-schema object for either accepted shape of `parameters`.
+
+    Seed 000 gives a map of name -> property schema; a full JSON schema (`"type": "object"`)
+    is taken as is. In the map form a property is required when it fills a template hole
+    (`required_hint`) or its schema says `"required": true`.
+    """
+    if parameters.get("type") == "object" and (
+        "properties" in parameters or not parameters.keys() - {"type", "required", "additionalProperties"}
+    ):
+        schema = dict(parameters)
+        schema.setdefault("properties", {})
+        return schema
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for name, prop in parameters.items():
+        prop = dict(prop) if isinstance(prop, dict) else {"type": "string", "description": str(prop)}
+        is_required = prop.pop("required", False) is True or name in required_hint
+        properties[name] = prop
+        if is_required:
+            required.append(name)
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema

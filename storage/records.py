@@ -1,0 +1,149 @@
+"""Typed records that cross the storage boundary (msgspec Structs in and out of repositories).
+
+This module imports no driver: the session core and the gateway use these shapes without asyncpg.
+Sessions are addressed by the tenant's own `session_id`; rows keyed by seed 000's global
+`session_id` columns use `session_uid(tenant_id, session_id)` so two tenants may reuse an id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+import msgspec
+
+_SESSION_NS = uuid.UUID("6b1f0a8e-6a53-4c1e-9a2b-1c0de5e55105")
+
+
+def session_uid(tenant_id: str, session_id: str) -> str:
+    """The global row key of a tenant's session (deterministic, never reused across tenants)."""
+    return str(uuid.uuid5(_SESSION_NS, f"{tenant_id}\x00{session_id}"))
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    created_at: datetime
+
+
+class IssuedKey(msgspec.Struct, frozen=True, kw_only=True):
+    """A freshly created API key: the only time its plaintext exists outside the caller."""
+
+    tenant_id: str
+    key_id: str
+    api_key: str
+
+
+class ToolVersion(msgspec.Struct, frozen=True, kw_only=True):
+    tenant_id: str
+    name: str
+    version: int
+    definition: dict[str, Any]  # services.tools.model.ToolDefinition as stored (auth header encrypted)
+    created_at: datetime
+    published: bool = False
+
+
+class PublishedTool(msgspec.Struct, frozen=True, kw_only=True):
+    """A row of ce_custom_tools: the live definition of one tenant tool."""
+
+    id: str
+    tenant_id: str
+    name: str
+    type: str
+    version: int
+    enabled: bool
+    definition: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+class ToolCallRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One ce_tool_calls row; `parameters` already redacted by the executor."""
+
+    id: str
+    tenant_id: str
+    session_id: str
+    message_id: str | None
+    tool_name: str
+    parameters: dict[str, Any] | None
+    result: Any
+    success: bool
+    latency_ms: int
+    queue_ms: int = 0
+    error: str | None = None
+    created_at: datetime | None = None
+
+
+class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of a session's conversation history (LLM message content blocks as JSON)."""
+
+    seq: int
+    role: Literal["user", "assistant"]
+    content: list[dict[str, Any]]
+    message_id: str | None = None
+
+
+class UsageDelta(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    input_tokens: int
+    output_tokens: int
+
+
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The stored answer to a client message_id: a retry returns it and runs nothing."""
+
+    message_id: str
+    response: dict[str, Any]
+
+
+class SessionSnapshot(msgspec.Struct, kw_only=True):
+    """Session state that is not rows of its own: breakers, completed tools, handoff, approvals."""
+
+    breakers: dict[str, int] = msgspec.field(default_factory=dict)
+    completed: list[str] = msgspec.field(default_factory=list)
+    handoff: bool = False
+    handoff_reason: str | None = None
+    message_count: int = 0
+    pending: dict[str, Any] | None = None  # a held turn awaiting approval
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class SessionDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """What one session changed since its last flush, fenced by the epoch of its lease."""
+
+    tenant_id: str
+    session_id: str
+    epoch: int
+    snapshot: SessionSnapshot
+    messages: list[MessageRecord] = []
+    variables: dict[str, str] = {}
+    tool_calls: list[ToolCallRecord] = []
+    usage: list[UsageDelta] = []
+    turns: list[TurnRecord] = []
+
+
+class ActivatedSession(msgspec.Struct, frozen=True, kw_only=True):
+    """A session loaded from Postgres under a fresh lease (`epoch` fences its flushes)."""
+
+    tenant_id: str
+    session_id: str
+    epoch: int
+    snapshot: SessionSnapshot
+    variables: dict[str, str]
+    history: list[MessageRecord]
+
+
+class FlushResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Which deltas were written and which were refused because a newer lease exists."""
+
+    written: list[tuple[str, str]]
+    refused: list[tuple[str, str]]
+
+
+class ToolStats(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    calls: int
+    success_rate: float
+    p50_ms: float
+    p95_ms: float
