@@ -1,0 +1,94 @@
+"""Tool errors: every way a tool call can fail, each with a reason and advice for the model.
+
+The executor turns any of these into an in-band result:
+    "Tool 'check_order' failed: upstream timeout. Inform the customer you cannot retrieve ..."
+`reason` and `advice` never carry a credential, a stack trace or another tenant's data.
+"""
+
+from __future__ import annotations
+
+from services.errors import ChatEngineError
+
+DEFAULT_ADVICE = "Tell the customer you cannot complete this right now and offer another way to help."
+
+
+class ToolError(ChatEngineError):
+    """Root of tool failures. `reason` is short and lower-case ("upstream timeout")."""
+
+    kind = "tool_error"
+    retryable = False
+    counts_for_breaker = True
+
+    def __init__(self, reason: str, *, advice: str | None = None, tool_name: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.advice = advice or DEFAULT_ADVICE
+        self.tool_name = tool_name
+
+
+class UnknownTool(ToolError):
+    kind = "unknown_tool"
+    counts_for_breaker = False
+
+
+class InvalidArguments(ToolError):
+    """Arguments failed the tool's JSON schema; `reason` names the field and what is wrong."""
+
+    kind = "invalid_arguments"
+    counts_for_breaker = False
+
+
+class PolicyDenied(ToolError):
+    kind = "policy_denied"
+    counts_for_breaker = False
+
+
+class ApprovalDenied(ToolError):
+    kind = "approval_denied"
+    counts_for_breaker = False
+
+
+class DeadlineExceeded(ToolError):
+    """The call's deadline (queue wait included) passed before or while it ran."""
+
+    kind = "deadline_exceeded"
+    retryable = True
+
+
+class UpstreamTimeout(ToolError):
+    kind = "upstream_timeout"
+    retryable = True
+
+
+class UpstreamStatus(ToolError):
+    kind = "upstream_status"
+
+    def __init__(self, reason: str, *, status: int, advice: str | None = None, tool_name: str | None = None) -> None:
+        super().__init__(reason, advice=advice, tool_name=tool_name)
+        self.status = status
+        self.retryable = status >= 500 or status == 429
+
+
+class UpstreamMalformed(ToolError):
+    kind = "upstream_malformed"
+
+
+class UpstreamTooLarge(ToolError):
+    kind = "upstream_too_large"
+
+
+class UpstreamUnreachable(ToolError):
+    kind = "upstream_unreachable"
+    retryable = True
+
+
+class DestinationBlocked(ToolError):
+    """The SSRF guard refused the destination before any connection was made."""
+
+    kind = "destination_blocked"
+
+
+class ToolCrashed(ToolError):
+    """A handler raised something unexpected; details go to the log, not to the model."""
+
+    kind = "tool_crashed"
