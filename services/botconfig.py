@@ -1,0 +1,48 @@
+"""A tenant's bot configuration (ce_bot_config): persona, models, intents, allowlist, backend.
+
+Decoded with `forbid_unknown_fields` at the API edge so a typo is a 422, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Intent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Phrases that signal the intent and the tools offered when it is detected."""
+
+    phrases: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
+
+
+class Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The tenant backend that `backend_binding` tools call (seed 001)."""
+
+    base_url: str
+    auth_header_enc: str | None = None  # ciphertext; the API accepts `auth_header` write-only
+    openapi: dict | None = None  # the backend's OpenAPI document, for the contract report
+
+
+class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    persona: str = "You are a helpful assistant for this business. Be brief and friendly."
+    main_model: str | None = None  # None: the engine's CE_MAIN_MODEL
+    cheap_model: str | None = None  # None: the engine's CE_CHEAP_MODEL; used after tool results
+    intents: dict[str, Intent] = {}
+    #: the agent allowlist: when set, only these tools may ever be offered or run
+    allowlist: tuple[str, ...] | None = None
+    #: writes allowed at all; False turns every write tool away (policy: mutability)
+    allow_writes: bool = True
+    language: str = "english"  # full-text search configuration for recall_memory
+    notification_webhook: str | None = None
+    notification_secret: str | None = None  # Standard Webhooks signing secret (whsec_...)
+    backend: Backend | None = None
+    contact_id_variable: str = "contact_id"
+
+
+DEFAULT_CONFIG = BotConfig()
+botconfig_decoder = msgspec.json.Decoder(BotConfig)
+
+
+def botconfig_from_dict(data: dict) -> BotConfig:
+    """Build from a stored JSON object; raises msgspec.ValidationError naming the path."""
+    return msgspec.convert(data, BotConfig) if data else DEFAULT_CONFIG

@@ -1,0 +1,304 @@
+"""The executor pipeline of seed 001, pure of I/O frameworks:
+
+resolve -> strip protected keys -> validate -> policy -> approval -> trusted context ->
+execute under a per-resource limit and a deadline that includes queue wait -> normalise -> record.
+
+Every failure becomes an in-band result the model can act on; nothing here raises to the session
+except cancellation. `prepare` runs the checks for a whole batch before anything executes, so a
+batch holding an approval-gated call runs nothing until the whole batch is approved (seed 001's
+stronger guarantee).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import structlog
+
+from services.botconfig import BotConfig
+from services.tools.context import TrustedContext
+from services.tools.errors import (
+    ApprovalDenied,
+    InvalidArguments,
+    PolicyDenied,
+    ToolCrashed,
+    ToolError,
+    UnknownTool,
+)
+from services.tools.limiter import Clock, ResourceLimiter, SystemClock
+from services.tools.registry import Catalog, ClientAction, CompiledTool
+from services.tools.toolset import SessionToolState, gate_reason
+from storage.records import ToolCallRecord
+
+log = structlog.get_logger(__name__)
+
+REDACTED = "[redacted]"
+DEFAULT_MAX_RESULT_CHARS = 16_000
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call as the model proposed it."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """The normalised result of one call: what the model reads and what is recorded."""
+
+    call_id: str
+    name: str
+    success: bool
+    content: str  # the tool_result text for the model
+    error: str | None = None  # in-band error text (also what the API reports)
+    error_kind: str | None = None
+    latency_ms: int = 0
+    queue_ms: int = 0
+    counts_for_breaker: bool = False
+    client_action: ClientAction | None = None
+    completes_variable: str | None = None
+    record: ToolCallRecord
+
+
+class PreparedCall(msgspec.Struct, frozen=True, kw_only=True):
+    call: ToolCall
+    arguments: dict[str, Any]  # stripped of protected keys, trusted scope merged
+    tool: CompiledTool | None = None
+    error: ToolError | None = None
+    needs_approval: bool = False
+
+    @property
+    def mutability(self) -> str:
+        return self.tool.definition.mutability if self.tool else "read"
+
+
+class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
+    calls: list[PreparedCall]
+
+    @property
+    def needs_approval(self) -> bool:
+        return any(p.needs_approval for p in self.calls)
+
+    def summary(self) -> list[str]:
+        """One readable line per call that will run, for the approver."""
+        lines = []
+        for p in self.calls:
+            if p.error is not None or p.tool is None:
+                continue
+            d = p.tool.definition
+            args = ", ".join(
+                f"{k}={REDACTED if k in d.sensitive else _short(v)}" for k, v in p.arguments.items()
+            )
+            verb = "change" if d.mutability == "write" else "read"
+            lines.append(f"{d.name}({args}) - will {verb} data: {d.description[:120]}")
+        return lines
+
+
+def failure_text(tool_name: str, error: ToolError) -> str:
+    """Seed 000's in-band text: what failed and what to tell the contact."""
+    return f"Tool '{tool_name}' failed: {error.reason}. {error.advice}"
+
+
+class Executor:
+    def __init__(
+        self,
+        *,
+        limiter: ResourceLimiter | None = None,
+        clock: Clock | None = None,
+        new_id: Callable[[], str] | None = None,
+        max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
+    ) -> None:
+        self._limiter = limiter or ResourceLimiter()
+        self._clock = clock or SystemClock()
+        self._new_id = new_id or (lambda: uuid.uuid4().hex)
+        self._max_result_chars = max_result_chars
+
+    # -- stages 1-5: resolve, strip, validate, policy, approval -------------------------------
+
+    def prepare(
+        self,
+        calls: list[ToolCall],
+        *,
+        catalog: Catalog,
+        config: BotConfig,
+        session: SessionToolState,
+        scope: dict[str, Any],
+    ) -> BatchPlan:
+        """Check every call of a batch before any runs. Never raises for bad calls: each
+        carries its error, to be returned in-band."""
+        return BatchPlan(calls=[self._prepare_one(c, catalog, config, session, scope) for c in calls])
+
+    def _prepare_one(
+        self, call: ToolCall, catalog: Catalog, config: BotConfig, session: SessionToolState, scope: dict[str, Any]
+    ) -> PreparedCall:
+        tool = catalog.get(call.name)
+        if tool is None:
+            # Never discovered from anywhere else: an unknown name is the model's mistake.
+            return PreparedCall(
+                call=call, arguments={}, error=UnknownTool(
+                    f"there is no tool named '{_short(call.name, 64)}'",
+                    advice="Do not call it again; answer with what you know or ask a clarifying question.",
+                ),
+            )
+        d = tool.definition
+        args = scoped_args(
+            call.arguments if isinstance(call.arguments, dict) else {},
+            {k: v for k, v in scope.items() if k in d.parameters.get("properties", {})},
+            protected=d.protected_keys,
+        )
+        problems = tool.validator.errors(args)
+        if problems:
+            return PreparedCall(call=call, tool=tool, arguments=args, error=InvalidArguments(
+                "invalid arguments: " + "; ".join(problems[:3]),
+                advice="Ask the customer for the missing or corrected details, then call the tool again.",
+            ))
+        reason = gate_reason(tool, config, session)
+        if reason is not None:
+            return PreparedCall(call=call, tool=tool, arguments=args, error=PolicyDenied(
+                reason, advice="Do not call this tool again now; help the customer another way.",
+            ))
+        return PreparedCall(call=call, tool=tool, arguments=args, needs_approval=d.needs_approval)
+
+    # -- stages 6-9: context, execute, normalise, record --------------------------------------
+
+    async def execute(
+        self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False, deadline: float | None = None
+    ) -> list[ToolOutcome]:
+        """Run a prepared batch; outcomes are in call order.
+
+        Consecutive reads run concurrently; a write runs alone, in order. A batch that needs
+        approval runs only with `approved=True`. `deadline` (clock time) caps every call.
+        """
+        if plan.needs_approval and not approved:
+            raise ValueError("this batch needs approval before it runs")
+        outcomes: list[ToolOutcome] = []
+        group: list[PreparedCall] = []
+        for prepared in plan.calls:
+            if prepared.mutability == "read" or prepared.error is not None:
+                group.append(prepared)
+                continue
+            outcomes += await self._run_group(group, ctx, deadline)
+            group = []
+            outcomes += await self._run_group([prepared], ctx, deadline)
+        outcomes += await self._run_group(group, ctx, deadline)
+        return outcomes
+
+    def deny(self, plan: BatchPlan, ctx: TrustedContext, *, reason: str) -> list[ToolOutcome]:
+        """In-band results for a batch the approver declined: nothing ran."""
+        outcomes = []
+        for p in plan.calls:
+            if p.error is not None:
+                outcomes.append(self._failed(p, ctx, p.error, 0, 0))
+                continue
+            error = ApprovalDenied(
+                reason if p.needs_approval else "not run because the other actions in this step were declined",
+                advice="Tell the customer it was not done and ask how they would like to proceed.",
+            )
+            outcomes.append(self._failed(p, ctx, error, 0, 0))
+        return outcomes
+
+    async def _run_group(
+        self, group: list[PreparedCall], ctx: TrustedContext, deadline: float | None
+    ) -> list[ToolOutcome]:
+        if not group:
+            return []
+        if len(group) == 1:
+            return [await self._run_one(group[0], ctx, deadline)]
+        return list(await asyncio.gather(*(self._run_one(p, ctx, deadline) for p in group)))
+
+    async def _run_one(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
+        if prepared.error is not None or prepared.tool is None:
+            return self._failed(prepared, ctx, prepared.error or UnknownTool("unknown tool"), 0, 0)
+        tool = prepared.tool
+        d = tool.definition
+        call_deadline = self._clock.monotonic() + d.timeout_ms / 1000
+        if deadline is not None:
+            call_deadline = min(call_deadline, deadline)
+        call_ctx = msgspec.structs.replace(
+            ctx, idempotency_key=f"{ctx.idempotency_key or ctx.message_id or ''}:{prepared.call.id}"
+        )
+        started = time.perf_counter()
+        try:
+            timed = await self._limiter.run(
+                d.resource or d.name, call_deadline, lambda: tool.handler(prepared.arguments, call_ctx)
+            )
+        except ToolError as exc:
+            elapsed = int((time.perf_counter() - started) * 1000)
+            return self._failed(prepared, ctx, exc, elapsed, 0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("tool_crashed", tool_name=d.name)
+            elapsed = int((time.perf_counter() - started) * 1000)
+            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
+        return self._succeeded(prepared, ctx, timed.value, int(timed.run_s * 1000), int(timed.queue_s * 1000))
+
+    def _succeeded(self, p: PreparedCall, ctx: TrustedContext, value: Any, run_ms: int, queue_ms: int) -> ToolOutcome:
+        d = p.tool.definition  # type: ignore[union-attr]
+        client_action = value if isinstance(value, ClientAction) else None
+        data = msgspec.to_builtins(value) if value is not None else None
+        if client_action is not None:
+            content = f"Shown to the customer in the app: {d.name}. Continue the conversation."
+        else:
+            content = msgspec.json.encode(data).decode() if data is not None else "done (no content)"
+            if len(content) > self._max_result_chars:
+                content = (
+                    content[: self._max_result_chars]
+                    + f" [result truncated: {self._max_result_chars} of {len(content)} characters shown]"
+                )
+        return ToolOutcome(
+            call_id=p.call.id, name=d.name, success=True, content=content,
+            latency_ms=run_ms, queue_ms=queue_ms, client_action=client_action,
+            completes_variable=d.completes_variable,
+            record=self._record(p, ctx, success=True, result=data, error=None, latency_ms=run_ms, queue_ms=queue_ms),
+        )
+
+    def _failed(self, p: PreparedCall, ctx: TrustedContext, error: ToolError, run_ms: int, queue_ms: int) -> ToolOutcome:
+        name = p.tool.name if p.tool else _short(p.call.name, 64)
+        text = failure_text(name, error)
+        return ToolOutcome(
+            call_id=p.call.id, name=name, success=False, content=text, error=text,
+            error_kind=error.kind, latency_ms=run_ms, queue_ms=queue_ms,
+            counts_for_breaker=error.counts_for_breaker and p.tool is not None,
+            record=self._record(p, ctx, success=False, result=None, error=text, latency_ms=run_ms, queue_ms=queue_ms),
+        )
+
+    def _record(
+        self, p: PreparedCall, ctx: TrustedContext, *, success: bool, result: Any, error: str | None,
+        latency_ms: int, queue_ms: int,
+    ) -> ToolCallRecord:
+        sensitive = set(p.tool.definition.sensitive) if p.tool else set()
+        source = p.arguments if p.tool else (p.call.arguments if isinstance(p.call.arguments, dict) else {})
+        params = {k: (REDACTED if k in sensitive else v) for k, v in source.items()}
+        return ToolCallRecord(
+            id=self._new_id(), tenant_id=ctx.tenant_id, session_id=ctx.session_id,
+            message_id=ctx.message_id, tool_name=p.tool.name if p.tool else _short(p.call.name, 64),
+            parameters=params, result=result, success=success, latency_ms=latency_ms,
+            queue_ms=queue_ms, error=error, created_at=datetime.now(UTC),
+        )
+
+
+def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, protected: frozenset[str]) -> dict[str, Any]:
+    """Seed 001's overwrite semantics: protected keys never come from the model; trusted wins."""
+    clean = {k: v for k, v in model_args.items() if k not in protected}
+    return {**clean, **trusted_scope}
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = value if isinstance(value, str) else msgspec.json.encode(value).decode() if _encodable(value) else repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        msgspec.json.encode(value)
+        return True
+    except (TypeError, msgspec.EncodeError):
+        return False

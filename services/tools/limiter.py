@@ -1,0 +1,89 @@
+"""Bounded execution: a per-resource concurrency limit and a deadline that includes queue wait.
+
+Seed 001: "a handler can be fast once admitted while users spend most of their time waiting for a
+slot". Queue time is measured apart from run time, work whose deadline passed is rejected before
+it starts, and a cancelled caller frees its slot (or its place in the queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
+
+from services.tools.errors import DeadlineExceeded
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class Timed(Generic[T]):
+    __slots__ = ("value", "queue_s", "run_s")
+
+    def __init__(self, value: T, queue_s: float, run_s: float) -> None:
+        self.value = value
+        self.queue_s = queue_s
+        self.run_s = run_s
+
+
+class ResourceLimiter:
+    """At most `limit_for(resource)` calls run at once per resource; the rest queue, FIFO."""
+
+    def __init__(self, *, default_limit: int = 8, limits: dict[str, int] | None = None, clock: Clock | None = None) -> None:
+        self._default = default_limit
+        self._limits = dict(limits or {})
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._clock = clock or SystemClock()
+
+    def limit_for(self, resource: str) -> int:
+        return self._limits.get(resource, self._default)
+
+    def in_use(self, resource: str) -> int:
+        sem = self._semaphores.get(resource)
+        return 0 if sem is None else self.limit_for(resource) - sem._value  # noqa: SLF001
+
+    async def run(self, resource: str, deadline: float, work: Callable[[], Awaitable[T]]) -> Timed[T]:
+        """Run `work()` under the resource's limit, all of it before `deadline` (clock time).
+
+        Returns the value with queue and run seconds. Raises DeadlineExceeded when the deadline
+        passes in the queue (work never starts) or while running (work is cancelled).
+        """
+        sem = self._semaphores.get(resource)
+        if sem is None:
+            sem = self._semaphores[resource] = asyncio.Semaphore(self.limit_for(resource))
+        start = self._clock.monotonic()
+        if start >= deadline:
+            raise DeadlineExceeded("deadline passed before the call could start", advice=_ADVICE)
+        try:
+            async with asyncio.timeout(deadline - start):
+                await sem.acquire()
+        except TimeoutError:
+            waited = self._clock.monotonic() - start
+            raise DeadlineExceeded(
+                f"waited {waited * 1000:.0f} ms for a free slot and ran out of time", advice=_ADVICE
+            ) from None
+        admitted = self._clock.monotonic()
+        try:
+            remaining = deadline - admitted
+            if remaining <= 0:
+                raise DeadlineExceeded("deadline passed while queued", advice=_ADVICE)
+            try:
+                async with asyncio.timeout(remaining):
+                    value = await work()
+            except TimeoutError:
+                raise DeadlineExceeded("upstream timeout", advice=_ADVICE) from None
+            return Timed(value, admitted - start, self._clock.monotonic() - admitted)
+        finally:
+            sem.release()
+
+
+_ADVICE = "Tell the customer this is taking too long right now and offer to try again shortly."

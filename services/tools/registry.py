@@ -1,0 +1,208 @@
+"""Compile published tool definitions into handlers with known compilers; the running catalog.
+
+Seed 001: "A known compiler selects the appropriate handler type. It does not execute arbitrary
+Python". Each family has one compiler here; a `python` or `workflow` row may bind only to a name
+registered in code through `HandlerRegistry.register`. Built-ins win over tenant tools of the same
+name (seed 000: "Built-in name -> built-in handler"); the shadowed row is reported, not loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
+
+import msgspec
+
+from services.tools.context import TrustedContext
+from services.tools.model import (
+    BackendBindingTool,
+    ClientTool,
+    PythonTool,
+    ToolDefinition,
+    WebhookTool,
+    WorkflowTool,
+)
+from services.tools.validation import ArgumentValidator
+
+Handler = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
+
+
+class ToolBackend(Protocol):
+    """The HTTP side of webhook and binding tools (services.tools.webhook implements it)."""
+
+    async def call_webhook(
+        self, tool: WebhookTool, args: dict[str, Any], *, timeout_s: float, idempotency_key: str | None
+    ) -> Any: ...
+
+    async def call_binding(
+        self,
+        tool: BackendBindingTool,
+        args: dict[str, Any],
+        *,
+        ctx: TrustedContext,
+        timeout_s: float,
+        idempotency_key: str | None,
+    ) -> Any: ...
+
+
+class ClientAction(msgspec.Struct, frozen=True, kw_only=True):
+    """What a `client` tool produces: an event for the UI; nothing runs server-side."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+class CompileError(Exception):
+    def __init__(self, message: str, *, tool_name: str) -> None:
+        super().__init__(message)
+        self.tool_name = tool_name
+
+
+class HandlerRegistry:
+    """Handlers registered in code by name: the only things `python`/`workflow` rows may bind to."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def register(self, name: str) -> Callable[[Handler], Handler]:
+        def decorate(fn: Handler) -> Handler:
+            if name in self._handlers and self._handlers[name] is not fn:
+                raise ValueError(f"handler {name!r} is already registered")
+            self._handlers[name] = fn
+            return fn
+
+        return decorate
+
+    def get(self, name: str) -> Handler | None:
+        return self._handlers.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+class CompiledTool:
+    """A definition joined to the handler that actually runs it."""
+
+    __slots__ = ("definition", "handler", "origin", "runs", "validator", "version")
+
+    def __init__(
+        self, definition: ToolDefinition, handler: Handler, *, origin: str, runs: str, version: int
+    ) -> None:
+        self.definition = definition
+        self.handler = handler
+        self.origin = origin  # "builtin" | "tenant"
+        self.runs = runs  # what really executes, for operators ("GET https://.../{order_id}")
+        self.validator = ArgumentValidator(definition.parameters)
+        self.version = version
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+
+def compile_tool(
+    definition: ToolDefinition,
+    *,
+    registry: HandlerRegistry,
+    backend: ToolBackend | None,
+    origin: str = "tenant",
+    version: int = 1,
+) -> CompiledTool:
+    """Turn one definition into a CompiledTool. Raises CompileError when no handler fits."""
+    name = definition.name
+    if isinstance(definition, WebhookTool):
+        if backend is None:
+            raise CompileError("no webhook client is configured", tool_name=name)
+
+        async def call_webhook(args: dict[str, Any], ctx: TrustedContext, _d=definition) -> Any:
+            return await backend.call_webhook(
+                _d, args, timeout_s=_d.timeout_ms / 1000, idempotency_key=ctx.idempotency_key
+            )
+
+        return CompiledTool(
+            definition, call_webhook, origin=origin, version=version,
+            runs=f"webhook {definition.method} {definition.webhook_url}",
+        )
+    if isinstance(definition, BackendBindingTool):
+        if backend is None:
+            raise CompileError("no backend client is configured", tool_name=name)
+
+        async def call_binding(args: dict[str, Any], ctx: TrustedContext, _d=definition) -> Any:
+            return await backend.call_binding(
+                _d, args, ctx=ctx, timeout_s=_d.timeout_ms / 1000, idempotency_key=ctx.idempotency_key
+            )
+
+        return CompiledTool(
+            definition, call_binding, origin=origin, version=version,
+            runs=f"binding {definition.method} {definition.path}",
+        )
+    if isinstance(definition, (PythonTool, WorkflowTool)):
+        handler = registry.get(definition.handler)
+        if handler is None:
+            raise CompileError(
+                f"handler {definition.handler!r} is not registered in this engine", tool_name=name
+            )
+        kind = "python" if isinstance(definition, PythonTool) else "workflow"
+        return CompiledTool(
+            definition, handler, origin=origin, version=version, runs=f"{kind} {definition.handler}"
+        )
+    if isinstance(definition, ClientTool):
+
+        async def to_client(args: dict[str, Any], ctx: TrustedContext, _n=name) -> Any:
+            return ClientAction(name=_n, arguments=args)
+
+        return CompiledTool(definition, to_client, origin=origin, version=version, runs="client event")
+    raise CompileError(f"unknown tool family {type(definition).__name__}", tool_name=name)
+
+
+class Catalog:
+    """The tools one tenant's sessions can resolve: built-ins first, then published tenant tools."""
+
+    def __init__(self, tools: dict[str, CompiledTool], problems: dict[str, str], *, revision: int = 0) -> None:
+        self._tools = tools
+        self.problems = problems  # tool name -> why it is not loaded (contract report input)
+        self.revision = revision
+
+    def get(self, name: str) -> CompiledTool | None:
+        return self._tools.get(name)
+
+    def __iter__(self):
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+
+def build_catalog(
+    builtins: Iterable[ToolDefinition],
+    tenant_tools: Iterable[tuple[ToolDefinition, int]],
+    *,
+    registry: HandlerRegistry,
+    backend: ToolBackend | None,
+    revision: int = 0,
+) -> Catalog:
+    """Compile built-ins and (definition, version) tenant rows into one Catalog.
+
+    A tenant tool named like a built-in is not loaded: the built-in runs and the shadowing is
+    recorded in `problems` (the contract report's "handler override").
+    """
+    tools: dict[str, CompiledTool] = {}
+    problems: dict[str, str] = {}
+    for definition in builtins:
+        tools[definition.name] = compile_tool(
+            definition, registry=registry, backend=backend, origin="builtin"
+        )
+    for definition, version in tenant_tools:
+        if definition.name in tools and tools[definition.name].origin == "builtin":
+            problems[definition.name] = "handler override: the built-in tool of this name runs instead"
+            continue
+        try:
+            tools[definition.name] = compile_tool(
+                definition, registry=registry, backend=backend, version=version
+            )
+        except CompileError as exc:
+            problems[definition.name] = str(exc)
+    return Catalog(tools, problems, revision=revision)

@@ -1,0 +1,96 @@
+"""Seed 000's `buildToolSet`: which tools the model is offered for this message.
+
+The model never sees a tool it cannot use: disabled tools, tools outside the agent allowlist,
+tools whose breaker is open and one-shot tools already completed this session are left out; when
+an intent is detected only its tools are offered.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import msgspec
+
+from services.botconfig import BotConfig
+from services.llm.port import ToolSpec
+from services.tools.registry import Catalog, CompiledTool
+
+BREAKER_THRESHOLD = 3  # seed 000: the third failure removes the tool for the rest of the session
+
+_WORD_RE = re.compile(r"[\w']+")
+
+
+class SessionToolState(msgspec.Struct, frozen=True, kw_only=True):
+    """What gating needs to know about the session."""
+
+    variables: Mapping[str, str] = {}
+    breakers: Mapping[str, int] = {}  # tool name -> failures this session
+
+
+def breaker_open(breakers: Mapping[str, int], tool_name: str) -> bool:
+    return breakers.get(tool_name, 0) >= BREAKER_THRESHOLD
+
+
+def is_completed(tool: CompiledTool, variables: Mapping[str, str]) -> bool:
+    var = tool.definition.completes_variable
+    return var is not None and variables.get(var, "") not in ("", "false")
+
+
+def detect_intent(config: BotConfig, text: str) -> str | None:
+    """The configured intent whose phrases best match `text` (most phrase hits), or None."""
+    lowered = " ".join(_WORD_RE.findall(text.lower()))
+    best: tuple[int, str] | None = None
+    for name, intent in sorted(config.intents.items()):
+        hits = sum(1 for p in intent.phrases if p and " ".join(_WORD_RE.findall(p.lower())) in lowered)
+        if hits and (best is None or hits > best[0]):
+            best = (hits, name)
+    return best[1] if best else None
+
+
+def gate_reason(tool: CompiledTool, config: BotConfig, session: SessionToolState) -> str | None:
+    """Why `tool` may not run in this session right now, or None when it may.
+
+    The same rules gate the offer (build_tool_set) and the call (executor policy), so a model that
+    names a tool it was not offered is refused for the same reason.
+    """
+    d = tool.definition
+    if not d.enabled:
+        return "this tool is disabled"
+    if config.allowlist is not None and d.name not in config.allowlist:
+        return "this tool is not in the agent's allowlist"
+    if breaker_open(session.breakers, d.name):
+        return "this tool failed too often in this conversation and is switched off for it"
+    if d.mutability == "write" and not config.allow_writes:
+        return "this assistant may not change records"
+    if is_completed(tool, session.variables):
+        return "this was already done in this conversation"
+    return None
+
+
+def build_tool_set(
+    config: BotConfig, intent: str | None, session: SessionToolState, catalog: Catalog
+) -> list[CompiledTool]:
+    """The tools to offer for one message, in catalog order.
+
+    With a detected intent: the tools the intent names plus tools tagged with that intent.
+    With none detected (or no intents configured): every tool that passes gating.
+    """
+    wanted: set[str] | None = None
+    if intent is not None and intent in config.intents:
+        wanted = set(config.intents[intent].tools)
+    offered = []
+    for tool in catalog:
+        if wanted is not None and tool.name not in wanted and intent not in tool.definition.intents:
+            continue
+        if gate_reason(tool, config, session) is None:
+            offered.append(tool)
+    return offered
+
+
+def tool_specs(tools: list[CompiledTool]) -> list[ToolSpec]:
+    """LLM tool definitions built from the compiled rows."""
+    return [
+        ToolSpec(name=t.name, description=t.definition.description, input_schema=t.definition.parameters)
+        for t in tools
+    ]
