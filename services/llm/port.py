@@ -57,6 +57,8 @@ class LLMRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     tools: list[ToolSpec] = []
     max_tokens: int = 1024
+    #: "none": tools stay defined (history holds tool_use blocks) but the model must answer in text
+    tool_choice: Literal["auto", "none"] = "auto"
 
 
 class TextDelta(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="text"):
