@@ -1,0 +1,494 @@
+"""The session state machine: one chat session's state and its tool-call loop (seed 000).
+
+Pure of Ray, asyncpg, aiohttp and the anthropic SDK: a turn takes the session's state, the
+message and its ports (LLM, executor, catalog, config) and mutates the state, recording every
+change as part of the next flush delta. The Ray shells in `actors.host` run it one turn at a time.
+
+Loop: at most MAX_ROUNDS model calls. Tools are offered in every round but the last, which is
+forced to text (`tool_choice="none"`), so the contact always gets a reply and a sixth round never
+happens. The main model answers the contact's message; the cheaper model writes the mechanical
+rounds that follow a tool result.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+
+from services.botconfig import BotConfig
+from services.llm.port import (
+    ChatMessage,
+    ContentBlock,
+    LLMClient,
+    LLMError,
+    LLMRequest,
+    LLMResponse,
+    TextBlock,
+    TextDelta,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from services.tools.context import TrustedContext
+from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
+from services.tools.registry import Catalog
+from services.tools.toolset import (
+    SessionToolState,
+    breaker_open,
+    build_tool_set,
+    detect_intent,
+    tool_specs,
+)
+from services.wire import (
+    PendingApproval,
+    StreamEvent,
+    ToolCallSummary,
+    TurnReply,
+    UsageOut,
+)
+from storage.records import (
+    ActivatedSession,
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    ToolCallRecord,
+    TurnRecord,
+    UsageDelta,
+)
+
+MAX_ROUNDS = 5
+HISTORY_WINDOW = 40
+TURN_CACHE = 64
+HANDOFF_MARKER = "[[HANDOFF]]"
+HANDOFF_TOOL = "escalate_to_human"
+HANDED_OFF_REPLY = (
+    "You have been handed over to a member of our team; they will reply here as soon as they can."
+)
+LLM_DOWN_REPLY = (
+    "I'm sorry, I can't answer right now because of a technical problem. Please try again in a moment."
+)
+ROUND_CAP_REPLY = "I'm sorry, I couldn't finish that. Could you tell me a little more about what you need?"
+
+Emit = Callable[[StreamEvent], Awaitable[None]]
+
+
+async def _no_emit(_event: StreamEvent) -> None:
+    return None
+
+
+class SessionError(Exception):
+    """Misuse of a session (an approval that does not exist); `kind` says which."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PendingTurn(msgspec.Struct, kw_only=True):
+    """A turn held for approval: everything needed to resume it in any activation."""
+
+    approval_id: str
+    message_id: str
+    calls: list[ToolCall]
+    round: int
+    summary: list[str]
+    tools: list[str]
+    expires_at: str
+    usage: dict[str, list[int]] = {}
+    tool_calls: list[ToolCallSummary] = []
+    client_actions: list[dict[str, Any]] = []
+
+
+class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
+    """The ports and per-tenant data a turn runs with."""
+
+    llm: Any  # LLMClient
+    executor: Any  # Executor
+    catalog: Any  # Catalog
+    config: BotConfig
+    main_model: str
+    cheap_model: str
+    approval_ttl_s: float = 900.0
+    scope: dict[str, Any] = {}
+
+
+class SessionState:
+    """One activation of a session: cached state plus what changed since the last flush."""
+
+    def __init__(self, activated: ActivatedSession) -> None:
+        self.tenant_id = activated.tenant_id
+        self.session_id = activated.session_id
+        self.epoch = activated.epoch
+        self.variables: dict[str, str] = dict(activated.variables)
+        self.snapshot: SessionSnapshot = msgspec.structs.replace(activated.snapshot)
+        self.history: list[ChatMessage] = [_to_chat(m) for m in activated.history]
+        self.next_seq = (activated.history[-1].seq + 1) if activated.history else 0
+        self.turns: dict[str, dict[str, Any]] = {}
+        self._messages: list[MessageRecord] = []
+        self._variables: dict[str, str] = {}
+        self._calls: list[ToolCallRecord] = []
+        self._usage: dict[str, list[int]] = {}
+        self._turns: list[TurnRecord] = []
+        self._dirty = False
+
+    # -- flush deltas ----------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def take_delta(self) -> SessionDelta | None:
+        """Everything changed since the last take, or None; the state is clean afterwards."""
+        if not self._dirty:
+            return None
+        delta = SessionDelta(
+            tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
+            snapshot=msgspec.structs.replace(self.snapshot, message_count=self.snapshot.message_count),
+            messages=self._messages, variables=self._variables, tool_calls=self._calls,
+            usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o) for m, (i, o) in self._usage.items()],
+            turns=self._turns,
+        )
+        self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
+        self._dirty = False
+        return delta
+
+    def restore_delta(self, delta: SessionDelta) -> None:
+        """Put back a delta whose flush failed, before anything newer, so nothing is lost."""
+        self._messages = delta.messages + self._messages
+        self._variables = {**delta.variables, **self._variables}
+        self._calls = delta.tool_calls + self._calls
+        for u in delta.usage:
+            acc = self._usage.setdefault(u.model, [0, 0])
+            acc[0] += u.input_tokens
+            acc[1] += u.output_tokens
+        self._turns = delta.turns + self._turns
+        self._dirty = True
+
+    def _touch(self) -> None:
+        self._dirty = True
+
+    # -- mutations (each recorded for the flush) ----------------------------------------------
+
+    def append(self, message: ChatMessage, message_id: str | None) -> None:
+        self.history.append(message)
+        if len(self.history) > HISTORY_WINDOW * 2:
+            del self.history[: len(self.history) - HISTORY_WINDOW]
+        self._messages.append(MessageRecord(
+            seq=self.next_seq, role=message.role,
+            content=msgspec.to_builtins(message.content), message_id=message_id,
+        ))
+        self.next_seq += 1
+        self.snapshot.message_count += 1
+        self._touch()
+
+    def set_variable(self, key: str, value: str) -> None:
+        if self.variables.get(key) != value:
+            self.variables[key] = value
+            self._variables[key] = value
+            self._touch()
+
+    def record_call(self, record: ToolCallRecord) -> None:
+        self._calls.append(record)
+        self._touch()
+
+    def add_usage(self, model: str, input_tokens: int, output_tokens: int) -> None:
+        acc = self._usage.setdefault(model, [0, 0])
+        acc[0] += input_tokens
+        acc[1] += output_tokens
+        self._touch()
+
+    def remember_turn(self, message_id: str, reply: TurnReply) -> None:
+        response = msgspec.to_builtins(reply)
+        self.turns[message_id] = response
+        if len(self.turns) > TURN_CACHE:
+            self.turns.pop(next(iter(self.turns)))
+        self._turns.append(TurnRecord(message_id=message_id, response=response))
+        self._touch()
+
+    def tool_state(self) -> SessionToolState:
+        return SessionToolState(variables=self.variables, breakers=self.snapshot.breakers)
+
+    def open_breakers(self) -> list[str]:
+        return sorted(n for n in self.snapshot.breakers if breaker_open(self.snapshot.breakers, n))
+
+
+class _Turn:
+    """Accumulates what one turn reports back."""
+
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+        self.usage: dict[str, list[int]] = {}
+        self.tool_calls: list[ToolCallSummary] = []
+        self.client_actions: list[dict[str, Any]] = []
+        self.rounds = 0
+        self.text_parts: list[str] = []
+
+    def reply(self, state: SessionState, text: str, pending: PendingApproval | None = None) -> TurnReply:
+        return TurnReply(
+            session_id=state.session_id, message_id=self.message_id, reply=text,
+            tool_calls=list(self.tool_calls), rounds=self.rounds,
+            usage=UsageOut(
+                input_tokens=sum(u[0] for u in self.usage.values()),
+                output_tokens=sum(u[1] for u in self.usage.values()),
+            ),
+            handoff=state.snapshot.handoff, pending_approval=pending,
+            client_actions=list(self.client_actions),
+        )
+
+
+async def handle_message(
+    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit = _no_emit
+) -> TurnReply:
+    """Run one contact message through the tool loop; returns the reply the contact gets.
+
+    A message_id seen before returns the first answer and runs nothing again.
+    """
+    message_id = message_id or f"m_{secrets.token_hex(8)}"
+    if message_id in state.turns:
+        return msgspec.convert(state.turns[message_id], TurnReply)
+    turn = _Turn(message_id)
+    content: list[ContentBlock] = []
+    if state.snapshot.pending is not None:
+        # The contact moved on without deciding: the held calls end as declined, in-band, so
+        # every tool_use keeps exactly one tool_result.
+        pending = msgspec.convert(state.snapshot.pending, PendingTurn)
+        state.snapshot.pending = None
+        content += _declined_results(pending, "the customer sent a new message instead of approving")
+    content.append(TextBlock(text=text))
+    state.append(ChatMessage(role="user", content=content), message_id)
+    if state.snapshot.handoff:
+        turn_reply = turn.reply(state, HANDED_OFF_REPLY)
+        state.append(ChatMessage(role="assistant", content=[TextBlock(text=HANDED_OFF_REPLY)]), message_id)
+        return await _finish(state, turn_reply, emit)
+    intent = detect_intent(env.config, text)
+    return await _loop(state, turn, env, emit, first_round=1, intent=intent)
+
+
+async def handle_approval(
+    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit = _no_emit,
+    *, edited_arguments: dict[str, dict[str, Any]] | None = None, now: datetime | None = None,
+) -> TurnReply:
+    """Resume a turn held for approval: run the batch (approve) or tell the model it was declined.
+
+    Raises SessionError(kind="not_found") when no such approval is pending.
+    """
+    raw = state.snapshot.pending
+    pending = msgspec.convert(raw, PendingTurn) if raw is not None else None
+    if pending is None or not secrets.compare_digest(pending.approval_id, approval_id):
+        raise SessionError(f"no pending approval {approval_id!r} in this session", kind="not_found")
+    if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
+        return msgspec.convert(state.turns[pending.message_id], TurnReply)
+    state.snapshot.pending = None
+    state._touch()  # noqa: SLF001 - the pending field is part of the snapshot
+    turn = _Turn(pending.message_id)
+    turn.usage = {k: list(v) for k, v in pending.usage.items()}
+    turn.tool_calls = list(pending.tool_calls)
+    turn.client_actions = list(pending.client_actions)
+    turn.rounds = pending.round
+    now = now or datetime.now(UTC)
+    expired = datetime.fromisoformat(pending.expires_at) <= now
+    calls = pending.calls
+    if edited_arguments:
+        calls = [
+            msgspec.structs.replace(c, arguments=edited_arguments[c.id]) if c.id in edited_arguments else c
+            for c in calls
+        ]
+    plan = _prepare(state, env, calls, message_id=pending.message_id)
+    ctx = _context(state, env, pending.message_id)
+    if approve and not expired:
+        outcomes = await env.executor.execute(plan, ctx, approved=True)
+    else:
+        reason = "the approval expired before anyone decided" if expired else "the customer declined"
+        outcomes = env.executor.deny(plan, ctx, reason=reason)
+    await _absorb(state, turn, outcomes, emit, pending.message_id)
+    return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
+
+
+async def _loop(
+    state: SessionState, turn: _Turn, env: TurnEnv, emit: Emit, *, first_round: int, intent: str | None
+) -> TurnReply:
+    final_text = ""
+    for round_no in range(first_round, MAX_ROUNDS + 1):
+        last = round_no == MAX_ROUNDS
+        offered = build_tool_set(env.config, intent, state.tool_state(), env.catalog)
+        request = LLMRequest(
+            model=env.main_model if round_no == 1 else env.cheap_model,
+            system=env.config.persona,
+            messages=_window(state.history),
+            tools=tool_specs(offered) if offered or _has_tool_blocks(state.history) else [],
+            tool_choice="none" if last else "auto",
+        )
+        try:
+            response = await _stream(env.llm, request, emit)
+        except LLMError:
+            final_text = LLM_DOWN_REPLY
+            turn.rounds = round_no
+            break
+        turn.rounds = round_no
+        _count(turn, state, response)
+        calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
+        text = "".join(b.text for b in response.content if isinstance(b, TextBlock))
+        if not calls or last:
+            final_text = text.strip() or (ROUND_CAP_REPLY if calls else "")
+            # Only the text is kept: tool calls the last round was told not to make never run.
+            state.append(ChatMessage(role="assistant", content=[TextBlock(text=final_text or "…")]), turn.message_id)
+            break
+        state.append(ChatMessage(role="assistant", content=response.content), turn.message_id)
+        tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
+        for call in tool_calls:
+            await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
+        plan = _prepare(state, env, tool_calls, message_id=turn.message_id)
+        if plan.needs_approval:
+            return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
+        outcomes = await env.executor.execute(plan, _context(state, env, turn.message_id))
+        await _absorb(state, turn, outcomes, emit, turn.message_id)
+    if HANDOFF_MARKER in final_text:
+        final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
+        _mark_handoff(state, "the assistant asked for a human")
+    return await _finish(state, turn.reply(state, final_text), emit)
+
+
+async def _stream(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
+    response: LLMResponse | None = None
+    async for event in llm.stream(request):
+        if isinstance(event, TextDelta):
+            if event.text:
+                await emit(StreamEvent(event="text", data={"text": event.text}))
+        else:
+            response = event
+    if response is None:
+        raise LLMError("the model stream ended without a final message")
+    return response
+
+
+def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:
+    acc = turn.usage.setdefault(response.model, [0, 0])
+    acc[0] += response.usage.input_tokens
+    acc[1] += response.usage.output_tokens
+    state.add_usage(response.model, response.usage.input_tokens, response.usage.output_tokens)
+
+
+def _prepare(state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str) -> BatchPlan:
+    executor: Executor = env.executor
+    return executor.prepare(
+        calls, catalog=env.catalog, config=env.config, session=state.tool_state(), scope=_scope(state, env)
+    )
+
+
+def _scope(state: SessionState, env: TurnEnv) -> dict[str, Any]:
+    scope = {"tenant_id": state.tenant_id, "tenantId": state.tenant_id,
+             "account_id": state.tenant_id, "accountId": state.tenant_id}
+    scope.update(env.scope)
+    return scope
+
+
+def _context(state: SessionState, env: TurnEnv, message_id: str) -> TrustedContext:
+    return TrustedContext(
+        tenant_id=state.tenant_id, session_id=state.session_id, message_id=message_id,
+        contact_id=state.variables.get(env.config.contact_id_variable) or state.session_id,
+        scope=_scope(state, env), variables=dict(state.variables), idempotency_key=message_id,
+        language=env.config.language,
+    )
+
+
+async def _absorb(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], emit: Emit, message_id: str) -> None:
+    """Fold a batch's outcomes into the session: results for the model, breakers, variables."""
+    blocks: list[ContentBlock] = []
+    for o in outcomes:
+        blocks.append(ToolResultBlock(tool_use_id=o.call_id, content=o.content, is_error=not o.success))
+        state.record_call(o.record)
+        summary = ToolCallSummary(id=o.call_id, name=o.name, success=o.success, latency_ms=o.latency_ms, error=o.error)
+        turn.tool_calls.append(summary)
+        if o.success:
+            if o.completes_variable:
+                state.set_variable(o.completes_variable, "true")
+                if o.name not in state.snapshot.completed:
+                    state.snapshot.completed.append(o.name)
+            if o.name == HANDOFF_TOOL:
+                reason = o.record.parameters.get("reason") if o.record.parameters else None
+                _mark_handoff(state, str(reason or "the contact asked for a human"))
+        elif o.counts_for_breaker:
+            state.snapshot.breakers[o.name] = state.snapshot.breakers.get(o.name, 0) + 1
+        await emit(StreamEvent(event="tool_result", data=msgspec.to_builtins(summary)))
+        if o.client_action is not None:
+            action = {"call_id": o.call_id, **msgspec.to_builtins(o.client_action)}
+            turn.client_actions.append(action)
+            await emit(StreamEvent(event="client_action", data=action))
+    state.append(ChatMessage(role="user", content=blocks), message_id)
+
+
+async def _hold(
+    state: SessionState, turn: _Turn, env: TurnEnv, emit: Emit, calls: list[ToolCall], plan: BatchPlan, round_no: int
+) -> TurnReply:
+    expires = datetime.now(UTC) + timedelta(seconds=env.approval_ttl_s)
+    tools = [p.tool.name for p in plan.calls if p.needs_approval and p.tool is not None]
+    pending = PendingTurn(
+        approval_id=f"apr_{secrets.token_urlsafe(16)}", message_id=turn.message_id, calls=calls,
+        round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
+        usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
+    )
+    state.snapshot.pending = msgspec.to_builtins(pending)
+    state._touch()  # noqa: SLF001
+    approval = PendingApproval(
+        approval_id=pending.approval_id, summary=pending.summary, tools=tools, expires_at=pending.expires_at
+    )
+    await emit(StreamEvent(event="approval_required", data=msgspec.to_builtins(approval)))
+    text = "Before I go ahead, please confirm:\n" + "\n".join(f"- {line}" for line in pending.summary)
+    reply = turn.reply(state, text, pending=approval)
+    # Remembered so a retried message_id returns the same approval request, not a second run.
+    state.remember_turn(turn.message_id, reply)
+    return reply
+
+
+def _declined_results(pending: PendingTurn, reason: str) -> list[ContentBlock]:
+    return [
+        ToolResultBlock(
+            tool_use_id=c.id, is_error=True,
+            content=f"Tool '{c.name}' failed: not run, {reason}. Do not assume it happened.",
+        )
+        for c in pending.calls
+    ]
+
+
+def _mark_handoff(state: SessionState, reason: str) -> None:
+    state.snapshot.handoff = True
+    state.snapshot.handoff_reason = reason[:500]
+    state._touch()  # noqa: SLF001
+
+
+async def _finish(state: SessionState, reply: TurnReply, emit: Emit) -> TurnReply:
+    # No `done` event here: the host sends it once the reply's state is durable (output gate).
+    state.remember_turn(reply.message_id, reply)
+    return reply
+
+
+def _window(history: list[ChatMessage]) -> list[ChatMessage]:
+    """The recent history, starting at a user text message so tool blocks stay paired."""
+    window = history[-HISTORY_WINDOW:]
+    start = 0
+    while start < len(window) and not (
+        window[start].role == "user" and not any(isinstance(b, ToolResultBlock) for b in window[start].content)
+    ):
+        start += 1
+    return window[start:] or history[-1:]
+
+
+def _has_tool_blocks(history: list[ChatMessage]) -> bool:
+    return any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in history[-HISTORY_WINDOW:] for b in m.content)
+
+
+def _to_chat(record: MessageRecord) -> ChatMessage:
+    return ChatMessage(role=record.role, content=msgspec.convert(record.content, list[ContentBlock]))
+
+
+def new_state(tenant_id: str, session_id: str, epoch: int = 1) -> SessionState:
+    """A fresh session with no history (tests and first activations)."""
+    return SessionState(ActivatedSession(
+        tenant_id=tenant_id, session_id=session_id, epoch=epoch,
+        snapshot=SessionSnapshot(), variables={}, history=[],
+    ))
+
+

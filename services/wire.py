@@ -1,0 +1,70 @@
+"""Public wire shapes of the chat API (CONTRACT.md § HTTP API): request bodies, replies, events.
+
+Bodies are decoded once at the gateway with `forbid_unknown_fields`; replies are built by the
+session core and encoded once. The same structs feed /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class SendMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    text: str
+    message_id: str | None = None
+
+
+class DecideApproval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    approve: bool
+    #: the approver may edit arguments (call id -> arguments); re-validated before anything runs
+    arguments: dict[str, dict[str, Any]] | None = None
+
+
+class ToolCallSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    id: str
+    name: str
+    success: bool
+    latency_ms: int
+    error: str | None = None
+
+
+class UsageOut(msgspec.Struct, frozen=True, kw_only=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class PendingApproval(msgspec.Struct, frozen=True, kw_only=True):
+    approval_id: str
+    summary: list[str]
+    tools: list[str]
+    expires_at: str | None = None
+
+
+class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    session_id: str
+    message_id: str
+    reply: str
+    tool_calls: list[ToolCallSummary]
+    rounds: int
+    usage: UsageOut
+    handoff: bool = False
+    pending_approval: PendingApproval | None = None
+    client_actions: list[dict[str, Any]] = []
+
+
+class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    variables: dict[str, str]
+    open_breakers: list[str]
+    handoff: bool
+    messages: int
+
+
+class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One SSE event of a streamed turn: text, tool_call, tool_result, approval_required,
+    client_action, done."""
+
+    event: str
+    data: Any

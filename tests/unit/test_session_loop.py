@@ -1,0 +1,284 @@
+"""The tool loop of seed 000 driven by a scripted model: rounds, breakers, dedup, handoff, usage."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.session import (
+    MAX_ROUNDS,
+    ROUND_CAP_REPLY,
+    SessionError,
+    TurnEnv,
+    handle_approval,
+    handle_message,
+    new_state,
+)
+from services.botconfig import BotConfig
+from services.llm.port import (
+    LLMRequest,
+    LLMResponse,
+    TextBlock,
+    TextDelta,
+    ToolResultBlock,
+    ToolUseBlock,
+    Usage,
+)
+from services.tools.executor import Executor
+from services.tools.model import PythonTool
+from services.tools.registry import HandlerRegistry, build_catalog
+from services.wire import StreamEvent
+
+SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
+
+
+class ScriptedLLM:
+    """Answers each request with the next scripted step: a text or a list of (name, args) calls."""
+
+    def __init__(self, steps: list[Any]) -> None:
+        self.steps = list(steps)
+        self.requests: list[LLMRequest] = []
+
+    async def stream(self, request: LLMRequest):
+        self.requests.append(request)
+        step = self.steps.pop(0) if self.steps else "fallback text"
+        if isinstance(step, str):
+            yield TextDelta(text=step)
+            content = [TextBlock(text=step)]
+        else:
+            n = len(self.requests)
+            content = [ToolUseBlock(id=f"call_{n}_{i}", name=name, input=args) for i, (name, args) in enumerate(step)]
+        yield LLMResponse(
+            content=content, stop_reason="tool_use" if not isinstance(step, str) else "end_turn",
+            usage=Usage(input_tokens=10, output_tokens=3), model=request.model,
+        )
+
+
+def make_env(llm, registry: HandlerRegistry, tools: list, config: BotConfig | None = None) -> TurnEnv:
+    catalog = build_catalog([], [(t, 1) for t in tools], registry=registry, backend=None)
+    return TurnEnv(llm=llm, executor=Executor(), catalog=catalog, config=config or BotConfig(),
+                   main_model="main", cheap_model="cheap")
+
+
+@pytest.fixture
+def registry() -> HandlerRegistry:
+    reg = HandlerRegistry()
+    calls: list[str] = []
+
+    @reg.register("lookup")
+    async def lookup(args, ctx):
+        calls.append("lookup")
+        return {"found": args.get("q", "")}
+
+    @reg.register("broken")
+    async def broken(args, ctx):
+        from services.tools.errors import UpstreamStatus
+        raise UpstreamStatus("upstream error (500)", status=500)
+
+    @reg.register("lead")
+    async def lead(args, ctx):
+        return {"lead": "saved"}
+
+    @reg.register("handoff")
+    async def handoff(args, ctx):
+        return {"handed_off": True}
+
+    reg.calls = calls  # type: ignore[attr-defined]
+    return reg
+
+
+LOOKUP = PythonTool(name="lookup", description="look things up", parameters=SCHEMA, handler="lookup")
+BROKEN = PythonTool(name="check_order", description="orders", parameters=SCHEMA, handler="broken")
+LEAD = PythonTool(name="collect_lead", description="lead", parameters=SCHEMA, handler="lead",
+                  mutability="write", requires_approval=False, completes_variable="lead_collected")
+HANDOFF = PythonTool(name="escalate_to_human", description="human", handler="handoff",
+                     parameters={"type": "object", "properties": {"reason": {"type": "string"}}})
+
+
+async def test_zero_tool_rounds_is_one_model_call(registry):
+    llm = ScriptedLLM(["hello there"])
+    state = new_state("t1", "s1")
+    reply = await handle_message(state, "hi", "m1", make_env(llm, registry, [LOOKUP]))
+    assert reply.reply == "hello there"
+    assert reply.rounds == 1 and reply.tool_calls == []
+    assert llm.requests[0].model == "main"
+    assert [t.name for t in llm.requests[0].tools] == ["lookup"]
+
+
+async def test_one_tool_round_injects_result_and_routes_to_cheap_model(registry):
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "done"])
+    state = new_state("t1", "s1")
+    reply = await handle_message(state, "find x", "m1", make_env(llm, registry, [LOOKUP]))
+    assert reply.rounds == 2 and reply.reply == "done"
+    assert [c.name for c in reply.tool_calls] == ["lookup"] and reply.tool_calls[0].success
+    second = llm.requests[1]
+    assert second.model == "cheap"
+    result = second.messages[-1].content[0]
+    assert isinstance(result, ToolResultBlock) and '"found":"x"' in result.content
+
+
+async def test_five_rounds_is_the_cap_and_the_last_round_must_answer_in_text(registry):
+    llm = ScriptedLLM([[("lookup", {"q": str(i)})] for i in range(4)] + ["final answer"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", make_env(llm, registry, [LOOKUP]))
+    assert reply.rounds == MAX_ROUNDS == 5
+    assert reply.reply == "final answer"
+    assert len(reply.tool_calls) == 4
+    assert llm.requests[-1].tool_choice == "none"
+    assert all(r.tool_choice == "auto" for r in llm.requests[:-1])
+
+
+async def test_a_model_that_wants_a_sixth_round_never_gets_it_and_the_contact_gets_a_reply(registry):
+    llm = ScriptedLLM([[("lookup", {"q": str(i)})] for i in range(10)])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", make_env(llm, registry, [LOOKUP]))
+    assert len(llm.requests) == 5
+    assert reply.rounds == 5
+    assert len(registry.calls) == 4  # the fifth round's calls never run
+    assert reply.reply == ROUND_CAP_REPLY
+
+
+async def test_parallel_calls_in_one_round_all_get_results(registry):
+    llm = ScriptedLLM([[("lookup", {"q": "a"}), ("lookup", {"q": "b"})], "ok"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", make_env(llm, registry, [LOOKUP]))
+    results = llm.requests[1].messages[-1].content
+    assert [r.tool_use_id for r in results] == ["call_1_0", "call_1_1"]
+    assert len(reply.tool_calls) == 2
+
+
+async def test_breaker_trips_on_third_failure_and_the_fourth_message_does_not_offer_the_tool(registry):
+    state = new_state("t", "s")
+    for i in range(3):
+        llm = ScriptedLLM([[("check_order", {"q": "1"})], "sorry"])
+        reply = await handle_message(state, f"order? {i}", f"m{i}", make_env(llm, registry, [BROKEN, LOOKUP]))
+        assert reply.tool_calls[0].error.startswith("Tool 'check_order' failed: upstream error (500).")
+    assert state.open_breakers() == ["check_order"]
+    llm = ScriptedLLM(["no tool"])
+    await handle_message(state, "order?", "m4", make_env(llm, registry, [BROKEN, LOOKUP]))
+    assert [t.name for t in llm.requests[0].tools] == ["lookup"]
+
+
+async def test_second_message_after_two_failures_still_offers_the_tool(registry):
+    state = new_state("t", "s")
+    for i in range(2):
+        llm = ScriptedLLM([[("check_order", {"q": "1"})], "sorry"])
+        await handle_message(state, "order?", f"m{i}", make_env(llm, registry, [BROKEN]))
+    llm = ScriptedLLM(["hi"])
+    await handle_message(state, "order?", "m3", make_env(llm, registry, [BROKEN]))
+    assert [t.name for t in llm.requests[0].tools] == ["check_order"]
+
+
+async def test_collect_lead_is_not_offered_again_once_it_succeeded(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("collect_lead", {"q": "ada"})], "thanks"])
+    await handle_message(state, "I'm Ada", "m1", make_env(llm, registry, [LEAD, LOOKUP]))
+    assert state.variables["lead_collected"] == "true"
+    llm = ScriptedLLM(["hello again"])
+    await handle_message(state, "hi", "m2", make_env(llm, registry, [LEAD, LOOKUP]))
+    assert [t.name for t in llm.requests[0].tools] == ["lookup"]
+
+
+async def test_handoff_marker_in_model_text_marks_session_and_bot_stops_answering(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM(["Let me get someone. [[HANDOFF]]"])
+    reply = await handle_message(state, "human please", "m1", make_env(llm, registry, []))
+    assert reply.handoff and "[[HANDOFF]]" not in reply.reply
+    llm2 = ScriptedLLM(["should not be called"])
+    reply2 = await handle_message(state, "hello?", "m2", make_env(llm2, registry, []))
+    assert llm2.requests == [] and reply2.handoff and "member of our team" in reply2.reply
+
+
+async def test_escalate_to_human_tool_marks_handoff(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("escalate_to_human", {"reason": "angry"})], "connecting you"])
+    reply = await handle_message(state, "human", "m1", make_env(llm, registry, [HANDOFF]))
+    assert reply.handoff and state.snapshot.handoff_reason == "angry"
+
+
+async def test_usage_sums_every_round_per_turn_and_per_model_in_the_delta(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "done"])
+    reply = await handle_message(state, "x", "m1", make_env(llm, registry, [LOOKUP]))
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (20, 6)
+    delta = state.take_delta()
+    assert {u.model: (u.input_tokens, u.output_tokens) for u in delta.usage} == {"main": (10, 3), "cheap": (10, 3)}
+    assert [m.role for m in delta.messages] == ["user", "assistant", "user", "assistant"]
+    assert len(delta.tool_calls) == 1 and delta.tool_calls[0].tool_name == "lookup"
+    assert state.take_delta() is None
+
+
+async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "done", "other"])
+    env = make_env(llm, registry, [LOOKUP])
+    first = await handle_message(state, "x", "m1", env)
+    again = await handle_message(state, "x", "m1", env)
+    assert again == first and len(registry.calls) == 1 and len(llm.requests) == 2
+
+
+async def test_stream_emits_tool_call_before_final_text_and_done_last(registry):
+    events: list[StreamEvent] = []
+
+    async def emit(e):
+        events.append(e)
+
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "final"])
+    await handle_message(new_state("t", "s"), "x", "m1", make_env(llm, registry, [LOOKUP]), emit)
+    kinds = [e.event for e in events]
+    assert kinds == ["tool_call", "tool_result", "text"]  # `done` is the host's, after the gate
+
+
+WRITE = PythonTool(name="book", description="book a slot", parameters=SCHEMA, handler="lookup", mutability="write")
+
+
+async def test_write_tool_holds_the_turn_until_approved_then_resumes(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("book", {"q": "10:00"})], "booked"])
+    env = make_env(llm, registry, [WRITE])
+    held = await handle_message(state, "book 10", "m1", env)
+    assert held.pending_approval is not None and registry.calls == []
+    assert "book(q=10:00)" in held.pending_approval.summary[0]
+    # the pending approval survives a flush/activation round trip through the snapshot
+    snapshot = msgspec.json.decode(msgspec.json.encode(state.snapshot), type=type(state.snapshot))
+    assert snapshot.pending["approval_id"] == held.pending_approval.approval_id
+    done = await handle_approval(state, held.pending_approval.approval_id, True, env)
+    assert registry.calls == ["lookup"] and done.reply == "booked" and done.pending_approval is None
+    with pytest.raises(SessionError, match="no pending approval"):
+        await handle_approval(state, held.pending_approval.approval_id, True, env)
+
+
+async def test_denied_approval_goes_back_to_the_model_in_band(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("book", {"q": "10:00"})], "ok, not booked"])
+    env = make_env(llm, registry, [WRITE])
+    held = await handle_message(state, "book 10", "m1", env)
+    done = await handle_approval(state, held.pending_approval.approval_id, False, env)
+    assert registry.calls == []
+    result = llm.requests[-1].messages[-1].content[0]
+    assert result.is_error and "declined" in result.content
+    assert done.reply == "ok, not booked"
+
+
+async def test_llm_failure_still_gives_the_contact_a_reply(registry):
+    from services.llm.port import LLMError
+
+    class DownLLM:
+        async def stream(self, request):
+            raise LLMError("connection refused")
+            yield  # pragma: no cover
+
+    reply = await handle_message(new_state("t", "s"), "hi", "m1", make_env(DownLLM(), registry, []))
+    assert "technical problem" in reply.reply
+
+
+def test_restore_delta_puts_back_everything_a_failed_flush_held(registry):
+    state = new_state("t", "s")
+    llm = ScriptedLLM(["a", "b"])
+    asyncio.run(handle_message(state, "x", "m1", make_env(llm, registry, [])))
+    first = state.take_delta()
+    asyncio.run(handle_message(state, "y", "m2", make_env(llm, registry, [])))
+    state.restore_delta(first)
+    merged = state.take_delta()
+    assert [m.seq for m in merged.messages] == [0, 1, 2, 3]
+    assert [t.message_id for t in merged.turns] == ["m1", "m2"]
