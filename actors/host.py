@@ -1,0 +1,389 @@
+"""The session host: many sessions in one process, one turn at a time each, flushed by group commit.
+
+Plain asyncio with ports (SessionStore, TenantSource); the Ray actor in `actors.ray_host` and the
+in-process mode both wrap this class, so both placements run the same session code.
+
+Durable Object semantics, enforced here:
+- one activation per session per host (concurrent first touches share one activation), and one
+  across hosts through the store's lease epoch: a refused flush evicts the stale copy;
+- turns of a session run one after another under its lock; a bounded mailbox beyond that;
+- the flusher writes the dirty state of all sessions in one transaction every few milliseconds;
+  with the output gate on, a reply is released only once the flush holding it committed;
+- Postgres away: deltas go back into their sessions, the flusher retries with backoff and replies
+  wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+
+from actors import session as core
+from actors.session import SessionState, TurnEnv
+from services.errors import ChatEngineError, Overloaded
+from services.wire import SessionView, StreamEvent, TurnReply
+from storage.records import ActivatedSession, FlushResult, SessionDelta
+
+log = structlog.get_logger(__name__)
+
+Key = tuple[str, str]
+
+
+class SessionStore(Protocol):
+    async def activate(self, tenant_id: str, session_id: str, owner: str) -> ActivatedSession: ...
+    async def flush(self, deltas: list[SessionDelta]) -> FlushResult: ...
+    async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None: ...
+
+
+class TenantSource(Protocol):
+    async def env_for(self, tenant_id: str) -> TurnEnv:
+        """The catalog, config and ports for a tenant's turns (cached; reloaded on change)."""
+        ...
+
+
+class LeaseLost(ChatEngineError):
+    """Another activation of this session took over; this copy's writes were refused."""
+
+
+class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
+    idle_seconds: float = 300.0
+    output_gate: bool = True
+    flush_interval_s: float = 0.005
+    gate_timeout_s: float = 30.0
+    mailbox: int = 16  # turns queued per session beyond the running one
+    max_backoff_s: float = 2.0
+
+
+class _Entry:
+    __slots__ = ("state", "lock", "last_used", "queued")
+
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+        self.lock = asyncio.Lock()
+        self.last_used = time.monotonic()
+        self.queued = 0
+
+
+class SessionHost:
+    def __init__(
+        self, *, name: str, store: SessionStore, tenants: TenantSource, settings: HostSettings | None = None,
+        on_flush: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.owner = f"{name}:{os.getpid()}"
+        self._store = store
+        self._tenants = tenants
+        self._settings = settings or HostSettings()
+        self._sessions: dict[Key, _Entry] = {}
+        self._activating: dict[Key, asyncio.Future[_Entry]] = {}
+        self._dirty: set[Key] = set()
+        self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
+        self._wake = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self._on_flush = on_flush
+        self.flushes = 0
+        self.flushed_sessions = 0
+        self.last_flush_ms = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name=f"{self.name}-flusher"),
+            asyncio.create_task(self._sweeper(), name=f"{self.name}-sweeper"),
+        ]
+
+    async def stop(self) -> None:
+        """Wait for running turns, flush everything, stop background work."""
+        self._closing = True
+        for entry in list(self._sessions.values()):
+            async with entry.lock:
+                pass
+        await self.flush_all()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
+            "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
+            "dirty": len(self._dirty),
+        }
+
+    # -- turns ------------------------------------------------------------------------------
+
+    async def send(
+        self, tenant_id: str, session_id: str, text: str, message_id: str | None,
+        emit: core.Emit = core._no_emit,  # noqa: SLF001
+    ) -> TurnReply:
+        """Run one message; returns once its state is durable (output gate on)."""
+
+        async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            if message_id and message_id not in entry.state.turns:
+                stored = await self._store.get_turn(tenant_id, session_id, message_id)
+                if stored is not None:
+                    entry.state.turns[message_id] = stored
+            return await core.handle_message(entry.state, text, message_id, env, emit)
+
+        return await self._turn(tenant_id, session_id, run)
+
+    async def decide(
+        self, tenant_id: str, session_id: str, approval_id: str, approve: bool,
+        edited: dict[str, dict[str, Any]] | None = None, emit: core.Emit = core._no_emit,  # noqa: SLF001
+    ) -> TurnReply:
+        async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            return await core.handle_approval(entry.state, approval_id, approve, env, emit, edited_arguments=edited)
+
+        return await self._turn(tenant_id, session_id, run)
+
+    async def stream(
+        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
+        approval: tuple[str, bool, dict | None] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """The same turn as events: text deltas, tool calls and results, then `done`.
+
+        The turn runs to completion and is stored even when the consumer goes away.
+        """
+        queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+
+        async def emit(event: StreamEvent) -> None:
+            queue.put_nowait(event)
+
+        async def run() -> None:
+            try:
+                if approval is not None:
+                    reply = await self.decide(tenant_id, session_id, approval[0], approval[1], approval[2], emit)
+                else:
+                    reply = await self.send(tenant_id, session_id, text or "", message_id, emit)
+                queue.put_nowait(StreamEvent(event="done", data=msgspec.to_builtins(reply)))
+            except ChatEngineError as exc:
+                queue.put_nowait(StreamEvent(event="error", data=_error_data(exc)))
+            except Exception as exc:  # noqa: BLE001 - reported on the stream, logged in full
+                log.exception("turn_failed", session_id=session_id)
+                queue.put_nowait(StreamEvent(event="error", data={"title": "turn failed", "detail": type(exc).__name__}))
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        while (event := await queue.get()) is not None:
+            yield event
+
+    async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
+        entry = self._sessions.get((tenant_id, session_id))
+        if entry is None:
+            return None
+        s = entry.state
+        return SessionView(
+            session_id=session_id, variables=dict(s.variables), open_breakers=s.open_breakers(),
+            handoff=s.snapshot.handoff, messages=s.snapshot.message_count,
+        )
+
+    async def _turn(
+        self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
+    ) -> TurnReply:
+        if self._closing:
+            raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0)
+        key = (tenant_id, session_id)
+        entry = await self._entry(key)
+        if entry.queued >= self._settings.mailbox:
+            raise Overloaded(
+                f"too many messages waiting for session {session_id!r}; wait for the replies, then retry",
+                retry_after=1.0,
+            )
+        env = await self._tenants.env_for(tenant_id)
+        entry.queued += 1
+        try:
+            await entry.lock.acquire()
+        finally:
+            entry.queued -= 1
+        try:
+            evicted = self._sessions.get(key) is not entry
+            if not evicted:
+                structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
+                reply = await run(entry, env)
+                entry.last_used = time.monotonic()
+                durable = self._mark_dirty(key) if entry.state.dirty else None
+        finally:
+            entry.lock.release()
+        if evicted:  # passivated or taken over while we waited: activate again
+            return await self._turn(tenant_id, session_id, run)
+        if durable is not None and self._settings.output_gate:
+            try:
+                await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
+            except TimeoutError:
+                raise Overloaded(
+                    "the reply is ready but could not be saved yet (database unavailable); "
+                    "retry with the same message_id to get it",
+                    retry_after=2.0,
+                ) from None
+        return reply
+
+    # -- activation and passivation ---------------------------------------------------------
+
+    async def _entry(self, key: Key) -> _Entry:
+        entry = self._sessions.get(key)
+        if entry is not None:
+            return entry
+        pending = self._activating.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
+        self._activating[key] = future
+        try:
+            activated = await self._store.activate(key[0], key[1], self.owner)
+            entry = _Entry(SessionState(activated))
+            self._sessions[key] = entry
+            future.set_result(entry)
+            log.debug("session_activated", session_id=key[1], epoch=activated.epoch)
+            return entry
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._activating[key]
+
+    async def passivate(self, tenant_id: str, session_id: str) -> bool:
+        """Flush a session and drop it from memory; False when it is busy."""
+        key = (tenant_id, session_id)
+        entry = self._sessions.get(key)
+        if entry is None:
+            return True
+        if entry.lock.locked() or entry.queued:
+            return False
+        async with entry.lock:
+            if entry.state.dirty:
+                await self._mark_dirty(key)
+            if self._sessions.get(key) is entry:
+                del self._sessions[key]
+        return True
+
+    async def passivate_all(self) -> int:
+        n = 0
+        for key in list(self._sessions):
+            n += await self.passivate(*key)
+        return n
+
+    async def _sweeper(self) -> None:
+        idle = self._settings.idle_seconds
+        while True:
+            await asyncio.sleep(max(0.05, min(idle / 4, 5.0)))
+            cutoff = time.monotonic() - idle
+            for key, entry in list(self._sessions.items()):
+                if entry.last_used < cutoff and not entry.lock.locked() and not entry.queued:
+                    try:
+                        await self.passivate(*key)
+                    except Exception:  # noqa: BLE001 - a failed flush keeps the session cached
+                        log.warning("passivation_failed", session_id=key[1])
+
+    # -- the flusher (group commit + output gate) ---------------------------------------------
+
+    def _mark_dirty(self, key: Key) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(future)
+        self._dirty.add(key)
+        self._wake.set()
+        return future
+
+    async def flush_all(self) -> None:
+        """Flush every dirty session now and wait for it (shutdown, tests)."""
+        for key, entry in list(self._sessions.items()):
+            if entry.state.dirty:
+                self._mark_dirty(key)
+        await self._flush_once()
+
+    async def _flusher(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._settings.flush_interval_s:
+                await asyncio.sleep(self._settings.flush_interval_s)  # the group-commit window
+            try:
+                await self._flush_once()
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried; nothing is dropped
+                log.warning("flush_failed", error=type(exc).__name__, retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._settings.max_backoff_s)
+                self._wake.set()
+
+    async def _flush_once(self) -> None:
+        # One flush at a time: two in flight could commit one session's deltas out of order.
+        async with self._flush_lock:
+            await self._flush_locked()
+
+    async def _flush_locked(self) -> None:
+        keys, self._dirty = self._dirty, set()
+        waiters = {k: self._waiters.pop(k, []) for k in keys}
+        deltas: dict[Key, SessionDelta] = {}
+        for key in keys:
+            entry = self._sessions.get(key)
+            delta = entry.state.take_delta() if entry else None
+            if delta is not None:
+                deltas[key] = delta
+        if not deltas:
+            _resolve(waiters)
+            return
+        started = time.perf_counter()
+        try:
+            result = await self._store.flush(list(deltas.values()))
+        except BaseException:
+            for key, delta in deltas.items():
+                entry = self._sessions.get(key)
+                if entry is not None:
+                    entry.state.restore_delta(delta)
+            for key, fs in waiters.items():
+                self._waiters.setdefault(key, [])[:0] = fs
+            self._dirty |= keys
+            raise
+        self.last_flush_ms = (time.perf_counter() - started) * 1000
+        self.flushes += 1
+        self.flushed_sessions += len(result.written)
+        if self._on_flush is not None:
+            self._on_flush(len(result.written), self.last_flush_ms)
+        for key in map(tuple, result.refused):
+            # A newer activation owns this session: this copy is stale. Evict it so the next
+            # message re-activates from Postgres, and fail the replies that were waiting.
+            self._sessions.pop(key, None)  # type: ignore[arg-type]
+            for f in waiters.pop(key, []):  # type: ignore[arg-type]
+                if not f.done():
+                    f.set_exception(LeaseLost(
+                        f"session {key[1]!r} was taken over by another activation; retry the message"
+                    ))
+            log.warning("flush_refused_stale_epoch", session_id=key[1])
+        _resolve(waiters)
+
+
+def _resolve(waiters: dict[Key, list[asyncio.Future[None]]]) -> None:
+    for fs in waiters.values():
+        for f in fs:
+            if not f.done():
+                f.set_result(None)
+
+
+def _error_data(exc: ChatEngineError) -> dict[str, Any]:
+    data: dict[str, Any] = {"title": type(exc).__name__, "detail": str(exc)}
+    if isinstance(exc, Overloaded):
+        data["retry_after"] = exc.retry_after
+    return data
