@@ -1,0 +1,32 @@
+"""Connecting this process to Ray: join RAY_ADDRESS, or start a local Ray bound to loopback."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from actors.placement import NAMESPACE
+from services.settings import Settings
+
+
+def connect(settings: Settings, *, num_cpus: int | None = None) -> None:
+    """Join the cluster at RAY_ADDRESS, or start a local one on 127.0.0.1. Idempotent."""
+    if ray.is_initialized():
+        return
+    if settings.ray_address:
+        ray.init(address=settings.ray_address, namespace=NAMESPACE, logging_level="WARNING",
+                 log_to_driver=False)
+        return
+    # Keep a local Ray on loopback: by default it binds the machine's interface address.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+        _node_ip_address="127.0.0.1", namespace=NAMESPACE, logging_level="WARNING",
+        log_to_driver=False,
+    )
+
+
+def disconnect() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

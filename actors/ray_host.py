@@ -1,0 +1,177 @@
+"""The Ray shell around SessionHost: a named async actor per shard (or per session, dedicated).
+
+Every Ray API call of the engine lives in `actors/` (this module, `placement`, `cluster`). The
+actor builds its own runtime (pool, LLM client, webhook client) from the Settings it is given, on
+first use, inside its event loop. Replies cross Ray as msgspec-encoded bytes: cheaper than
+pickling structs, and errors travel as data (`HostError`) rather than as pickled exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import ray
+import structlog
+
+from actors.host import HostSettings, LeaseLost, SessionHost
+from actors.session import SessionError
+from services.errors import ChatEngineError, Overloaded
+from services.settings import Settings
+from services.wire import StreamEvent, TurnReply
+
+log = structlog.get_logger(__name__)
+
+
+class HostError(msgspec.Struct, frozen=True, kw_only=True):
+    kind: str  # "overloaded" | "lease_lost" | "not_found" | "unavailable" | "internal"
+    message: str
+    retry_after: float | None = None
+
+
+class HostResult(msgspec.Struct, frozen=True, kw_only=True):
+    reply: TurnReply | None = None
+    error: HostError | None = None
+
+
+result_encoder = msgspec.json.Encoder()
+result_decoder = msgspec.json.Decoder(HostResult)
+event_decoder = msgspec.json.Decoder(StreamEvent)
+
+
+def to_host_error(exc: BaseException) -> HostError:
+    if isinstance(exc, Overloaded):
+        return HostError(kind="overloaded", message=str(exc), retry_after=exc.retry_after)
+    if isinstance(exc, LeaseLost):
+        return HostError(kind="lease_lost", message=str(exc), retry_after=0.1)
+    if isinstance(exc, SessionError):
+        return HostError(kind=exc.kind, message=str(exc))
+    if isinstance(exc, ChatEngineError) and getattr(exc, "retryable", False):
+        return HostError(kind="unavailable", message=str(exc), retry_after=1.0)
+    if isinstance(exc, ChatEngineError):
+        return HostError(kind="invalid", message=str(exc))
+    return HostError(kind="internal", message="the session host failed to run this turn; retry shortly")
+
+
+class SessionHostActor:
+    """Wrapped by `ray.remote` in `actors.placement`; one per shard or per dedicated session."""
+
+    def __init__(self, name: str, settings: bytes, dedicated: bool = False) -> None:
+        self._name = name
+        self._settings = msgspec.json.decode(settings, type=Settings)
+        self._dedicated = dedicated
+        self._host: SessionHost | None = None
+        self._runtime: Any = None
+        self._init_lock: asyncio.Lock | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    async def _ensure(self) -> SessionHost:
+        if self._host is not None:
+            return self._host
+        if self._init_lock is None:
+            self._init_lock = asyncio.Lock()
+        async with self._init_lock:
+            if self._host is None:
+                from services.logging import configure_logging
+                from services.runtime import Runtime
+
+                configure_logging(fmt=self._settings.log_format, level=self._settings.log_level)
+                self._runtime = await Runtime.open(self._settings)
+                host = SessionHost(
+                    name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
+                    settings=HostSettings(
+                        idle_seconds=self._settings.idle_seconds,
+                        output_gate=self._settings.output_gate,
+                        flush_interval_s=self._settings.flush_interval_ms / 1000,
+                    ),
+                )
+                await host.start()
+                self._host = host
+                if self._dedicated:
+                    self._watchdog = asyncio.create_task(self._exit_when_idle())
+        return self._host
+
+    async def ready(self) -> str:
+        await self._ensure()
+        return self._name
+
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+        try:
+            host = await self._ensure()
+            reply = await host.send(tenant_id, session_id, text, message_id)
+            return result_encoder.encode(HostResult(reply=reply))
+        except Exception as exc:  # noqa: BLE001 - errors travel as data
+            return self._error(exc)
+
+    async def decide(
+        self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
+    ) -> bytes:
+        try:
+            host = await self._ensure()
+            reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
+            return result_encoder.encode(HostResult(reply=reply))
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc)
+
+    async def stream(
+        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
+        approval: tuple[str, bool, dict | None] | None = None,
+    ):
+        """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
+        try:
+            host = await self._ensure()
+        except Exception as exc:  # noqa: BLE001
+            err = to_host_error(exc)
+            yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
+            return
+        async for event in host.stream(tenant_id, session_id, text, message_id, approval):
+            yield result_encoder.encode(event)
+
+    async def view(self, tenant_id: str, session_id: str) -> bytes | None:
+        host = await self._ensure()
+        v = await host.view(tenant_id, session_id)
+        return None if v is None else result_encoder.encode(v)
+
+    async def passivate(self, tenant_id: str, session_id: str) -> bool:
+        host = await self._ensure()
+        return await host.passivate(tenant_id, session_id)
+
+    async def passivate_all(self) -> int:
+        host = await self._ensure()
+        return await host.passivate_all()
+
+    async def stats(self) -> dict[str, Any]:
+        if self._host is None:
+            return {"host": self._name, "live_sessions": 0, "flushes": 0, "flushed_sessions": 0,
+                    "last_flush_ms": 0.0, "dirty": 0, "node_id": ray.get_runtime_context().get_node_id()}
+        return {**self._host.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def shutdown(self) -> bool:
+        """Drain and flush; the caller kills the actor afterwards."""
+        if self._host is not None:
+            await self._host.stop()
+            await self._runtime.close()
+            self._host = None
+        return True
+
+    def _error(self, exc: BaseException) -> bytes:
+        err = to_host_error(exc)
+        if err.kind == "internal":
+            log.error("host_call_failed", host=self._name, error=type(exc).__name__, exc_info=exc)
+        return result_encoder.encode(HostResult(error=err))
+
+    async def _exit_when_idle(self) -> None:
+        # A dedicated actor is one process per live session: once its session passivates, the
+        # process goes too. The next message creates it again (get_if_exists).
+        host = self._host
+        assert host is not None
+        seen = False
+        while True:
+            await asyncio.sleep(max(0.5, self._settings.idle_seconds / 4))
+            if host.live_sessions:
+                seen = True
+            elif seen:
+                await self.shutdown()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
