@@ -1,0 +1,468 @@
+"""The stateless aiohttp gateway: tenant auth, the routes of CONTRACT.md, problem+json errors.
+
+The tenant comes from the API key alone (never from a body). Bodies are decoded once with typed
+msgspec decoders; domain errors become one problem-details body here and nowhere else. The gateway
+keeps no session state: every turn goes to the session's actor through a SessionRouter, so two
+gateway processes can serve the same sessions.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from services.botconfig import Backend, BotConfig, Intent
+from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, Overloaded
+from services.gateway.bodies import ToolCreate, ToolPatch, definition_from_body, patched_body, tool_view
+from services.gateway.metrics import GatewayMetrics
+from services.wire import DecideApproval, SendMessage, SessionView, StreamEvent, TurnReply
+
+log = structlog.get_logger(__name__)
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+MAX_TEXT = 16_000
+MAX_BODY = 256 * 1024
+KEY_CACHE_TTL_S = 30.0
+
+
+class SessionRouter(Protocol):
+    """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
+
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply: ...
+    async def decide(self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None) -> TurnReply: ...
+    def stream(self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
+               approval: tuple[str, bool, dict | None] | None = None) -> AsyncIterator[StreamEvent]: ...
+    async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
+    async def stats(self) -> list[dict[str, Any]]: ...
+
+
+class BackendIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    base_url: str
+    auth_header: str | None = None
+    openapi: dict | None = None
+
+
+class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PUT /v1/bot-config: BotConfig with the backend's auth header write-only."""
+
+    persona: str | None = None
+    main_model: str | None = None
+    cheap_model: str | None = None
+    intents: dict[str, Intent] = {}
+    allowlist: list[str] | None = None
+    allow_writes: bool = True
+    language: str = "english"
+    notification_webhook: str | None = None
+    notification_secret: str | None = None
+    backend: BackendIn | None = None
+
+
+@dataclass
+class GatewayDeps:
+    router: SessionRouter
+    tenants: Any  # storage TenantRepo
+    tools: Any  # storage ToolRepo
+    calls: Any  # storage ToolCallRepo
+    sessions: Any  # storage SessionRepo
+    configs: Any  # storage BotConfigRepo
+    secret_box: Any  # services.tools.crypto.SecretBox
+    contract: Callable[[str], Awaitable[dict]] | None = None
+    ready: Callable[[], Awaitable[bool]] | None = None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+
+DEPS = web.AppKey("deps", GatewayDeps)
+TENANT = "ce_tenant_id"
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+_encoder = msgspec.json.Encoder()
+
+
+# -- problems ---------------------------------------------------------------------------------
+
+def problem(status: int, title: str, detail: str, *, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"type": f"https://chat-engine.dev/problems/{title.lower().replace(' ', '-')}",
+            "title": title, "status": status, "detail": detail}
+    return web.Response(status=status, body=_encoder.encode(body),
+                        content_type="application/problem+json", headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return problem(exc.status, exc.reason, exc.text or exc.reason)
+        raise
+    except msgspec.ValidationError as exc:
+        return problem(422, "Invalid body", f"{exc}; fix the field and send again")
+    except msgspec.DecodeError as exc:
+        return problem(400, "Malformed JSON", f"the body is not valid JSON ({exc}); send a JSON object")
+    except InvalidInput as exc:
+        return problem(422, "Invalid body", str(exc))
+    except NotFound as exc:
+        return problem(404, "Not found", str(exc))
+    except Conflict as exc:
+        return problem(409, "Conflict", str(exc))
+    except Overloaded as exc:
+        status = 429 if "too many messages" in str(exc) else 503
+        return problem(status, "Overloaded", str(exc), headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+    except ChatEngineError as exc:
+        if getattr(exc, "retryable", False):
+            return problem(503, "Unavailable", str(exc), headers={"Retry-After": "1"})
+        kind = getattr(getattr(exc, "error", None), "kind", None)
+        if kind == "not_found":
+            return problem(404, "Not found", str(exc))
+        log.warning("request_failed", error=type(exc).__name__)
+        return problem(400, "Request failed", str(exc))
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        return problem(500, "Internal error", f"something went wrong on our side; quote request id {request_id}")
+    response.headers.setdefault("X-Request-Id", request_id)
+    return response
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return problem(401, "Unauthorized", "send the tenant API key as 'Authorization: Bearer <key>'",
+                       headers={"WWW-Authenticate": "Bearer"})
+    deps = request.app[DEPS]
+    key = key.strip()
+    cached = deps.key_cache.get(key)
+    now = time.monotonic()
+    if cached is not None and cached[1] > now:
+        tenant_id = cached[0]
+    else:
+        tenant = await deps.tenants.tenant_for_key(key)
+        if tenant is None:
+            return problem(401, "Unauthorized", "this API key is unknown or revoked; create one with "
+                           "'chat-engine tenant create NAME'", headers={"WWW-Authenticate": "Bearer"})
+        tenant_id = tenant.id
+        if len(deps.key_cache) > 10_000:
+            deps.key_cache.clear()
+        deps.key_cache[key] = (tenant_id, now + KEY_CACHE_TTL_S)
+    request[TENANT] = tenant_id
+    structlog.contextvars.bind_contextvars(tenant_id=tenant_id)
+    return await handler(request)
+
+
+async def decode_body(request: web.Request, type_: type) -> Any:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise InvalidInput(f"the body is larger than {MAX_BODY} bytes; send less")
+    raw = await request.read()
+    if not raw:
+        raise InvalidInput("the body is empty; send a JSON object")
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    return decoder.decode(raw)
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encoder.encode(data), content_type="application/json")
+
+
+def _session_id(request: web.Request) -> str:
+    sid = request.match_info["session_id"]
+    if not SESSION_ID_RE.match(sid):
+        raise InvalidInput(
+            f"session id {sid[:40]!r} must be 1-128 letters, digits or . _ : @ - and start with a letter or digit"
+        )
+    return sid
+
+
+def _wants_stream(request: web.Request) -> bool:
+    return "text/event-stream" in request.headers.get("Accept", "")
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+async def post_message(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    session_id = _session_id(request)
+    body: SendMessage = await decode_body(request, SendMessage)
+    if not body.text.strip():
+        raise InvalidInput("text is empty - at `$.text`; send what the contact wrote", path="$.text")
+    if len(body.text) > MAX_TEXT:
+        raise InvalidInput(f"text is longer than {MAX_TEXT} characters - at `$.text`", path="$.text")
+    if body.message_id is not None and not 0 < len(body.message_id) <= 128:
+        raise InvalidInput("message_id must be 1-128 characters - at `$.message_id`", path="$.message_id")
+    structlog.contextvars.bind_contextvars(session_id=session_id)
+    started = time.perf_counter()
+    if _wants_stream(request):
+        return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, body.message_id), started)
+    reply = await deps.router.send(tenant_id, session_id, body.text, body.message_id)
+    deps.metrics.observe_turn(reply, time.perf_counter() - started)
+    return json_response(reply)
+
+
+async def post_approval(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    session_id = _session_id(request)
+    approval_id = request.match_info["approval_id"]
+    body: DecideApproval = await decode_body(request, DecideApproval)
+    started = time.perf_counter()
+    if _wants_stream(request):
+        stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
+        return await _sse(request, stream, started)
+    reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
+    deps.metrics.observe_turn(reply, time.perf_counter() - started)
+    return json_response(reply)
+
+
+async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+    })
+    await response.prepare(request)
+    deps = request.app[DEPS]
+    async for event in events:
+        if event.event == "done":
+            deps.metrics.observe_turn(msgspec.convert(event.data, TurnReply), time.perf_counter() - started)
+        try:
+            await response.write(b"event: " + event.event.encode() + b"\ndata: " + _encoder.encode(event.data) + b"\n\n")
+        except (ConnectionResetError, RuntimeError):
+            # The client went away; the turn still completes and is stored inside the actor.
+            log.info("sse_client_disconnected")
+            break
+    return response
+
+
+async def get_session(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    session_id = _session_id(request)
+    view = await deps.router.view(tenant_id, session_id)
+    if view is None:
+        view = await deps.sessions.get_session_view(tenant_id, session_id)
+    return json_response(view)
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+def _encrypt(deps: GatewayDeps):
+    def encrypt(plaintext: str) -> str:
+        if deps.secret_box is None:
+            raise InvalidInput("this engine has no CE_SECRET_KEY, so it cannot store auth headers; set it and restart")
+        return deps.secret_box.encrypt(plaintext)
+    return encrypt
+
+
+def _published_view(row) -> dict[str, Any]:
+    return tool_view(row.definition, version=row.version, extra={
+        "enabled": row.enabled, "created_at": row.created_at, "updated_at": row.updated_at,
+    })
+
+
+async def create_tool(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    body: ToolCreate = await decode_body(request, ToolCreate)
+    definition = definition_from_body(body, encrypt=_encrypt(deps))
+    data = msgspec.to_builtins(definition)
+    version = await deps.tools.create(request[TENANT], definition.name, body.type, data)
+    return json_response(tool_view(version.definition, version=version.version, extra={"published": True}), status=201)
+
+
+async def list_tools(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    rows = await deps.tools.list_published(request[TENANT])
+    return json_response({"tools": [_published_view(r) for r in rows]})
+
+
+async def get_tool(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    row = await deps.tools.get(request[TENANT], request.match_info["name"])
+    return json_response(_published_view(row))
+
+
+async def patch_tool(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    name = request.match_info["name"]
+    patch: ToolPatch = await decode_body(request, ToolPatch)
+    current = await deps.tools.get(tenant_id, name)
+    merged, kept_auth = patched_body(current.definition, patch)
+    definition = definition_from_body(merged, encrypt=_encrypt(deps))
+    data = msgspec.to_builtins(definition)
+    if kept_auth and not data.get("auth_header_enc"):
+        data["auth_header_enc"] = kept_auth
+    version = await deps.tools.new_version(tenant_id, name, data, publish=patch.publish)
+    return json_response(tool_view(version.definition, version=version.version, extra={"published": patch.publish}))
+
+
+async def delete_tool(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    await deps.tools.delete(request[TENANT], request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def tool_versions(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    versions = await deps.tools.versions(request[TENANT], request.match_info["name"])
+    return json_response({"versions": [
+        tool_view(v.definition, version=v.version, extra={"created_at": v.created_at, "published": v.published})
+        for v in versions
+    ]})
+
+
+async def publish_tool(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    raw = request.match_info["version"]
+    if not raw.isdigit():
+        raise InvalidInput(f"version must be a whole number, got {raw[:20]!r}")
+    row = await deps.tools.publish(request[TENANT], request.match_info["name"], int(raw))
+    return json_response(_published_view(row))
+
+
+async def tool_contract(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    if deps.contract is None:
+        raise NotFound("the contract report is not available in this process", kind="route", key="contract")
+    return json_response(await deps.contract(request[TENANT]))
+
+
+async def tool_analytics(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    since = parse_since(request.query.get("since"))
+    stats = await deps.calls.stats(request[TENANT], since)
+    tools = [msgspec.to_builtins(s) for s in stats]
+    published = {r.name for r in await deps.tools.list_published(request[TENANT])}
+    used = {t["name"] for t in tools}
+    return json_response({
+        "since": since.isoformat(), "tools": tools,
+        "most_used": [t["name"] for t in tools[:5]],
+        "never_used": sorted(published - used),
+    })
+
+
+def parse_since(raw: str | None) -> datetime:
+    """`since` as an ISO-8601 time or a look-back like 24h, 7d, 30m; default: the last 24 hours."""
+    now = datetime.now(UTC)
+    if not raw:
+        return now - timedelta(hours=24)
+    m = re.fullmatch(r"(\d+)([mhd])", raw)
+    if m:
+        n, unit = int(m.group(1)), m.group(2)
+        return now - {"m": timedelta(minutes=n), "h": timedelta(hours=n), "d": timedelta(days=n)}[unit]
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise InvalidInput(f"since must be an ISO-8601 time (2026-12-01T00:00:00Z) or a look-back like 24h or 7d, got {raw[:40]!r}") from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+# -- bot config -------------------------------------------------------------------------------
+
+def _config_view(config: dict[str, Any]) -> dict[str, Any]:
+    view = dict(config)
+    backend = view.get("backend")
+    if backend:
+        backend = dict(backend)
+        backend["auth_header_set"] = bool(backend.pop("auth_header_enc", None))
+        view["backend"] = backend
+    if view.get("notification_secret"):
+        view["notification_secret"] = "[set]"
+    return view
+
+
+async def get_bot_config(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    stored = await deps.configs.get(request[TENANT])
+    config = msgspec.to_builtins(msgspec.convert(stored or {}, BotConfig))
+    return json_response(_config_view(config))
+
+
+async def put_bot_config(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    body: BotConfigIn = await decode_body(request, BotConfigIn)
+    data = {k: v for k, v in msgspec.to_builtins(body).items() if v is not None and k != "backend"}
+    if body.allowlist is not None:
+        data["allowlist"] = body.allowlist
+    if body.backend is not None:
+        backend: dict[str, Any] = {"base_url": body.backend.base_url, "openapi": body.backend.openapi}
+        if body.backend.auth_header:
+            backend["auth_header_enc"] = _encrypt(deps)(body.backend.auth_header)
+        else:
+            previous = (await deps.configs.get(request[TENANT]) or {}).get("backend") or {}
+            if previous.get("auth_header_enc"):
+                backend["auth_header_enc"] = previous["auth_header_enc"]
+        data["backend"] = msgspec.to_builtins(msgspec.convert(backend, Backend))
+    config = msgspec.convert(data, BotConfig)  # validates the whole config before storing it
+    stored = msgspec.to_builtins(config)
+    await deps.configs.put(request[TENANT], stored)
+    return json_response(_config_view(stored))
+
+
+# -- operations -------------------------------------------------------------------------------
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    ok = True if deps.ready is None else await deps.ready()
+    if not ok:
+        return problem(503, "Not ready", "the database or the session hosts are not reachable yet")
+    return json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    try:
+        deps.metrics.observe_hosts(await deps.router.stats())
+    except Exception:  # noqa: BLE001 - metrics must render even when a host is down
+        log.warning("host_stats_unavailable")
+    return web.Response(body=deps.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from services.gateway.openapi import openapi_document
+
+    return json_response(openapi_document())
+
+
+def build_app(deps: GatewayDeps) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=MAX_BODY)
+    app[DEPS] = deps
+    r = app.router
+    r.add_post("/v1/sessions/{session_id}/messages", post_message)
+    r.add_get("/v1/sessions/{session_id}", get_session)
+    r.add_post("/v1/sessions/{session_id}/approvals/{approval_id}", post_approval)
+    r.add_post("/v1/tools", create_tool)
+    r.add_get("/v1/tools", list_tools)
+    r.add_get("/v1/tools/contract", tool_contract)
+    r.add_get("/v1/tools/{name}", get_tool)
+    r.add_patch("/v1/tools/{name}", patch_tool)
+    r.add_delete("/v1/tools/{name}", delete_tool)
+    r.add_get("/v1/tools/{name}/versions", tool_versions)
+    r.add_post("/v1/tools/{name}/versions/{version}/publish", publish_tool)
+    r.add_get("/v1/analytics/tools", tool_analytics)
+    r.add_get("/v1/bot-config", get_bot_config)
+    r.add_put("/v1/bot-config", put_bot_config)
+    r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/metrics", metrics)
+    r.add_get("/openapi.json", openapi)
+    return app

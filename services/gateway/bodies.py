@@ -1,0 +1,188 @@
+"""Tool API bodies (seed 000's shape plus seed 001's families) and their conversion to definitions.
+
+Pure: no aiohttp. A body is decoded once with `forbid_unknown_fields`; `definition_from_body`
+checks what a JSON schema cannot (name, URL, template holes, schema validity) and encrypts the
+write-only `auth_header`. `tool_view` is the only way a definition leaves the server: it never
+carries the auth header, only `auth_header_set`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from services.errors import InvalidInput
+from services.tools.model import (
+    TOOL_NAME_RE,
+    HttpMethod,
+    Mutability,
+    ToolDefinition,
+    normalise_parameters,
+    template_holes,
+)
+from services.tools.validation import check_schema
+
+ToolType = Literal["webhook", "backend_binding", "python", "workflow", "client"]
+UNSET: Any = msgspec.UNSET
+
+
+class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    parameters: dict[str, Any] = {}
+    type: ToolType = "webhook"
+    webhook_url: str | None = None
+    auth_header: str | None = None
+    timeout_ms: int = 5000
+    method: HttpMethod | None = None
+    mutability: Mutability = "read"
+    requires_approval: bool | None = None
+    intents: list[str] = []
+    enabled: bool = True
+    sensitive: list[str] = []
+    protected: list[str] = []
+    completes_variable: str | None = None
+    resource: str | None = None
+    # backend_binding (seed 001)
+    path: str | None = None
+    parameter_map: dict[str, str] = {}
+    scope: list[str] = []
+    # python / workflow
+    handler: str | None = None
+
+
+class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Any field of ToolCreate but the name and type; makes a new version (published unless
+    `publish` is false)."""
+
+    description: str | msgspec.UnsetType = UNSET
+    parameters: dict[str, Any] | msgspec.UnsetType = UNSET
+    webhook_url: str | msgspec.UnsetType = UNSET
+    auth_header: str | None | msgspec.UnsetType = UNSET
+    timeout_ms: int | msgspec.UnsetType = UNSET
+    method: HttpMethod | msgspec.UnsetType = UNSET
+    mutability: Mutability | msgspec.UnsetType = UNSET
+    requires_approval: bool | None | msgspec.UnsetType = UNSET
+    intents: list[str] | msgspec.UnsetType = UNSET
+    enabled: bool | msgspec.UnsetType = UNSET
+    sensitive: list[str] | msgspec.UnsetType = UNSET
+    protected: list[str] | msgspec.UnsetType = UNSET
+    completes_variable: str | None | msgspec.UnsetType = UNSET
+    resource: str | None | msgspec.UnsetType = UNSET
+    path: str | msgspec.UnsetType = UNSET
+    parameter_map: dict[str, str] | msgspec.UnsetType = UNSET
+    scope: list[str] | msgspec.UnsetType = UNSET
+    handler: str | msgspec.UnsetType = UNSET
+    publish: bool = True
+
+
+class Encryptor:
+    """What the conversion needs from services.tools.crypto.SecretBox."""
+
+    def encrypt(self, plaintext: str) -> str: ...  # pragma: no cover - protocol
+
+
+def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
+    """Build and check a definition. Raises InvalidInput naming the field and the fix."""
+    if not TOOL_NAME_RE.match(body.name):
+        raise InvalidInput(
+            f"name {body.name!r} must start with a letter and hold only letters, digits, '_' or '-' "
+            "(at most 64) - at `$.name`", path="$.name",
+        )
+    if not body.description.strip():
+        raise InvalidInput("description must say when to call the tool - at `$.description`", path="$.description")
+    if not 100 <= body.timeout_ms <= 60_000:
+        raise InvalidInput(
+            f"timeout_ms must be between 100 and 60000, got {body.timeout_ms} - at `$.timeout_ms`",
+            path="$.timeout_ms",
+        )
+    holes: list[str] = []
+    family: dict[str, Any] = {}
+    if body.type == "webhook":
+        if not body.webhook_url:
+            raise InvalidInput("webhook_url is required for a webhook tool - at `$.webhook_url`", path="$.webhook_url")
+        _check_url(body.webhook_url)
+        holes = template_holes(body.webhook_url)
+        family = {"webhook_url": body.webhook_url, "method": body.method or ("GET" if body.mutability == "read" else "POST")}
+        if body.auth_header:
+            family["auth_header_enc"] = encrypt(body.auth_header)
+    elif body.type == "backend_binding":
+        if not body.path or not body.path.startswith("/"):
+            raise InvalidInput("path must start with '/' for a backend_binding tool - at `$.path`", path="$.path")
+        holes = template_holes(body.path)
+        family = {"path": body.path, "method": body.method or "GET", "parameter_map": body.parameter_map,
+                  "scope": tuple(body.scope)}
+    elif body.type in ("python", "workflow"):
+        if not body.handler:
+            raise InvalidInput(f"handler is required for a {body.type} tool - at `$.handler`", path="$.handler")
+        family = {"handler": body.handler}
+    for field in ("webhook_url", "auth_header", "path", "handler"):
+        if getattr(body, field) is not None and field not in family and not (field == "auth_header" and body.type == "webhook"):
+            raise InvalidInput(f"{field} does not apply to a {body.type} tool - at `$.{field}`", path=f"$.{field}")
+    schema = normalise_parameters(body.parameters, required_hint=holes)
+    check_schema(schema)
+    properties = schema.get("properties", {})
+    for hole in holes:
+        if hole not in properties:
+            raise InvalidInput(
+                f"the URL template uses {{{hole}}} but parameters has no '{hole}' - add it to `$.parameters`",
+                path="$.parameters",
+            )
+    for name in body.sensitive:
+        if name not in properties:
+            raise InvalidInput(f"sensitive names '{name}', which is not a parameter - at `$.sensitive`", path="$.sensitive")
+    data = {
+        "type": body.type, "name": body.name, "description": body.description, "parameters": schema,
+        "mutability": body.mutability, "requires_approval": body.requires_approval,
+        "intents": tuple(body.intents), "enabled": body.enabled, "sensitive": tuple(body.sensitive),
+        "protected": tuple(body.protected), "timeout_ms": body.timeout_ms,
+        "completes_variable": body.completes_variable, "resource": body.resource, **family,
+    }
+    return msgspec.convert(data, ToolDefinition)
+
+
+def patched_body(current: dict[str, Any], patch: ToolPatch) -> tuple[ToolCreate, str | None]:
+    """The ToolCreate equivalent of `current` with `patch` applied, and the kept ciphertext of
+    the auth header when the patch does not touch it."""
+    base = {k: v for k, v in current.items() if k in ToolCreate.__struct_fields__}
+    kept_auth = current.get("auth_header_enc")
+    for field in ToolPatch.__struct_fields__:
+        value = getattr(patch, field)
+        if field == "publish" or value is UNSET:
+            continue
+        base[field] = value
+        if field == "auth_header":
+            kept_auth = None
+    return msgspec.convert(base, ToolCreate), kept_auth
+
+
+def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A definition as the API shows it: everything but the auth header, plus auth_header_set."""
+    view = {k: v for k, v in definition.items() if k != "auth_header_enc"}
+    view["auth_header_set"] = bool(definition.get("auth_header_enc"))
+    if version is not None:
+        view["version"] = version
+    if extra:
+        view.update(extra)
+    return view
+
+
+def _check_url(url: str) -> None:
+    parts = urlsplit(url.replace("{", "").replace("}", ""))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInput(
+            f"webhook_url must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.webhook_url`",
+            path="$.webhook_url",
+        )
+    if parts.username or parts.password:
+        raise InvalidInput(
+            "webhook_url must not carry credentials; put them in auth_header - at `$.webhook_url`",
+            path="$.webhook_url",
+        )
+    if "{" in (urlsplit(url).hostname or "") or "{" in urlsplit(url).netloc:
+        raise InvalidInput(
+            "webhook_url may use {param} holes in its path and query only, never in the host - at `$.webhook_url`",
+            path="$.webhook_url",
+        )

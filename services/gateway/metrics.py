@@ -1,0 +1,49 @@
+"""Prometheus metrics of the gateway (one registry per app, no globals) and host stats on scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.wire import TurnReply
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.messages = Counter("ce_messages_total", "Chat messages handled", ["outcome"], registry=r)
+        self.rounds = Histogram("ce_turn_rounds", "Model rounds per turn", buckets=(1, 2, 3, 4, 5), registry=r)
+        self.turn_latency = Histogram(
+            "ce_turn_seconds", "Turn latency at the gateway",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        )
+        self.tool_calls = Counter("ce_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
+        self.tool_latency = Histogram(
+            "ce_tool_latency_seconds", "Tool call latency", ["tool"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+        )
+        self.live_sessions = Gauge("ce_live_sessions", "Sessions cached per host", ["host"], registry=r)
+        self.flush_ms = Gauge("ce_flush_last_ms", "Duration of the host's last flush", ["host"], registry=r)
+        self.flushes = Gauge("ce_flushes", "Flush transactions per host since start", ["host"], registry=r)
+        self.flushed_sessions = Gauge(
+            "ce_flushed_sessions", "Session deltas written per host since start", ["host"], registry=r
+        )
+
+    def observe_turn(self, reply: TurnReply, seconds: float) -> None:
+        self.messages.labels("pending_approval" if reply.pending_approval else "ok").inc()
+        self.rounds.observe(reply.rounds)
+        self.turn_latency.observe(seconds)
+        for call in reply.tool_calls:
+            self.tool_calls.labels(call.name, "success" if call.success else "failure").inc()
+            self.tool_latency.labels(call.name).observe(call.latency_ms / 1000)
+
+    def observe_hosts(self, stats: list[dict]) -> None:
+        for s in stats:
+            host = s["host"]
+            self.live_sessions.labels(host).set(s["live_sessions"])
+            self.flush_ms.labels(host).set(s["last_flush_ms"])
+            self.flushes.labels(host).set(s["flushes"])
+            self.flushed_sessions.labels(host).set(s["flushed_sessions"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
