@@ -115,8 +115,9 @@ class Executor:
         new_id: Callable[[], str] | None = None,
         max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
     ) -> None:
-        self._limiter = limiter or ResourceLimiter()
         self._clock = clock or SystemClock()
+        # Deadlines are computed on self._clock; the limiter must compare them on the same clock.
+        self._limiter = limiter or ResourceLimiter(clock=self._clock)
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self._max_result_chars = max_result_chars
 
@@ -238,7 +239,13 @@ class Executor:
             log.exception("tool_crashed", tool_name=d.name)
             elapsed = int((time.perf_counter() - started) * 1000)
             return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
-        return self._succeeded(prepared, ctx, timed.value, int(timed.run_s * 1000), int(timed.queue_s * 1000))
+        try:
+            return self._succeeded(prepared, ctx, timed.value, int(timed.run_s * 1000), int(timed.queue_s * 1000))
+        except (TypeError, msgspec.EncodeError):
+            # A handler returned something that cannot be JSON-encoded: a bug in the tool, in-band.
+            log.exception("tool_result_unencodable", tool_name=d.name)
+            elapsed = int((time.perf_counter() - started) * 1000)
+            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
 
     def _succeeded(self, p: PreparedCall, ctx: TrustedContext, value: Any, run_ms: int, queue_ms: int) -> ToolOutcome:
         d = p.tool.definition  # type: ignore[union-attr]

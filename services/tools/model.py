@@ -108,7 +108,9 @@ def normalise_parameters(parameters: dict[str, Any], *, required_hint: list[str]
     required: list[str] = []
     for name, prop in parameters.items():
         prop = dict(prop) if isinstance(prop, dict) else {"type": "string", "description": str(prop)}
-        is_required = prop.pop("required", False) is True or name in required_hint
+        # Only seed 000's boolean flag is ours to strip: a list is a nested object's own rule.
+        flag = prop.pop("required") if isinstance(prop.get("required"), bool) else False
+        is_required = flag is True or name in required_hint
         properties[name] = prop
         if is_required:
             required.append(name)

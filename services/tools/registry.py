@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.model import (
     BackendBindingTool,
@@ -22,7 +23,7 @@ from services.tools.model import (
     WebhookTool,
     WorkflowTool,
 )
-from services.tools.validation import ArgumentValidator
+from services.tools.validation import ArgumentValidator, check_schema
 
 Handler = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
 
@@ -108,8 +109,15 @@ def compile_tool(
     origin: str = "tenant",
     version: int = 1,
 ) -> CompiledTool:
-    """Turn one definition into a CompiledTool. Raises CompileError when no handler fits."""
+    """Turn one definition into a CompiledTool. Raises CompileError when no handler fits or
+    the parameter schema is unusable."""
     name = definition.name
+    try:
+        # Also checked on save; checked again here because a broken schema would otherwise
+        # raise from argument validation mid-turn instead of failing in-band or in `problems`.
+        check_schema(definition.parameters)
+    except InvalidInput as exc:
+        raise CompileError(str(exc), tool_name=name) from None
     if isinstance(definition, WebhookTool):
         if backend is None:
             raise CompileError("no webhook client is configured", tool_name=name)

@@ -37,12 +37,17 @@ def is_completed(tool: CompiledTool, variables: Mapping[str, str]) -> bool:
     return var is not None and variables.get(var, "") not in ("", "false")
 
 
+def _words(text: str) -> str:
+    return " ".join(_WORD_RE.findall(text.lower()))
+
+
 def detect_intent(config: BotConfig, text: str) -> str | None:
     """The configured intent whose phrases best match `text` (most phrase hits), or None."""
-    lowered = " ".join(_WORD_RE.findall(text.lower()))
+    # Space-padded so a phrase matches whole words only: "hi" must not fire inside "this".
+    lowered = f" {_words(text)} "
     best: tuple[int, str] | None = None
     for name, intent in sorted(config.intents.items()):
-        hits = sum(1 for p in intent.phrases if p and " ".join(_WORD_RE.findall(p.lower())) in lowered)
+        hits = sum(1 for p in intent.phrases if _words(p) and f" {_words(p)} " in lowered)
         if hits and (best is None or hits > best[0]):
             best = (hits, name)
     return best[1] if best else None

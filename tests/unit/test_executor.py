@@ -1,0 +1,604 @@
+"""The executor pipeline of seed 001, stage by stage, with fake handlers and a fake backend.
+
+resolve -> strip protected keys -> validate -> policy -> approval -> trusted context ->
+bounded execution -> normalise -> record. Every failure is an in-band result for the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from services.botconfig import BotConfig
+from services.tools.context import TrustedContext
+from services.tools.errors import DEFAULT_ADVICE, UpstreamStatus, UpstreamTimeout
+from services.tools.executor import (
+    REDACTED,
+    BatchPlan,
+    Executor,
+    ToolCall,
+    ToolOutcome,
+    failure_text,
+    scoped_args,
+)
+from services.tools.model import PROTECTED_KEYS
+from services.tools.registry import Catalog, ClientAction
+from services.tools.toolset import SessionToolState
+from tests.unit.fakes import (
+    FakeClock,
+    FakeHandler,
+    FakeToolBackend,
+    client_tool,
+    make_catalog,
+    python_tool,
+    webhook_tool,
+)
+
+CTX = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-1")
+NO_STATE = SessionToolState()
+
+
+def call(name: str, call_id: str = "call-1", **arguments: Any) -> ToolCall:
+    return ToolCall(id=call_id, name=name, arguments=arguments)
+
+
+def plan_for(
+    executor: Executor,
+    catalog: Catalog,
+    *calls: ToolCall,
+    config: BotConfig | None = None,
+    session: SessionToolState = NO_STATE,
+    scope: dict[str, Any] | None = None,
+) -> BatchPlan:
+    return executor.prepare(
+        list(calls), catalog=catalog, config=config or BotConfig(), session=session, scope=scope or {}
+    )
+
+
+async def run(
+    catalog: Catalog,
+    *calls: ToolCall,
+    executor: Executor | None = None,
+    ctx: TrustedContext = CTX,
+    approved: bool = True,
+    **prepare: Any,
+) -> list[ToolOutcome]:
+    executor = executor or Executor()
+    plan = plan_for(executor, catalog, *calls, **prepare)
+    return await executor.execute(plan, ctx, approved=approved)
+
+
+async def run_one(catalog: Catalog, c: ToolCall, **kw: Any) -> ToolOutcome:
+    [outcome] = await run(catalog, c, **kw)
+    return outcome
+
+
+# -- stage 1: resolve ------------------------------------------------------------------------------
+
+
+async def test_unknown_tool_fails_in_band_and_nothing_is_looked_up_elsewhere() -> None:
+    # a handler named "x" is registered in code, but no published definition binds it
+    stray = FakeHandler("x")
+    known = FakeHandler("lookup")
+    catalog = make_catalog(python_tool("lookup"), handlers=(stray, known))
+    outcome = await run_one(catalog, call("x", q="1"))
+    assert outcome.content.startswith("Tool 'x' failed: there is no tool named 'x'. ")
+    assert outcome.content == (
+        "Tool 'x' failed: there is no tool named 'x'. "
+        "Do not call it again; answer with what you know or ask a clarifying question."
+    )
+    assert (outcome.success, outcome.error, outcome.error_kind) == (False, outcome.content, "unknown_tool")
+    assert outcome.counts_for_breaker is False
+    assert (stray.count, known.count) == (0, 0)
+    assert outcome.record.tool_name == "x"
+    assert outcome.record.success is False
+
+
+async def test_unknown_tool_name_is_shortened_in_the_failure_text() -> None:
+    name = "n" * 500
+    outcome = await run_one(make_catalog(), call(name))
+    assert len(outcome.name) == 64
+    assert outcome.content.startswith(f"Tool '{'n' * 63}…' failed")
+    assert len(outcome.content) < 300
+
+
+# -- stage 2: strip protected keys, merge trusted scope ------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["tenant_id", "tenantId", "account_id", "accountId", "store_id"])
+async def test_protected_keys_from_the_model_never_reach_the_handler(key: str) -> None:
+    handler = FakeHandler("lookup")
+    catalog = make_catalog(python_tool("lookup", protected=("store_id",)), handlers=(handler,))
+    outcome = await run_one(catalog, call("lookup", **{"q": "lamp", key: "other-tenant"}))
+    assert outcome.success is True
+    [(args, _ctx)] = handler.calls
+    assert args == {"q": "lamp"}
+    assert key not in outcome.record.parameters
+
+
+async def test_protected_keys_are_stripped_even_when_the_schema_declares_them() -> None:
+    handler = FakeHandler("lookup")
+    schema = {"type": "object", "properties": {"tenant_id": {"type": "string"}, "q": {"type": "string"}}}
+    catalog = make_catalog(python_tool("lookup", parameters=schema), handlers=(handler,))
+    await run_one(catalog, call("lookup", q="x", tenant_id="tenant-b"))
+    assert handler.calls[0][0] == {"q": "x"}
+
+
+def test_scoped_args_seed_example_trusted_scope_overwrites_the_model() -> None:
+    # seed 001, verbatim semantics
+    assert scoped_args(
+        {"account_id": "other-account", "listing_id": "other-property"},
+        {"account_id": "account-a", "listing_id": "property-a"},
+        protected=PROTECTED_KEYS,
+    )["listing_id"] == "property-a"
+    assert scoped_args(
+        {"account_id": "other-account", "listing_id": "other-property", "nights": 2},
+        {"account_id": "account-a", "listing_id": "property-a"},
+        protected=PROTECTED_KEYS,
+    ) == {"nights": 2, "account_id": "account-a", "listing_id": "property-a"}
+
+
+async def test_trusted_scope_overwrites_model_arguments_in_the_pipeline() -> None:
+    handler = FakeHandler("availability")
+    schema = {
+        "type": "object",
+        "properties": {
+            "account_id": {"type": "string"},
+            "listing_id": {"type": "string"},
+            "nights": {"type": "integer"},
+        },
+        "required": ["account_id", "listing_id"],
+    }
+    catalog = make_catalog(python_tool("availability", parameters=schema), handlers=(handler,))
+    outcome = await run_one(
+        catalog,
+        call("availability", account_id="other-account", listing_id="other-property", nights=2),
+        scope={"account_id": "account-a", "listing_id": "property-a", "contact_id": "c-9"},
+    )
+    assert outcome.success is True
+    # contact_id is trusted but undeclared: not injected into a schema that does not ask for it
+    assert handler.calls[0][0] == {"nights": 2, "account_id": "account-a", "listing_id": "property-a"}
+
+
+async def test_trusted_scope_fills_a_required_protected_field_the_model_may_not_supply() -> None:
+    handler = FakeHandler("orders")
+    schema = {"type": "object", "properties": {"account_id": {"type": "string"}}, "required": ["account_id"]}
+    catalog = make_catalog(python_tool("orders", parameters=schema), handlers=(handler,))
+    outcome = await run_one(catalog, call("orders"), scope={"account_id": "account-a"})
+    assert outcome.success is True
+    assert handler.calls[0][0] == {"account_id": "account-a"}
+
+
+# -- stage 3: validate ---------------------------------------------------------------------------
+
+STRICT_ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {"order_id": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+    "required": ["order_id"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({}, "invalid arguments: 'order_id' is required"),
+        ({"order_id": 5}, "invalid arguments: 'order_id': 5 is not of type 'string'"),
+        ({"order_id": "1", "qty": 0}, "invalid arguments: 'qty': 0 is less than the minimum of 1"),
+        ({"order_id": "1", "colour": "red"}, r"invalid arguments: unknown argument \('colour' was unexpected\)"),
+    ],
+    ids=["missing", "wrong-type", "below-minimum", "unknown-argument"],
+)
+async def test_invalid_arguments_name_the_field_and_the_handler_is_not_called(
+    arguments: dict[str, Any], message: str
+) -> None:
+    handler = FakeHandler("check_order")
+    catalog = make_catalog(python_tool("check_order", parameters=STRICT_ORDER_SCHEMA), handlers=(handler,))
+    outcome = await run_one(catalog, ToolCall(id="c1", name="check_order", arguments=arguments))
+    assert outcome.success is False
+    assert outcome.content.startswith("Tool 'check_order' failed: invalid arguments: ")
+    assert re.search(message, outcome.content)
+    assert outcome.content.endswith("Ask the customer for the missing or corrected details, then call the tool again.")
+    assert (outcome.error_kind, outcome.counts_for_breaker) == ("invalid_arguments", False)
+    assert handler.count == 0
+
+
+# -- stage 4: policy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "config", "session", "reason"),
+    [
+        ({"enabled": False}, BotConfig(), NO_STATE, "this tool is disabled"),
+        ({}, BotConfig(), SessionToolState(breakers={"t": 3}), "switched off for it"),
+        ({}, BotConfig(allowlist=("other",)), NO_STATE, "this tool is not in the agent's allowlist"),
+        ({"mutability": "write"}, BotConfig(allow_writes=False), NO_STATE, "this assistant may not change records"),
+        ({"completes_variable": "done"}, BotConfig(), SessionToolState(variables={"done": "true"}),
+         "this was already done in this conversation"),
+    ],
+    ids=["disabled", "breaker-open", "allowlist", "writes-off", "completed"],
+)
+async def test_policy_denial_is_in_band_and_runs_nothing(
+    fields: dict[str, Any], config: BotConfig, session: SessionToolState, reason: str
+) -> None:
+    handler = FakeHandler("t")
+    catalog = make_catalog(python_tool("t", **fields), handlers=(handler,))
+    outcome = await run_one(catalog, call("t"), config=config, session=session)
+    assert outcome.success is False
+    assert outcome.content.startswith("Tool 't' failed: ")
+    assert reason in outcome.content
+    assert (outcome.error_kind, outcome.counts_for_breaker) == ("policy_denied", False)
+    assert handler.count == 0
+
+
+# -- stage 5: approval ---------------------------------------------------------------------------
+
+
+def _approval_catalog(*handlers: FakeHandler) -> Catalog:
+    return make_catalog(
+        python_tool("lookup"),
+        python_tool("cancel_order", mutability="write"),  # approval by default
+        python_tool("add_note", mutability="write", requires_approval=False),
+        handlers=handlers,
+    )
+
+
+def test_prepare_marks_write_tools_as_needing_approval() -> None:
+    executor = Executor()
+    plan = plan_for(executor, _approval_catalog(), call("lookup", "c1"), call("cancel_order", "c2"),
+                    call("add_note", "c3"))
+    assert [p.needs_approval for p in plan.calls] == [False, True, False]
+    assert plan.needs_approval is True
+    assert plan_for(executor, _approval_catalog(), call("lookup"), call("add_note", "c2")).needs_approval is False
+
+
+def test_a_call_that_fails_its_checks_does_not_ask_for_approval() -> None:
+    plan = plan_for(Executor(), _approval_catalog(), call("cancel_order", q=5))
+    assert plan.calls[0].error is not None
+    assert plan.needs_approval is False
+
+
+async def test_executing_an_unapproved_batch_that_needs_approval_raises() -> None:
+    cancel = FakeHandler("cancel_order")
+    executor = Executor()
+    plan = plan_for(executor, _approval_catalog(cancel), call("cancel_order"))
+    with pytest.raises(ValueError, match="this batch needs approval before it runs"):
+        await executor.execute(plan, CTX)
+    assert cancel.count == 0
+
+
+async def test_a_mixed_write_batch_runs_nothing_before_approval_and_everything_after() -> None:
+    lookup, cancel, note = FakeHandler("lookup"), FakeHandler("cancel_order"), FakeHandler("add_note")
+    executor = Executor()
+    plan = plan_for(
+        executor, _approval_catalog(lookup, cancel, note),
+        call("add_note", "c1"), call("cancel_order", "c2"), call("lookup", "c3"),
+    )
+    with pytest.raises(ValueError, match="needs approval"):
+        await executor.execute(plan, CTX)
+    # seed 001's strong guarantee: the unrelated write did not slip through before the pause
+    assert (lookup.count, cancel.count, note.count) == (0, 0, 0)
+
+    outcomes = await executor.execute(plan, CTX, approved=True)
+    assert [o.success for o in outcomes] == [True, True, True]
+    assert [o.call_id for o in outcomes] == ["c1", "c2", "c3"]
+    assert (lookup.count, cancel.count, note.count) == (1, 1, 1)
+
+
+async def test_a_read_only_batch_runs_without_approval() -> None:
+    lookup = FakeHandler("lookup")
+    [outcome] = await run(_approval_catalog(lookup), call("lookup"), approved=False)
+    assert outcome.success is True
+    assert lookup.count == 1
+
+
+def test_deny_returns_approval_denied_for_every_call_and_runs_nothing() -> None:
+    lookup, cancel, note = FakeHandler("lookup"), FakeHandler("cancel_order"), FakeHandler("add_note")
+    executor = Executor()
+    plan = plan_for(
+        executor, _approval_catalog(lookup, cancel, note),
+        call("cancel_order", "c1"), call("add_note", "c2"), call("lookup", "c3"),
+    )
+    outcomes = executor.deny(plan, CTX, reason="the manager declined the cancellation")
+    assert [o.error_kind for o in outcomes] == ["approval_denied"] * 3
+    assert [o.success for o in outcomes] == [False] * 3
+    assert [o.counts_for_breaker for o in outcomes] == [False] * 3
+    assert outcomes[0].content == (
+        "Tool 'cancel_order' failed: the manager declined the cancellation. "
+        "Tell the customer it was not done and ask how they would like to proceed."
+    )
+    assert "not run because the other actions in this step were declined" in outcomes[1].content
+    assert "not run because the other actions in this step were declined" in outcomes[2].content
+    assert [o.record.success for o in outcomes] == [False] * 3
+    assert (lookup.count, cancel.count, note.count) == (0, 0, 0)
+
+
+def test_deny_keeps_a_calls_own_check_failure() -> None:
+    executor = Executor()
+    plan = plan_for(executor, _approval_catalog(), call("cancel_order", "c1"), call("nope", "c2"))
+    outcomes = executor.deny(plan, CTX, reason="declined")
+    assert [o.error_kind for o in outcomes] == ["approval_denied", "unknown_tool"]
+
+
+def test_plan_summary_describes_each_runnable_call_with_sensitive_values_redacted() -> None:
+    executor = Executor()
+    catalog = make_catalog(
+        python_tool("pay", mutability="write", sensitive=("card",), description="Charge the card on file."),
+        python_tool("lookup"),
+    )
+    plan = plan_for(executor, catalog, call("pay", "c1", card="4111"), call("lookup", "c2", q="x"),
+                           call("nope", "c3"))
+    assert plan.summary() == [
+        f"pay(card={REDACTED}) - will change data: Charge the card on file.",
+        'lookup(q=x) - will read data: lookup for tests',
+    ]
+
+
+# -- stage 7: concurrency ------------------------------------------------------------------------
+
+
+async def test_consecutive_reads_run_concurrently() -> None:
+    both_started = asyncio.Event()
+    started: list[str] = []
+
+    class Barrier(FakeHandler):
+        async def __call__(self, args, ctx):
+            started.append(self.name)
+            if len(started) == 2:
+                both_started.set()
+            await both_started.wait()  # sequential execution would never get past this
+            return {"read": self.name}
+
+    a, b = Barrier("read_a"), Barrier("read_b")
+    catalog = make_catalog(python_tool("read_a"), python_tool("read_b"), handlers=(a, b))
+    outcomes = await asyncio.wait_for(run(catalog, call("read_a", "c1"), call("read_b", "c2")), 10)
+    assert [o.success for o in outcomes] == [True, True]
+    assert [o.content for o in outcomes] == ['{"read":"read_a"}', '{"read":"read_b"}']
+
+
+async def test_writes_run_alone_and_in_call_order() -> None:
+    journal: list[tuple[str, str]] = []
+    handlers = tuple(FakeHandler(n, journal=journal, yields=5) for n in ("r1", "w1", "w2", "r2", "r3", "w3"))
+    catalog = make_catalog(
+        python_tool("r1"), python_tool("r2"), python_tool("r3"),
+        *(python_tool(w, mutability="write", requires_approval=False) for w in ("w1", "w2", "w3")),
+        handlers=handlers,
+    )
+    calls = [call(n, f"c{i}") for i, n in enumerate(("r1", "w1", "w2", "r2", "r3", "w3"))]
+    outcomes = await run(catalog, *calls)
+    assert [o.name for o in outcomes] == ["r1", "w1", "w2", "r2", "r3", "w3"]
+    assert all(o.success for o in outcomes)
+    expected_prefix = [("start", "r1"), ("end", "r1"), ("start", "w1"), ("end", "w1"), ("start", "w2"), ("end", "w2")]
+    assert journal[:6] == expected_prefix
+    # r2 and r3 overlap each other, but both finish before w3 starts
+    assert sorted(journal[6:10]) == sorted([("start", "r2"), ("start", "r3"), ("end", "r2"), ("end", "r3")])
+    assert journal[6:8] == [("start", "r2"), ("start", "r3")]
+    assert journal[10:] == [("start", "w3"), ("end", "w3")]
+
+
+# -- stage 7: deadlines and failures -------------------------------------------------------------
+
+
+async def test_handler_slower_than_its_timeout_fails_with_deadline_exceeded() -> None:
+    slow = FakeHandler("slow", gate=asyncio.Event())  # never released
+    catalog = make_catalog(python_tool("slow", timeout_ms=50), handlers=(slow,))
+    outcome = await asyncio.wait_for(run_one(catalog, call("slow")), 10)
+    assert outcome.success is False
+    assert outcome.error_kind == "deadline_exceeded"
+    assert outcome.content.startswith("Tool 'slow' failed: upstream timeout. ")
+    assert outcome.counts_for_breaker is True
+    assert slow.cancelled == 1  # the handler was stopped, not left running
+
+
+async def test_turn_deadline_already_past_rejects_the_call_before_it_starts() -> None:
+    clock = FakeClock(start=50.0)
+    handler = FakeHandler("lookup")
+    executor = Executor(clock=clock)
+    plan = plan_for(executor, make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup"))
+    [outcome] = await executor.execute(plan, CTX, deadline=clock.now)
+    assert outcome.error_kind == "deadline_exceeded"
+    assert "deadline passed before the call could start" in outcome.content
+    assert handler.count == 0
+
+
+async def test_executor_clock_is_the_limiters_clock_by_default() -> None:
+    # deadlines are computed on the executor's clock; the limiter must compare on the same one
+    handler = FakeHandler("lookup")
+    executor = Executor(clock=FakeClock(start=0.0))
+    [outcome] = await run(make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup"), executor=executor)
+    assert outcome.success is True, outcome.content
+    assert handler.count == 1
+
+
+async def test_unexpected_handler_exception_is_an_opaque_internal_error_that_counts_for_the_breaker() -> None:
+    secret = "password=hunter2 at db.internal:5432"
+    boom = FakeHandler("boom", result=RuntimeError(secret))
+    catalog = make_catalog(python_tool("boom"), handlers=(boom,))
+    with capture_logs() as logs:
+        outcome = await run_one(catalog, call("boom"))
+    assert outcome.content == f"Tool 'boom' failed: internal error in the tool. {DEFAULT_ADVICE}"
+    assert (outcome.success, outcome.error_kind, outcome.counts_for_breaker) == (False, "tool_crashed", True)
+    for text in (outcome.content, outcome.record.error):
+        assert secret not in text
+        assert "Traceback" not in text
+        assert "RuntimeError" not in text
+    # the details go to the log for operators
+    assert [(e["event"], e["tool_name"]) for e in logs if e["event"] == "tool_crashed"] == [("tool_crashed", "boom")]
+
+
+async def test_a_result_that_cannot_be_encoded_is_an_in_band_internal_error() -> None:
+    weird = FakeHandler("weird", result={"value": object()})
+    catalog = make_catalog(python_tool("weird"), handlers=(weird,))
+    outcome = await run_one(catalog, call("weird"))
+    assert outcome.success is False
+    assert outcome.content == f"Tool 'weird' failed: internal error in the tool. {DEFAULT_ADVICE}"
+    assert outcome.counts_for_breaker is True
+
+
+ORDER_ADVICE = "Inform the customer you cannot retrieve their order right now."
+
+
+@pytest.mark.parametrize(
+    ("error", "reason", "kind"),
+    [
+        (UpstreamTimeout("upstream timeout", advice=ORDER_ADVICE), "upstream timeout", "upstream_timeout"),
+        (UpstreamStatus("upstream returned status 500", status=500, advice=ORDER_ADVICE),
+         "upstream returned status 500", "upstream_status"),
+    ],
+    ids=["timeout", "status-500"],
+)
+async def test_backend_tool_errors_map_to_seed_000_failure_text(error: Exception, reason: str, kind: str) -> None:
+    backend = FakeToolBackend({"check_order": error})
+    catalog = make_catalog(webhook_tool("check_order"), backend=backend)
+    outcome = await run_one(catalog, call("check_order", order_id="12345"))
+    assert outcome.content == f"Tool 'check_order' failed: {reason}. {ORDER_ADVICE}"
+    assert (outcome.success, outcome.error_kind, outcome.counts_for_breaker) == (False, kind, True)
+    assert outcome.record.error == outcome.content
+    assert backend.calls[0].args == {"order_id": "12345"}
+
+
+def test_failure_text_is_seed_000s_sentence() -> None:
+    assert failure_text("check_order", UpstreamTimeout("upstream timeout", advice=ORDER_ADVICE)) == (
+        "Tool 'check_order' failed: upstream timeout. Inform the customer you cannot retrieve their order right now."
+    )
+
+
+# -- stages 8-9: normalise and record ------------------------------------------------------------
+
+
+async def test_sensitive_parameters_are_redacted_in_the_record_but_reach_the_handler() -> None:
+    handler = FakeHandler("collect_lead")
+    schema = {"type": "object", "properties": {"email": {"type": "string"}, "phone": {"type": "string"},
+                                               "full_name": {"type": "string"}}}
+    catalog = make_catalog(
+        python_tool("collect_lead", parameters=schema, sensitive=("email", "phone")), handlers=(handler,)
+    )
+    outcome = await run_one(catalog, call("collect_lead", email="a@b.test", phone="+351 900", full_name="Ana"))
+    assert outcome.record.parameters == {"email": REDACTED, "phone": REDACTED, "full_name": "Ana"}
+    assert handler.calls[0][0] == {"email": "a@b.test", "phone": "+351 900", "full_name": "Ana"}
+
+
+async def test_sensitive_parameters_are_redacted_in_the_record_of_a_failed_call() -> None:
+    schema = {"type": "object", "properties": {"card": {"type": "string"}}, "required": ["card"],
+              "additionalProperties": False}
+    catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
+    outcome = await run_one(catalog, call("pay", card="4111111111111111", extra=1))
+    assert outcome.success is False
+    assert outcome.record.parameters["card"] == REDACTED
+
+
+async def test_record_fields_of_a_successful_call() -> None:
+    handler = FakeHandler("lookup", result={"found": 3})
+    executor = Executor(new_id=lambda: "rec-1")
+    outcome = await run_one(make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup", q="x"),
+                            executor=executor)
+    r = outcome.record
+    assert (r.id, r.tenant_id, r.session_id, r.message_id, r.tool_name) == (
+        "rec-1", "tenant-a", "sess-1", "msg-1", "lookup")
+    assert (r.parameters, r.result, r.success, r.error) == ({"q": "x"}, {"found": 3}, True, None)
+    assert r.latency_ms >= 0 and r.queue_ms >= 0
+    assert r.created_at is not None and r.created_at.tzinfo is not None
+    assert (outcome.success, outcome.error, outcome.error_kind, outcome.counts_for_breaker) == (True, None, None, False)
+    assert outcome.latency_ms == r.latency_ms
+
+
+async def test_record_fields_of_a_failed_call() -> None:
+    backend = FakeToolBackend({"check_order": UpstreamTimeout("upstream timeout")})
+    outcome = await run_one(make_catalog(webhook_tool(), backend=backend), call("check_order", order_id="9"),
+                            executor=Executor(new_id=lambda: "rec-2"))
+    r = outcome.record
+    assert (r.id, r.tenant_id, r.session_id, r.message_id, r.tool_name) == (
+        "rec-2", "tenant-a", "sess-1", "msg-1", "check_order")
+    assert (r.success, r.result, r.parameters) == (False, None, {"order_id": "9"})
+    assert r.error == outcome.content
+    assert r.latency_ms >= 0
+
+
+async def test_completes_variable_is_reported_on_success() -> None:
+    handler = FakeHandler("collect_lead")
+    catalog = make_catalog(
+        python_tool("collect_lead", mutability="write", completes_variable="lead_collected"), handlers=(handler,)
+    )
+    outcome = await run_one(catalog, call("collect_lead"))
+    assert outcome.completes_variable == "lead_collected"
+
+
+async def test_a_large_result_is_truncated_for_the_model_and_kept_whole_in_the_record() -> None:
+    big = {"blob": "x" * 500}
+    handler = FakeHandler("dump", result=big)
+    executor = Executor(max_result_chars=100)
+    outcome = await run_one(make_catalog(python_tool("dump"), handlers=(handler,)), call("dump"),
+                            executor=executor)
+    full = '{"blob":"' + "x" * 500 + '"}'
+    assert outcome.success is True
+    assert outcome.content == full[:100] + f" [result truncated: 100 of {len(full)} characters shown]"
+    assert outcome.record.result == big
+
+
+async def test_a_result_within_the_limit_is_not_truncated() -> None:
+    handler = FakeHandler("small", result={"ok": True})
+    outcome = await run_one(make_catalog(python_tool("small"), handlers=(handler,)), call("small"),
+                            executor=Executor(max_result_chars=12))
+    assert outcome.content == '{"ok":true}'
+
+
+async def test_a_handler_returning_none_reports_done() -> None:
+    class ReturnsNone(FakeHandler):
+        async def __call__(self, args, ctx):
+            return None
+
+    outcome = await run_one(make_catalog(python_tool("noop"), handlers=(ReturnsNone("noop"),)), call("noop"))
+    assert (outcome.success, outcome.content, outcome.record.result) == (True, "done (no content)", None)
+
+
+async def test_client_tool_returns_a_client_action_and_succeeds() -> None:
+    outcome = await run_one(make_catalog(client_tool("show_map")), call("show_map", q="Lisbon"))
+    assert outcome.success is True
+    assert outcome.client_action == ClientAction(name="show_map", arguments={"q": "Lisbon"})
+    assert outcome.content == "Shown to the customer in the app: show_map. Continue the conversation."
+    assert outcome.record.result == {"name": "show_map", "arguments": {"q": "Lisbon"}}
+
+
+# -- idempotency --------------------------------------------------------------------------------
+
+
+async def test_idempotency_key_is_stable_per_message_and_call_across_a_resumed_turn() -> None:
+    handler = FakeHandler("book")
+    executor = Executor()
+    catalog = make_catalog(python_tool("book", mutability="write"), handlers=(handler,))
+    plan = plan_for(executor, catalog, call("book", "toolu_1"))
+    await executor.execute(plan, CTX, approved=True)
+    # the turn is resumed (e.g. after a restart): the same call executes again
+    await executor.execute(plan, CTX, approved=True)
+    await executor.execute(plan_for(executor, catalog, call("book", "toolu_2")), CTX, approved=True)
+    other_message = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-2")
+    await executor.execute(plan, other_message, approved=True)
+    keys = [ctx.idempotency_key for _args, ctx in handler.calls]
+    assert keys == ["msg-1:toolu_1", "msg-1:toolu_1", "msg-1:toolu_2", "msg-2:toolu_1"]
+
+
+async def test_idempotency_key_reaches_the_webhook_backend() -> None:
+    backend = FakeToolBackend()
+    catalog = make_catalog(webhook_tool(mutability="write", requires_approval=False), backend=backend)
+    for _ in range(2):
+        await run_one(catalog, call("check_order", "toolu_9", order_id="1"))
+    assert [c.idempotency_key for c in backend.calls] == ["msg-1:toolu_9", "msg-1:toolu_9"]
+
+
+async def test_handler_context_is_the_trusted_context_not_the_models() -> None:
+    handler = FakeHandler("lookup")
+    ctx = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-1", scope={"account_id": "a"})
+    await run_one(make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup", tenant_id="evil"),
+                  ctx=ctx)
+    [(_args, seen)] = handler.calls
+    assert (seen.tenant_id, seen.session_id, seen.scope) == ("tenant-a", "sess-1", {"account_id": "a"})
+
+
+async def test_outcomes_keep_call_order_across_failures_and_successes() -> None:
+    catalog = make_catalog(python_tool("a"), python_tool("b", enabled=False), python_tool("c"))
+    outcomes = await run(catalog, call("a", "1"), call("zz", "2"), call("b", "3"), call("c", "4"))
+    assert [(o.call_id, o.success) for o in outcomes] == [("1", True), ("2", False), ("3", False), ("4", True)]
