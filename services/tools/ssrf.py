@@ -1,0 +1,309 @@
+"""The SSRF guard: which network destinations a webhook may reach, decided before any connection.
+
+Owns the destination policy (built from `CE_WEBHOOK_ALLOW`), the `Resolver` port and its
+`getaddrinfo` adapter, and `check_destination`, which parses a URL, resolves its host ONCE and
+checks every address it got. The webhook client then connects only to those checked addresses
+(`services.tools.webhook`), so a DNS answer that changes between check and connect (rebinding)
+cannot redirect the call.
+
+Refused unless the operator allowlist names the host or covers the address: loopback, private
+(RFC 1918), link-local (169.254/16 — the cloud metadata address 169.254.169.254 — and fe80::/10),
+unique-local fc00::/7, unspecified, multicast, reserved, shared/CGNAT 100.64/10, anything else
+that is not globally routable, and IPv4 addresses embedded in IPv6 (mapped, NAT64, 6to4, Teredo)
+that fall in any of those.
+
+No network I/O happens here except through the injected `Resolver`; the rules are pure functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import msgspec
+
+from services.errors import ConfigError
+from services.tools.errors import DestinationBlocked, UpstreamUnreachable
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+#: What the model is told; the rule that refused goes to `DestinationBlocked.rule` for operators.
+BLOCKED_REASON = "destination not allowed"
+BLOCKED_ADVICE = (
+    "Tell the customer this action is unavailable right now; the business has to fix the tool's "
+    "address before it can be used."
+)
+
+_ALLOWED_SCHEMES = {"http": 80, "https": 443}
+_HOST_NAME_RE = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*$"
+)
+_CONTROL_OR_SPACE_RE = re.compile(r"[\x00-\x20\x7f\\]")
+
+# Named ranges checked before the generic `is_global` fallback, so `rule` says precisely why.
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+_UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_METADATA = ipaddress.ip_address("169.254.169.254")
+
+
+class Resolver(Protocol):
+    """Port: turn a host name into the IP addresses (as strings) a connection may use."""
+
+    async def resolve(self, host: str, port: int) -> list[str]: ...
+
+
+class GetaddrinfoResolver:
+    """The default `Resolver`: the event loop's `getaddrinfo` (the system resolver, in a thread)."""
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        """Return the distinct addresses for `host`, in resolver order. Raises OSError on failure."""
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
+        seen: dict[str, None] = {}
+        for _family, _type, _proto, _canon, sockaddr in infos:
+            seen.setdefault(str(sockaddr[0]), None)
+        return list(seen)
+
+
+class CheckedDestination(msgspec.Struct, frozen=True, kw_only=True):
+    """A destination that passed the guard: connect to `addresses` only, never re-resolve `host`."""
+
+    scheme: str  # "http" | "https"
+    host: str  # lower-case ASCII host name or IP literal, without brackets or trailing dot
+    port: int
+    addresses: list[str]  # every address `host` resolved to, each one checked
+    path_and_query: str  # "/api/orders/123?x=1", already percent-encoded
+
+    @property
+    def url(self) -> str:
+        """The request URL rebuilt from the checked parts (default port omitted)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        netloc = host if _ALLOWED_SCHEMES[self.scheme] == self.port else f"{host}:{self.port}"
+        return f"{self.scheme}://{netloc}{self.path_and_query}"
+
+
+@dataclass(frozen=True)
+class DestinationPolicy:
+    """The operator's exceptions to the guard: `CE_WEBHOOK_ALLOW` entries, CIDRs or host names.
+
+    A host name entry allows that exact host (case-insensitive), whatever it resolves to. A CIDR
+    entry allows any address inside it (an IPv4 CIDR also covers the IPv4-mapped IPv6 form).
+    Raises ConfigError naming the entry when one is neither.
+    """
+
+    allow: tuple[str, ...] = ()
+    networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False)
+    host_names: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        networks: list[IPNetwork] = []
+        names: set[str] = set()
+        for raw in self.allow:
+            entry = raw.strip()
+            if not entry:
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            except ValueError:
+                pass
+            name = _normalise_host_name(entry)
+            if name is None:
+                raise ConfigError(
+                    f"CE_WEBHOOK_ALLOW entry {entry!r} is neither a CIDR (10.0.0.0/8) nor a host name",
+                    variable="CE_WEBHOOK_ALLOW",
+                )
+            names.add(name)
+        # frozen dataclass: derived fields are set once here, never again
+        object.__setattr__(self, "networks", tuple(networks))
+        object.__setattr__(self, "host_names", frozenset(names))
+
+    def allows_host(self, host: str) -> bool:
+        return host.lower().rstrip(".") in self.host_names
+
+    def covers(self, address: IPAddress) -> bool:
+        candidates: list[IPAddress] = [address]
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            candidates.append(address.ipv4_mapped)
+        return any(
+            a in net for a in candidates for net in self.networks if a.version == net.version
+        )
+
+
+def refusal_rule(address: IPAddress) -> str | None:
+    """The name of the rule that refuses `address`, or None when it is a public address.
+
+    Pure: the allowlist is not consulted here (see `DestinationPolicy`).
+    """
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            address = ipaddress.IPv6Address(str(address).split("%", 1)[0])
+        embedded = _embedded_ipv4(address)
+        if embedded is not None:
+            kind, v4 = embedded
+            inner = refusal_rule(v4)
+            if inner is not None:
+                return f"{kind} {inner}"
+    if address.is_unspecified:
+        return "unspecified address"
+    if address.is_loopback:
+        return "loopback address"
+    if address == _METADATA:
+        return "link-local address (cloud metadata)"
+    if address.is_link_local:
+        return "link-local address"
+    if address.is_multicast:
+        return "multicast address"
+    if isinstance(address, ipaddress.IPv4Address) and address in _CGNAT:
+        return "shared address space (cgnat 100.64.0.0/10)"
+    if isinstance(address, ipaddress.IPv6Address) and address in _UNIQUE_LOCAL:
+        return "unique-local address"
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        return "site-local address"
+    if address.is_reserved:
+        return "reserved address"
+    if address.is_private:
+        return "private address"
+    if not address.is_global:
+        return "non-global address"
+    return None
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str, ipaddress.IPv4Address] | None:
+    if address.ipv4_mapped is not None:
+        return "ipv4-mapped", address.ipv4_mapped
+    if address in _NAT64:
+        return "nat64", ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if address.sixtofour is not None:
+        return "6to4", address.sixtofour
+    if address.teredo is not None:
+        return "teredo", address.teredo[1]
+    return None
+
+
+def blocked(rule: str, detail: str) -> DestinationBlocked:
+    """A DestinationBlocked whose reason is only "destination not allowed".
+
+    `rule` (which check refused) and `detail` (host and address, for operator logs) are attributes,
+    never part of the text the model sees.
+    """
+    error = DestinationBlocked(BLOCKED_REASON, advice=BLOCKED_ADVICE)
+    error.rule = rule  # type: ignore[attr-defined]
+    error.detail = detail  # type: ignore[attr-defined]
+    return error
+
+
+async def check_destination(
+    url: str, resolver: Resolver, policy: DestinationPolicy
+) -> CheckedDestination:
+    """Parse `url`, resolve its host once, and check every address against the rules and `policy`.
+
+    Returns the CheckedDestination to connect to. Raises DestinationBlocked (reason "destination
+    not allowed"; `.rule` says which check refused) for a bad scheme, userinfo, a malformed host or
+    any refused address; UpstreamUnreachable when the host does not resolve. Nothing connects here.
+    """
+    if _CONTROL_OR_SPACE_RE.search(url):
+        raise blocked(
+            "malformed url", "url contains whitespace, a control character or a backslash"
+        )
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise blocked("malformed url", "url has an invalid host or port") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _ALLOWED_SCHEMES:
+        raise blocked("scheme not allowed", f"scheme {scheme or 'none'!r} is not http or https")
+    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
+        raise blocked("userinfo in url", "credentials in the url (user@host) are not allowed")
+    raw_host = parts.hostname
+    if not raw_host:
+        raise blocked("malformed url", "url names no host")
+    if port is None:
+        port = _ALLOWED_SCHEMES[scheme]
+    if port == 0:
+        raise blocked("malformed url", "port 0 is not a destination")
+
+    literal = _parse_ip_literal(raw_host)
+    if literal is not None:
+        host = str(literal)
+        addresses = [host]
+    else:
+        host_name = _normalise_host_name(raw_host)
+        if host_name is None:
+            raise blocked("malformed url", "host is not a valid host name or IP literal")
+        host = host_name
+        try:
+            addresses = list(dict.fromkeys(await resolver.resolve(host, port)))
+        except OSError:
+            raise UpstreamUnreachable(
+                "upstream host name could not be resolved",
+                advice="Tell the customer you cannot reach the service right now.",
+            ) from None
+        if not addresses:
+            raise UpstreamUnreachable(
+                "upstream host name could not be resolved",
+                advice="Tell the customer you cannot reach the service right now.",
+            )
+
+    host_allowed = policy.allows_host(host)
+    for text in addresses:
+        try:
+            address = ipaddress.ip_address(text)
+        except ValueError:
+            raise blocked(
+                "unparseable address", f"host {host!r} resolved to a non-IP value"
+            ) from None
+        if host_allowed or policy.covers(address):
+            continue
+        rule = refusal_rule(address)
+        if rule is not None:
+            raise blocked(
+                rule,
+                f"host {host!r} resolved to {text}, a {rule}; allow it with CE_WEBHOOK_ALLOW if intended",
+            )
+
+    path = parts.path or "/"
+    path_and_query = f"{path}?{parts.query}" if parts.query else path
+    return CheckedDestination(
+        scheme=scheme, host=host, port=port, addresses=addresses, path_and_query=path_and_query
+    )
+
+
+def _parse_ip_literal(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _normalise_host_name(host: str) -> str | None:
+    """Lower-case ASCII (IDNA) form of a DNS host name without trailing dot, or None if invalid."""
+    name = host.strip().rstrip(".").lower()
+    if not name:
+        return None
+    if not name.isascii():
+        try:
+            name = name.encode("idna").decode("ascii")
+        except UnicodeError:
+            return None
+    if not _HOST_NAME_RE.match(name):
+        return None
+    # all-numeric dotted names ("127.1", "2130706433") are legacy IPv4 forms, not host names
+    if all(label.isdigit() or label.startswith("0x") for label in name.split(".")):
+        return None
+    return name
+
+
+def policy_from_entries(entries: Iterable[str]) -> DestinationPolicy:
+    """DestinationPolicy from allowlist entries (`Settings.webhook_allow`)."""
+    return DestinationPolicy(allow=tuple(entries))

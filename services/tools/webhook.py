@@ -1,0 +1,799 @@
+"""The webhook client: the only place the engine makes outbound HTTP calls for tools.
+
+Owns
+- URL templating (`render_request`): `{param}` holes filled with percent-encoded values that stay
+  inside one path segment or one query value; remaining arguments go to the query (GET/DELETE) or
+  a JSON body (POST/PUT/PATCH);
+- the backend binding contract (`binding_arguments`, seed 001): `parameter_map` renames model
+  arguments to backend names, protected keys are dropped, `scope` keys come from trusted context;
+- `WebhookToolBackend`: the registry's `ToolBackend` port (services.tools.registry) over the client;
+- `WebhookClient`: one aiohttp ClientSession per process. Every call is SSRF-checked
+  (`services.tools.ssrf.check_destination`: host resolved once, every address checked), then
+  connects only to the checked addresses through `_CheckedAddressResolver`; redirects are not
+  followed; the response body is capped and the whole call (resolution, connect, headers, body)
+  runs under one deadline, so a server that drips bytes cannot hold the call open.
+
+Every failure is a `services.tools.errors.ToolError` with a lower-case reason for the model. No
+reason or log line carries a header value (the decrypted auth header above all), a query value or
+a response body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import errno
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Self
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+import structlog
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
+
+from services.tools.context import TrustedContext
+from services.tools.crypto import SecretBox, SecretDecryptError
+from services.tools.errors import (
+    DeadlineExceeded,
+    InvalidArguments,
+    PolicyDenied,
+    ToolError,
+    UpstreamMalformed,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+    UpstreamUnreachable,
+)
+from services.tools.model import BackendBindingTool, WebhookTool
+from services.tools.ssrf import (
+    CheckedDestination,
+    DestinationPolicy,
+    GetaddrinfoResolver,
+    Resolver,
+    blocked,
+    check_destination,
+)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
+_READ_CHUNK = 64 * 1024
+_QUERY_METHODS = frozenset({"GET", "DELETE"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
+_AUTHORITY_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*)(.*)$", re.DOTALL)
+# characters a template's literal text may keep as is; anything else is percent-encoded
+_LITERAL_SAFE = "/:@!$&'()*+,;=-._~%?"
+_DOT_SEGMENTS = frozenset({".", "..", "%2e", "%2e%2e", ".%2e", "%2e."})
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_MIME_RE = re.compile(r"^[a-z0-9.+-]{1,40}/[a-z0-9.+-]{1,60}$")
+# headers a caller may not set: they would change framing, routing or the connection itself
+_FORBIDDEN_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "proxy-connection",
+        "expect",
+    }
+)
+
+_UNREACHABLE_ADVICE = (
+    "Tell the customer you cannot reach the service right now and offer another way to help."
+)
+_TIMEOUT_ADVICE = (
+    "Tell the customer you cannot retrieve this right now; they can try again in a few minutes."
+)
+_MALFORMED_ADVICE = "Tell the customer you cannot read the answer from the service right now."
+_CREDENTIALS_ADVICE = "Tell the customer you cannot access this right now; the business has to update the tool's credentials."
+
+#: The destination the current call was checked against; read by `_CheckedAddressResolver`.
+_checked_destination: contextvars.ContextVar[CheckedDestination | None] = contextvars.ContextVar(
+    "webhook_checked_destination", default=None
+)
+
+
+class WebhookResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """A successful (2xx) upstream answer: `json` is the decoded body, None when the body was empty."""
+
+    status: int
+    json: Any
+    elapsed_ms: float
+
+
+class RenderedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A URL template filled with arguments: the URL and, for POST/PUT/PATCH, the JSON body."""
+
+    method: str
+    url: str
+    body: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- templating (pure)
+
+
+def render_request(url_template: str, method: str, args: Mapping[str, Any]) -> RenderedRequest:
+    """Fill `url_template`'s `{param}` holes from `args`; route the other arguments.
+
+    Each value is percent-encoded with nothing left safe, so `../`, `?x=`, `@evil`, `#frag` or
+    `%2e%2e` stay inside the one path segment (or query value) of its hole. Holes are allowed in
+    the path and the query only. Arguments that fill no hole go to the query for GET/DELETE and to
+    a JSON object body for POST/PUT/PATCH; None values are left out.
+
+    Raises InvalidArguments (naming the parameter) for a missing, empty, dot-segment or non-scalar
+    hole value; DestinationBlocked for a template whose host or scheme holds a hole;
+    ToolError for an unsupported method.
+    """
+    method = method.upper()
+    if method not in _QUERY_METHODS | _BODY_METHODS:
+        raise ToolError(
+            f"http method {method!r} is not supported; use GET, POST, PUT, PATCH or DELETE",
+            advice="Tell the customer this action is unavailable right now.",
+        )
+    match = _AUTHORITY_RE.match(url_template.strip())
+    if match is None:
+        raise blocked("malformed url", "url template does not start with http:// or https://")
+    origin, rest = match.groups()
+    if "{" in origin or "}" in origin:
+        raise blocked(
+            "parameter in host",
+            "url template puts a parameter in the scheme or host; parameters may only fill the path or query",
+        )
+    rest = rest.split("#", 1)[0]  # a fragment is never sent to the server
+    path_template, _, query_template = rest.partition("?")
+    used: set[str] = set()
+    path = _fill(path_template, args, used, in_path=True) or "/"
+    query = _fill(query_template, args, used, in_path=False)
+    for segment in path.split("/"):
+        if segment.lower() in _DOT_SEGMENTS:
+            raise InvalidArguments(
+                "the url would contain a '.' or '..' path segment; dot segments are not allowed",
+                advice="Check the values you passed and call the tool again with real identifiers.",
+            )
+    extra = {k: v for k, v in args.items() if k not in used and v is not None}
+    body: dict[str, Any] | None = None
+    if method in _QUERY_METHODS:
+        extra_query = _encode_query(extra, method)
+        query = "&".join(part for part in (query, extra_query) if part)
+    else:
+        body = extra
+    url = f"{origin}{path}?{query}" if query else f"{origin}{path}"
+    return RenderedRequest(method=method, url=url, body=body)
+
+
+def _fill(template: str, args: Mapping[str, Any], used: set[str], *, in_path: bool) -> str:
+    pieces: list[str] = []
+    position = 0
+    for hole in _HOLE_RE.finditer(template):
+        pieces.append(quote(template[position : hole.start()], safe=_LITERAL_SAFE))
+        name = hole.group(1)
+        text = _hole_text(name, args.get(name))
+        if in_path and text == "":
+            raise InvalidArguments(
+                f"`{name}` must not be empty; it fills a part of the request url",
+                advice=f"Ask the customer for the {name} and call the tool again.",
+            )
+        if in_path and text in (".", ".."):
+            raise InvalidArguments(
+                f"`{name}` must not be '.' or '..'",
+                advice=f"Ask the customer for the {name} and call the tool again.",
+            )
+        pieces.append(quote(text, safe=""))
+        used.add(name)
+        position = hole.end()
+    pieces.append(quote(template[position:], safe=_LITERAL_SAFE))
+    return "".join(pieces)
+
+
+def _hole_text(name: str, value: Any) -> str:
+    if value is None:
+        raise InvalidArguments(
+            f"missing value for `{name}`; it is required to build the request url",
+            advice=f"Ask the customer for the {name} and call the tool again.",
+        )
+    return _scalar_text(name, value)
+
+
+def _scalar_text(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    raise InvalidArguments(
+        f"`{name}` must be text or a number, got {type(value).__name__}",
+        advice=f"Call the tool again with `{name}` as a single value.",
+    )
+
+
+def _encode_query(params: Mapping[str, Any], method: str) -> str:
+    pairs: list[str] = []
+    for name, value in params.items():
+        key = quote(str(name), safe="")
+        values = value if isinstance(value, list | tuple) else [value]
+        for item in values:
+            if item is None:
+                continue
+            if isinstance(item, dict | list | tuple):
+                raise InvalidArguments(
+                    f"`{name}` is nested; a {method} request can only send text, numbers or lists of them",
+                    advice=f"Call the tool again with `{name}` as a single value.",
+                )
+            pairs.append(f"{key}={quote(_scalar_text(name, item), safe='')}")
+    return "&".join(pairs)
+
+
+# --------------------------------------------------------------------------- bindings (pure)
+
+
+def binding_arguments(
+    tool: BackendBindingTool, model_args: Mapping[str, Any], trusted_scope: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The backend's arguments for a binding call, by backend name (seed 001).
+
+    Protected keys from the model are dropped (also when `parameter_map` would rename a model
+    argument onto one), `parameter_map` renames the rest, then every `scope` key is set from
+    `trusted_scope`, overwriting whatever the model sent. Raises PolicyDenied when the trusted
+    scope lacks a key the binding needs.
+    """
+    protected = tool.protected_keys
+    mapped: dict[str, Any] = {}
+    for name, value in model_args.items():
+        if name in protected:
+            continue
+        backend_name = tool.parameter_map.get(name, name)
+        if backend_name in protected:
+            continue
+        mapped[backend_name] = value
+    for key in tool.scope:
+        if trusted_scope.get(key) is None:
+            raise PolicyDenied(
+                f"trusted scope has no `{key}` for this tool",
+                advice="Tell the customer you cannot complete this right now.",
+            )
+        mapped[key] = trusted_scope[key]
+    return mapped
+
+
+def _join_base(base_url: str, path: str) -> str:
+    return f"{base_url.rstrip('/')}/{path.lstrip('/')}"
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class _Redacted(str):
+    """A header value whose repr hides it (tracebacks with locals, multidict reprs)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'[redacted]'"
+
+
+class _UncheckedHost(OSError):
+    """The connector asked to resolve a host that this call did not check."""
+
+
+class _CheckedAddressResolver(AbstractResolver):
+    """aiohttp resolver that answers only with the addresses `check_destination` approved.
+
+    It never does DNS itself: the host was resolved once by the guard, and the connection must go
+    to one of the addresses that were checked (no second lookup an attacker could rebind).
+    """
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_UNSPEC
+    ) -> list[ResolveResult]:
+        destination = _checked_destination.get()
+        if destination is None or host.rstrip(".").lower() != destination.host:
+            raise _UncheckedHost(errno.EACCES, "host was not checked by the ssrf guard")
+        flags = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+        return [
+            ResolveResult(
+                hostname=host,
+                host=address,
+                port=port,
+                family=socket.AF_INET6 if ":" in address else socket.AF_INET,
+                proto=0,
+                flags=flags,
+            )
+            for address in destination.addresses
+        ]
+
+    async def close(self) -> None:
+        return None
+
+
+SocketFactory = Callable[[tuple[Any, ...]], socket.socket]
+
+
+class WebhookClient:
+    """Outbound HTTP for tools, SSRF-guarded and bounded. One instance (one session) per process.
+
+    Use as `async with WebhookClient(policy=...) as client:` or call `start()` / `close()`.
+    `resolver` defaults to the system resolver; `socket_factory` is passed to aiohttp's
+    connector (tests use it to refuse any non-loopback connect).
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: DestinationPolicy,
+        resolver: Resolver | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        connection_limit: int = 100,
+        socket_factory: SocketFactory | None = None,
+        user_agent: str = "chat-engine-webhook/0.1",
+    ) -> None:
+        self._policy = policy
+        self._resolver: Resolver = resolver or GetaddrinfoResolver()
+        self._max_body_bytes = max_body_bytes
+        self._connection_limit = connection_limit
+        self._socket_factory = socket_factory
+        self._user_agent = user_agent
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the shared session (idempotent)."""
+        if self._session is not None:
+            return
+        connector = aiohttp.TCPConnector(
+            resolver=_CheckedAddressResolver(),
+            use_dns_cache=False,  # every call must use the addresses it checked, not a cache
+            limit=self._connection_limit,
+            socket_factory=self._socket_factory,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            trust_env=False,  # a proxy from the environment would bypass the address check
+            cookie_jar=aiohttp.DummyCookieJar(),  # no cookies carried between tenants' calls
+            raise_for_status=False,
+        )
+
+    async def close(self) -> None:
+        """Close the session and its connections (idempotent)."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ calls
+
+    async def call(
+        self,
+        *,
+        url_template: str,
+        method: str,
+        args: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float,
+        idempotency_key: str | None = None,
+        tool_name: str | None = None,
+    ) -> WebhookResponse:
+        """Render, check, send and decode one request, all within `timeout_s` seconds.
+
+        Returns the 2xx answer with its JSON (None for an empty body). Raises InvalidArguments,
+        DestinationBlocked (before any connection), UpstreamTimeout, UpstreamUnreachable,
+        UpstreamStatus (3xx: redirects are not followed; 4xx; 5xx), UpstreamMalformed,
+        UpstreamTooLarge, DeadlineExceeded (no time left on entry).
+        """
+        session = self._session
+        if session is None:
+            raise RuntimeError("WebhookClient is not started; use `async with` or await start()")
+        if timeout_s <= 0:
+            raise DeadlineExceeded("deadline passed before the call started")
+        rendered = render_request(url_template, method, args)
+        body_bytes: bytes | None = None
+        if rendered.body is not None:
+            try:
+                body_bytes = msgspec.json.encode(rendered.body)
+            except (TypeError, msgspec.EncodeError):
+                raise InvalidArguments(
+                    "arguments cannot be sent as json",
+                    advice="Call the tool again with plain values.",
+                ) from None
+        request_headers = self._request_headers(
+            headers, idempotency_key, has_body=body_bytes is not None
+        )
+
+        log = structlog.get_logger(__name__)
+        started = time.monotonic()
+        destination: CheckedDestination | None = None
+        try:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    destination = await check_destination(
+                        rendered.url, self._resolver, self._policy
+                    )
+                    response = await self._send(
+                        session,
+                        destination,
+                        rendered.method,
+                        request_headers,
+                        body_bytes,
+                        timeout_s,
+                        started,
+                    )
+            except TimeoutError:
+                raise UpstreamTimeout("upstream timeout", advice=_TIMEOUT_ADVICE) from None
+        except ToolError as error:
+            log.info(
+                "webhook_call_failed",
+                tool_name=tool_name,
+                method=rendered.method,
+                host=destination.host if destination else None,
+                error_kind=error.kind,
+                status=getattr(error, "status", None),
+                rule=getattr(error, "rule", None),
+                detail=getattr(error, "detail", None),
+                elapsed_ms=_elapsed_ms(started),
+            )
+            raise
+        log.info(
+            "webhook_call_completed",
+            tool_name=tool_name,
+            method=rendered.method,
+            host=destination.host,
+            status=response.status,
+            elapsed_ms=response.elapsed_ms,
+        )
+        return response
+
+    async def call_webhook(
+        self,
+        tool: WebhookTool,
+        args: Mapping[str, Any],
+        secret_box: SecretBox | None,
+        timeout_s: float | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> WebhookResponse:
+        """Call a tenant webhook tool (seed 000) with the model's (already validated) arguments.
+
+        Protected keys are dropped from `args`. The auth header is decrypted here, at call time,
+        and sent as `Authorization`. The time limit is the tool's `timeout_ms`, or `timeout_s`
+        when that is shorter (the executor's remaining deadline). Raises as `call`, plus ToolError
+        when the stored auth header cannot be decrypted; errors carry `tool_name`.
+        """
+        clean = {k: v for k, v in args.items() if k not in tool.protected_keys}
+        headers: dict[str, str] = {}
+        try:
+            if tool.auth_header_enc:
+                headers["Authorization"] = self._open_auth_header(tool, secret_box)
+            return await self.call(
+                url_template=tool.webhook_url,
+                method=tool.method,
+                args=clean,
+                headers=headers,
+                timeout_s=_budget(tool.timeout_ms, timeout_s),
+                idempotency_key=idempotency_key,
+                tool_name=tool.name,
+            )
+        except ToolError as error:
+            if error.tool_name is None:
+                error.tool_name = tool.name
+            raise
+
+    async def call_binding(
+        self,
+        base_url: str,
+        tool: BackendBindingTool,
+        model_args: Mapping[str, Any],
+        trusted_scope: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> WebhookResponse:
+        """Call a declarative backend binding (seed 001) at `base_url` + `tool.path`.
+
+        Arguments are `binding_arguments(tool, model_args, trusted_scope)`: renamed by
+        `parameter_map`, protected keys dropped, `scope` filled from `trusted_scope`. They fill
+        `{holes}` in the path, then go to the query (GET/DELETE) or a JSON body (others), through
+        the same guarded path as `call`. Raises as `call`, plus PolicyDenied for a missing scope.
+        """
+        try:
+            backend_args = binding_arguments(tool, model_args, trusted_scope)
+            return await self.call(
+                url_template=_join_base(base_url, tool.path),
+                method=tool.method,
+                args=backend_args,
+                headers=headers,
+                timeout_s=_budget(tool.timeout_ms, timeout_s),
+                idempotency_key=idempotency_key,
+                tool_name=tool.name,
+            )
+        except ToolError as error:
+            if error.tool_name is None:
+                error.tool_name = tool.name
+            raise
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _open_auth_header(tool: WebhookTool, secret_box: SecretBox | None) -> str:
+        if secret_box is None:
+            raise ToolError("tool credentials are unavailable", advice=_CREDENTIALS_ADVICE)
+        try:
+            return _Redacted(secret_box.decrypt(tool.auth_header_enc or ""))
+        except SecretDecryptError:
+            structlog.get_logger(__name__).warning(
+                "webhook_auth_header_undecryptable", tool_name=tool.name
+            )
+            raise ToolError(
+                "tool credentials cannot be decrypted", advice=_CREDENTIALS_ADVICE
+            ) from None
+
+    def _request_headers(
+        self, headers: Mapping[str, str], idempotency_key: str | None, *, has_body: bool
+    ) -> dict[str, str]:
+        out: dict[str, str] = {"User-Agent": self._user_agent, "Accept": "application/json"}
+        for name, value in headers.items():
+            if not isinstance(name, str) or not _HEADER_NAME_RE.match(name):
+                raise ToolError("a configured header name is invalid", advice=_CREDENTIALS_ADVICE)
+            if name.lower() in _FORBIDDEN_HEADERS or name.lower().startswith("proxy-"):
+                raise ToolError(
+                    f"header {name.lower()!r} cannot be set by a tool", advice=_CREDENTIALS_ADVICE
+                )
+            if not isinstance(value, str) or _HEADER_VALUE_BAD_RE.search(value):
+                # the value may be a credential: say which header, never what it holds
+                raise ToolError(
+                    f"header {name.lower()!r} has an invalid value (a line break or control character)",
+                    advice=_CREDENTIALS_ADVICE,
+                )
+            out[name] = _Redacted(value) if name.lower() == "authorization" else value
+        if idempotency_key is not None:
+            if _HEADER_VALUE_BAD_RE.search(idempotency_key) or not idempotency_key:
+                raise ToolError("idempotency key is invalid")
+            out["Idempotency-Key"] = idempotency_key
+        if has_body:
+            out["Content-Type"] = "application/json"
+        return out
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        destination: CheckedDestination,
+        method: str,
+        headers: dict[str, str],
+        body: bytes | None,
+        timeout_s: float,
+        started: float,
+    ) -> WebhookResponse:
+        token = _checked_destination.set(destination)
+        try:
+            async with session.request(
+                method,
+                yarl.URL(destination.url, encoded=True),
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                status = response.status
+                if not 200 <= status < 300:
+                    response.close()  # do not drain an error body we will not read
+                    raise _status_error(status)
+                raw = await self._read_capped(response)
+                content_type = response.headers.get("Content-Type", "")
+            return WebhookResponse(
+                status=status, json=_decode_json(raw, content_type), elapsed_ms=_elapsed_ms(started)
+            )
+        except TimeoutError:
+            raise
+        except aiohttp.ClientConnectorDNSError as exc:
+            if isinstance(exc.__cause__, _UncheckedHost):
+                raise blocked(
+                    "unchecked host", "connector asked for a host the guard did not check"
+                ) from None
+            raise UpstreamUnreachable(
+                "upstream host name could not be resolved", advice=_UNREACHABLE_ADVICE
+            ) from None
+        except aiohttp.ClientSSLError:
+            raise UpstreamUnreachable(
+                "tls handshake with upstream failed", advice=_UNREACHABLE_ADVICE
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            reason = (
+                "upstream refused the connection"
+                if exc.os_error.errno == errno.ECONNREFUSED
+                else "could not connect to upstream"
+            )
+            raise UpstreamUnreachable(reason, advice=_UNREACHABLE_ADVICE) from None
+        except aiohttp.ClientPayloadError:
+            raise UpstreamUnreachable(
+                "upstream closed the connection mid-response", advice=_UNREACHABLE_ADVICE
+            ) from None
+        except aiohttp.ServerDisconnectedError:
+            raise UpstreamUnreachable(
+                "upstream closed the connection", advice=_UNREACHABLE_ADVICE
+            ) from None
+        except aiohttp.ClientOSError:
+            raise UpstreamUnreachable(
+                "connection to upstream was reset", advice=_UNREACHABLE_ADVICE
+            ) from None
+        except aiohttp.InvalidURL:
+            raise blocked("malformed url", "aiohttp rejected the checked url") from None
+        except aiohttp.ClientResponseError:
+            raise UpstreamMalformed(
+                "upstream sent an invalid http response", advice=_MALFORMED_ADVICE
+            ) from None
+        except aiohttp.ClientError:
+            raise UpstreamUnreachable(
+                "upstream request failed", advice=_UNREACHABLE_ADVICE
+            ) from None
+        finally:
+            _checked_destination.reset(token)
+
+    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
+        limit = self._max_body_bytes
+        if response.content_length is not None and response.content_length > limit:
+            response.close()
+            raise _too_large(limit)
+        buffer = bytearray()
+        async for chunk in response.content.iter_chunked(_READ_CHUNK):
+            buffer += chunk
+            if len(buffer) > limit:
+                response.close()  # stop reading: drop the connection rather than drain it
+                raise _too_large(limit)
+        return bytes(buffer)
+
+
+BaseUrl = str | Callable[[TrustedContext], str | None] | None
+
+
+class WebhookToolBackend:
+    """The registry's `ToolBackend` port, implemented over one `WebhookClient`.
+
+    Handlers get the decoded JSON of a 2xx answer (None for an empty body). Bindings go to
+    `binding_base_url` (a fixed URL, or a function of the trusted context returning the tenant's
+    backend) with `binding_headers`; their `scope` comes from `ctx.scope`.
+    """
+
+    def __init__(
+        self,
+        client: WebhookClient,
+        *,
+        secret_box: SecretBox | None,
+        binding_base_url: BaseUrl = None,
+        binding_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self._client = client
+        self._secret_box = secret_box
+        self._binding_base_url = binding_base_url
+        self._binding_headers = dict(binding_headers or {})
+
+    async def call_webhook(
+        self,
+        tool: WebhookTool,
+        args: dict[str, Any],
+        *,
+        timeout_s: float,
+        idempotency_key: str | None,
+    ) -> Any:
+        """The JSON answer of `tool`'s webhook. Raises the ToolErrors of `WebhookClient.call_webhook`."""
+        response = await self._client.call_webhook(
+            tool, args, self._secret_box, timeout_s, idempotency_key=idempotency_key
+        )
+        return response.json
+
+    async def call_binding(
+        self,
+        tool: BackendBindingTool,
+        args: dict[str, Any],
+        *,
+        ctx: TrustedContext,
+        timeout_s: float,
+        idempotency_key: str | None,
+    ) -> Any:
+        """The JSON answer of the binding. Raises the ToolErrors of `WebhookClient.call_binding`,
+        or ToolError when no backend is configured for this tenant."""
+        base = (
+            self._binding_base_url(ctx)
+            if callable(self._binding_base_url)
+            else self._binding_base_url
+        )
+        if not base:
+            raise ToolError(
+                "no backend is configured for this tool",
+                advice="Tell the customer this action is unavailable right now.",
+                tool_name=tool.name,
+            )
+        response = await self._client.call_binding(
+            base,
+            tool,
+            args,
+            ctx.scope,
+            self._binding_headers,
+            timeout_s,
+            idempotency_key=idempotency_key,
+        )
+        return response.json
+
+
+def _budget(timeout_ms: int, timeout_s: float | None) -> float:
+    tool_limit = timeout_ms / 1000.0
+    return tool_limit if timeout_s is None else min(tool_limit, timeout_s)
+
+
+def _elapsed_ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000.0, 1)
+
+
+def _too_large(limit: int) -> UpstreamTooLarge:
+    return UpstreamTooLarge(
+        f"upstream response is larger than {limit} bytes",
+        advice="Tell the customer you cannot retrieve this right now; ask them to narrow the request.",
+    )
+
+
+def _status_error(status: int) -> UpstreamStatus:
+    if 300 <= status < 400:
+        return UpstreamStatus(
+            f"upstream redirected ({status}); redirects are not followed",
+            status=status,
+            advice="Tell the customer this action is unavailable right now; the business has to update the tool's address.",
+        )
+    if status == 404:
+        return UpstreamStatus(
+            "not found (404)",
+            status=status,
+            advice="Ask the customer to double-check the identifier they gave (for example the order number) and try again.",
+        )
+    if status in (401, 403):
+        return UpstreamStatus(
+            f"upstream refused credentials ({status})", status=status, advice=_CREDENTIALS_ADVICE
+        )
+    if status == 429:
+        return UpstreamStatus(
+            "upstream rate limited (429)",
+            status=status,
+            advice="Tell the customer the service is busy and to try again in a few minutes.",
+        )
+    if 400 <= status < 500:
+        return UpstreamStatus(
+            f"upstream rejected the request ({status})",
+            status=status,
+            advice="Check the details you sent with the customer, then try once more.",
+        )
+    if status >= 500:
+        return UpstreamStatus(
+            f"upstream error ({status})", status=status, advice=_UNREACHABLE_ADVICE
+        )
+    return UpstreamStatus(
+        f"unexpected upstream status ({status})", status=status, advice=_MALFORMED_ADVICE
+    )
+
+
+def _decode_json(raw: bytes, content_type: str) -> Any:
+    """The JSON value of a 2xx body; None for an empty body. Raises UpstreamMalformed."""
+    if not raw.strip():
+        return None
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime and not (mime == "application/json" or mime.endswith("+json") or mime == "text/json"):
+        shown = mime if _MIME_RE.match(mime) else "a non-json type"
+        raise UpstreamMalformed(f"upstream returned {shown}, not json", advice=_MALFORMED_ADVICE)
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise UpstreamMalformed(
+            "upstream returned malformed json", advice=_MALFORMED_ADVICE
+        ) from None
