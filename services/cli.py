@@ -1,0 +1,189 @@
+"""`chat-engine`: run | serve | migrate | tenant create NAME | chat [--session ID] | contract.
+
+The entrypoint reads Settings from the environment once and configures logging once. Bad
+configuration ends with one sentence saying what to set or install, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+import msgspec
+
+from services.errors import ChatEngineError
+from services.logging import configure_logging
+from services.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="chat-engine", description="multi-tenant chat engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="everything on embedded defaults (Postgres, Ray, local model, demo)")
+    p_run.add_argument("--port", type=int, default=None)
+    sub.add_parser("serve", help="the gateway only, against DATABASE_URL and RAY_ADDRESS")
+    sub.add_parser("migrate", help="apply database migrations")
+    p_tenant = sub.add_parser("tenant", help="tenant administration")
+    tsub = p_tenant.add_subparsers(dest="tenant_command", required=True)
+    p_create = tsub.add_parser("create", help="create a tenant and print its API key once")
+    p_create.add_argument("name")
+    p_chat = sub.add_parser("chat", help="interactive terminal client of the gateway")
+    p_chat.add_argument("--session", default=None)
+    p_chat.add_argument("--url", default=None, help="gateway URL (default: CE_URL from .data/demo.env)")
+    p_chat.add_argument("--key", default=None, help="tenant API key (default: CE_API_KEY from .data/demo.env)")
+    p_contract = sub.add_parser("contract", help="print the tool-contract report of a tenant")
+    p_contract.add_argument("--url", default=None)
+    p_contract.add_argument("--key", default=None)
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        configure_logging(fmt=settings.log_format, level=settings.log_level)
+        if args.command == "run":
+            _install_uvloop()
+            asyncio.run(_run(settings, port=args.port))
+        elif args.command == "serve":
+            _install_uvloop()
+            asyncio.run(_serve(settings))
+        elif args.command == "migrate":
+            asyncio.run(_migrate(settings))
+        elif args.command == "tenant":
+            asyncio.run(_tenant_create(settings, args.name))
+        elif args.command == "chat":
+            from services.chat_client import chat
+
+            url, key = _client_target(settings, args.url, args.key)
+            asyncio.run(chat(url, key, args.session or f"cli-{uuid.uuid4().hex[:8]}"))
+        elif args.command == "contract":
+            from services.chat_client import print_contract
+
+            url, key = _client_target(settings, args.url, args.key)
+            asyncio.run(print_contract(url, key))
+    except ChatEngineError as exc:
+        print(f"chat-engine: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - optional speed-up
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def _client_target(settings: Settings, url: str | None, key: str | None) -> tuple[str, str]:
+    env_file = Path(settings.data_dir) / "demo.env"
+    values: dict[str, str] = {}
+    if env_file.exists():
+        for line in env_file.read_text().splitlines():
+            name, _, value = line.partition("=")
+            values[name.strip()] = value.strip()
+    url = url or values.get("CE_URL") or f"http://{settings.host}:{settings.port}"
+    key = key or values.get("CE_API_KEY")
+    if not key:
+        raise ChatEngineError("no API key: pass --key, or start 'make run' which writes .data/demo.env")
+    return url, key
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _run(settings: Settings, *, port: int | None) -> None:
+    from services.stack import Stack
+
+    print("chat-engine: starting (embedded Postgres, local Ray, local model, demo store)...", flush=True)
+    stack = await Stack.start(settings, port=port)
+    try:
+        gw = stack.gateway
+        assert gw is not None
+        print(f"""
+chat-engine is serving on {gw.url}
+  demo tenant API key: {stack.demo_key}
+  (also in {Path(settings.data_dir) / 'demo.env'})
+
+Try:
+  curl -s {gw.url}/v1/sessions/demo-1/messages \\
+    -H 'Authorization: Bearer {stack.demo_key}' -H 'Content-Type: application/json' \\
+    -d '{{"text": "where is my order 12345?"}}'
+
+or chat in this terminal:  .venv/bin/chat-engine chat
+Ctrl-C flushes every session and stops everything.
+""", flush=True)
+        await _wait_for_signal()
+        print("chat-engine: stopping (flushing sessions)...", flush=True)
+    finally:
+        await stack.stop()
+
+
+async def _serve(settings: Settings) -> None:
+    from actors import cluster
+    from actors.placement import Placement
+    from services.gateway.server import open_gateway
+
+    if not settings.database_url:
+        raise ChatEngineError("DATABASE_URL is not set; 'chat-engine serve' needs an existing Postgres "
+                              "(or use 'chat-engine run' for the embedded one)")
+    await asyncio.to_thread(cluster.connect, settings)
+    placement = Placement(settings)
+    await placement.start_hosts()
+    gateway = await open_gateway(settings, placement)
+    print(f"chat-engine gateway on {gateway.url}", flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await gateway.close()
+
+
+async def _open_pool(settings: Settings):
+    from storage.pool import create_pool
+
+    if settings.database_url:
+        return None, await create_pool(settings.database_url, min_size=1, max_size=2)
+    from storage.embedded import start_embedded
+
+    pg = await asyncio.to_thread(start_embedded, Path(settings.data_dir))
+    return pg, await create_pool(pg.url, min_size=1, max_size=2)
+
+
+async def _migrate(settings: Settings) -> None:
+    from storage.migrate import migrate
+
+    pg, pool = await _open_pool(settings)
+    try:
+        applied = await migrate(pool)
+        print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+    finally:
+        await pool.close()
+        if pg is not None:
+            pg.stop()
+
+
+async def _tenant_create(settings: Settings, name: str) -> None:
+    from storage.migrate import migrate
+    from storage.repos import TenantRepo
+
+    pg, pool = await _open_pool(settings)
+    try:
+        await migrate(pool)
+        tenant, key = await TenantRepo(pool).create_tenant(name)
+        print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "api_key": key.api_key}).decode())
+        print("keep the api_key: it is shown only this once", file=sys.stderr)
+    finally:
+        await pool.close()
+        if pg is not None:
+            pg.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

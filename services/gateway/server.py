@@ -1,0 +1,55 @@
+"""Opening and serving the gateway: its own pool and repositories, a router, an aiohttp runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.app import GatewayDeps, build_app
+from services.settings import Settings
+from services.tools.crypto import SecretBox
+from storage.pool import create_pool
+from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+
+
+class Gateway:
+    """A running gateway: `url`, `deps`, `close()`."""
+
+    def __init__(self, runner: web.AppRunner, pool: Any, deps: GatewayDeps, url: str) -> None:
+        self._runner = runner
+        self._pool = pool
+        self.deps = deps
+        self.url = url
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+        await self._pool.close()
+
+
+async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_check=None,
+                       host: str | None = None, port: int | None = None) -> Gateway:
+    """Serve the gateway for `router` on CE_HOST:CE_PORT (or the given host/port; port 0 picks one)."""
+    pool = await create_pool(settings.database_url, min_size=1, max_size=10)
+    deps = GatewayDeps(
+        router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
+        sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
+        secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
+        contract=contract,
+    )
+
+    async def ready() -> bool:
+        try:
+            async with pool.acquire() as conn:
+                await conn.fetchval("SELECT 1")
+        except Exception:  # noqa: BLE001 - readiness is a yes/no answer
+            return False
+        return True if ready_check is None else await ready_check()
+
+    deps.ready = ready
+    runner = web.AppRunner(build_app(deps), access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host or settings.host, settings.port if port is None else port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return Gateway(runner, pool, deps, f"http://{bound_host}:{bound_port}")

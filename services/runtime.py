@@ -1,0 +1,93 @@
+"""The composition root of a session-hosting process: pool, repositories, clients, catalogs.
+
+Built once per process from one Settings (a Ray session host, or the in-process mode of the
+benchmark and tests). Nothing here is a module-level singleton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from services.botconfig import BotConfig
+from services.catalogs import TenantCatalogs
+from services.errors import ConfigError
+from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
+from services.settings import Settings
+from services.tools.crypto import SecretBox
+from services.tools.executor import Executor
+from services.tools.limiter import ResourceLimiter
+from services.tools.registry import HandlerRegistry
+from services.tools.ssrf import policy_from_entries
+from services.tools.webhook import WebhookClient, WebhookToolBackend
+from storage.pool import create_pool
+from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo, listen_catalog
+
+log = structlog.get_logger(__name__)
+
+
+class Runtime:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pool: Any = None
+        self.listener: Any = None
+        self.webhooks: WebhookClient | None = None
+
+    @classmethod
+    async def open(cls, settings: Settings, *, listen: bool = True, pool_size: int = 10) -> Runtime:
+        """Connect everything. Raises ConfigError/StorageError with a sentence saying what to fix."""
+        if not settings.database_url:
+            raise ConfigError("DATABASE_URL is not set for this process; set it or use 'chat-engine run'",
+                              variable="DATABASE_URL")
+        rt = cls(settings)
+        rt.pool = await create_pool(settings.database_url, min_size=1, max_size=pool_size)
+        rt.tenants_repo = TenantRepo(rt.pool)
+        rt.tools = ToolRepo(rt.pool)
+        rt.calls = ToolCallRepo(rt.pool)
+        rt.sessions = SessionRepo(rt.pool)
+        rt.configs = BotConfigRepo(rt.pool)
+        rt.secret_box = SecretBox(settings.secret_keys) if settings.secret_keys else None
+        rt.webhooks = WebhookClient(policy=policy_from_entries(settings.webhook_allow))
+        await rt.webhooks.start()
+        rt.llm = AnthropicLLM(make_anthropic_client(settings.anthropic_api_key, settings.anthropic_base_url))
+        rt.registry = HandlerRegistry()
+        rt.executor = Executor(limiter=ResourceLimiter())
+        builtins = rt._install_builtins()
+        rt.tenants = TenantCatalogs(
+            tools=rt.tools, configs=rt.configs, registry=rt.registry, backend_for=rt._backend_for,
+            builtins=builtins, llm=rt.llm, executor=rt.executor,
+            main_model=settings.main_model, cheap_model=settings.cheap_model,
+        )
+        if listen:
+            rt.listener = await listen_catalog(rt.pool, rt.tenants.invalidate, on_lost=rt._listener_lost)
+        return rt
+
+    def _install_builtins(self):
+        try:
+            from services.builtins import install
+        except ImportError:  # built-in tools ship in services.builtins when present
+            return lambda: ()
+        return install(self)
+
+    def _backend_for(self, config: BotConfig) -> WebhookToolBackend:
+        headers: dict[str, str] = {}
+        base_url = None
+        if config.backend is not None:
+            base_url = config.backend.base_url
+            if config.backend.auth_header_enc and self.secret_box is not None:
+                headers["Authorization"] = self.secret_box.decrypt(config.backend.auth_header_enc)
+        return WebhookToolBackend(self.webhooks, secret_box=self.secret_box,
+                                  binding_base_url=base_url, binding_headers=headers)
+
+    def _listener_lost(self) -> None:
+        log.warning("catalog_listener_lost")
+        self.tenants.invalidate()
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+        if self.webhooks is not None:
+            await self.webhooks.close()
+        if self.pool is not None:
+            await self.pool.close()

@@ -1,0 +1,178 @@
+"""`chat-engine run`: the whole product on embedded defaults, started and stopped in one place.
+
+Embedded Postgres under `.data/` (unless DATABASE_URL is set), migrations, the encryption key,
+the local model (unless ANTHROPIC_API_KEY is set), the demo store on its own loopback address,
+a local Ray (unless RAY_ADDRESS is set), the session hosts, tenant `demo` with example tools,
+and the gateway. Tests start this same code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from actors import cluster
+from actors.placement import Placement
+from services.gateway.server import Gateway, open_gateway
+from services.settings import Settings
+from services.tools.crypto import SecretBox, load_or_create_key
+from storage.pool import create_pool
+from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
+
+log = structlog.get_logger(__name__)
+
+DEMO_TENANT = "demo"
+DEMO_STORE_HOST = "127.0.0.2"  # its own loopback address, so the allowlist admits it and nothing else
+
+
+class Stack:
+    def __init__(self) -> None:
+        self.settings: Settings | None = None
+        self.pg: Any = None
+        self.local_model: Any = None
+        self.demo_store: Any = None
+        self.placement: Placement | None = None
+        self.gateway: Gateway | None = None
+        self.demo_key: str | None = None
+        self.started_ray = False
+
+    @classmethod
+    async def start(cls, settings: Settings, *, port: int | None = None, seed_demo: bool = True) -> Stack:
+        stack = cls()
+        try:
+            await stack._start(settings, port=port, seed_demo=seed_demo)
+        except BaseException:
+            await stack.stop()
+            raise
+        return stack
+
+    async def _start(self, settings: Settings, *, port: int | None, seed_demo: bool) -> None:
+        data = Path(settings.data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        changes: dict[str, Any] = {}
+        if not settings.database_url:
+            from storage.embedded import start_embedded
+
+            self.pg = await asyncio.to_thread(start_embedded, data)
+            changes["database_url"] = self.pg.url
+        if not settings.secret_keys:
+            changes["secret_keys"] = (load_or_create_key(data / "secret.key"),)
+        if not settings.anthropic_api_key and not settings.anthropic_base_url:
+            from services.llm.local_model import start_local_model
+
+            self.local_model = await start_local_model()
+            changes["anthropic_base_url"] = self.local_model.url
+        if seed_demo:
+            from services.demo_store import start_demo_store
+
+            self.demo_store = await start_demo_store(DEMO_STORE_HOST)
+            changes["webhook_allow"] = (*settings.webhook_allow, f"{DEMO_STORE_HOST}/32")
+        settings = msgspec.structs.replace(settings, **changes)
+        self.settings = settings
+
+        from storage.migrate import migrate
+
+        pool = await create_pool(settings.database_url, min_size=1, max_size=2)
+        try:
+            applied = await migrate(pool)
+            if applied:
+                log.info("migrations_applied", migrations=applied)
+            if seed_demo:
+                self.demo_key = await seed_demo_tenant(pool, settings, self.demo_store.url, data)
+        finally:
+            await pool.close()
+
+        self.started_ray = not settings.ray_address
+        await asyncio.to_thread(cluster.connect, settings)
+        self.placement = Placement(settings)
+        await self.placement.start_hosts()
+        self.gateway = await open_gateway(settings, self.placement, port=port, ready_check=self._hosts_ready)
+
+    async def _hosts_ready(self) -> bool:
+        assert self.placement is not None
+        stats = await self.placement.stats()
+        return self.placement.mode == "dedicated" or len(stats) >= self.placement.shards
+
+    async def stop(self) -> None:
+        """Flush every session and stop everything this stack started."""
+        if self.placement is not None:
+            try:
+                await self.placement.shutdown_hosts()
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                log.exception("host_shutdown_failed")
+        if self.gateway is not None:
+            await self.gateway.close()
+        if self.started_ray:
+            await asyncio.to_thread(cluster.disconnect)
+        if self.demo_store is not None:
+            await self.demo_store.stop()
+        if self.local_model is not None:
+            await self.local_model.stop()
+        if self.pg is not None:
+            await asyncio.to_thread(self.pg.stop)
+
+
+async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: Path) -> str:
+    """Tenant `demo` with seed 000's check_order and seed 001's catalog search; returns its key.
+
+    The key is kept in `.data/demo.env` (only its hash is in Postgres) and reused while valid.
+    """
+    tenants, tools, configs = TenantRepo(pool), ToolRepo(pool), BotConfigRepo(pool)
+    env_file = data / "demo.env"
+    key = None
+    if env_file.exists():
+        for line in env_file.read_text().splitlines():
+            if line.startswith("CE_API_KEY="):
+                key = line.split("=", 1)[1].strip()
+    tenant = await tenants.get_by_name(DEMO_TENANT)
+    if tenant is None:
+        tenant, issued = await tenants.create_tenant(DEMO_TENANT)
+        key = issued.api_key
+    elif key is None or (await tenants.tenant_for_key(key)) is None:
+        key = (await tenants.issue_key(tenant.id)).api_key
+    box = SecretBox(settings.secret_keys)
+    from services.gateway.bodies import ToolCreate, definition_from_body
+
+    check_order = definition_from_body(ToolCreate(
+        name="check_order",
+        description="Look up a customer order by order number. Use when customer asks about their order status.",
+        parameters={"order_id": {"type": "string", "description": "The order number"}},
+        webhook_url=f"{store_url}/api/orders/{{order_id}}",
+        auth_header="Bearer demo-store-key", timeout_ms=5000, intents=["orders"],
+    ), encrypt=box.encrypt)
+    catalog = definition_from_body(ToolCreate(
+        name="example_catalog_search", type="backend_binding", mutability="read",
+        description="Search the product catalog. Use when the customer looks for a product.",
+        parameters={"search": {"type": "string", "description": "what to look for", "required": True},
+                    "limit": {"type": "integer", "description": "how many results", "minimum": 1, "maximum": 20}},
+        method="GET", path="/example/catalog", parameter_map={"search": "q", "limit": "per_page"},
+        scope=["account_id"], intents=["shopping"],
+    ), encrypt=box.encrypt)
+    from services.errors import NotFound
+
+    for definition in (check_order, catalog):
+        data_def = msgspec.to_builtins(definition)
+        try:
+            current = await tools.get(tenant.id, definition.name)
+        except NotFound:
+            await tools.create(tenant.id, definition.name, data_def["type"], data_def)
+            continue
+        if {k: v for k, v in current.definition.items() if k != "auth_header_enc"} != {
+            k: v for k, v in data_def.items() if k != "auth_header_enc"
+        }:
+            await tools.new_version(tenant.id, definition.name, data_def, publish=True)
+    await configs.put(tenant.id, {
+        "persona": "You are the assistant of the Demo Store. Be brief and friendly.",
+        "intents": {
+            "orders": {"phrases": ["order", "delivery", "package", "shipping"], "tools": ["check_order"]},
+            "shopping": {"phrases": ["looking for", "do you sell", "buy"], "tools": ["example_catalog_search"]},
+        },
+        "backend": {"base_url": store_url, "openapi": None},
+    })
+    env_file.write_text(f"CE_URL=http://{settings.host}:{settings.port}\nCE_API_KEY={key}\n")
+    env_file.chmod(0o600)
+    return key
