@@ -1,0 +1,291 @@
+"""The anthropic SDK adapter: `AnthropicLLM` implements the LLMClient port over the streaming
+Messages API. The only module that imports `anthropic`.
+
+One `anthropic.AsyncAnthropic` serves the whole process (it holds the connection pool; building
+one costs far more than a call): the composition root makes it with `make_anthropic_client` and
+passes it in. The same code talks to the real API and to the local model
+(`services.llm.local_model`, reached with `base_url`).
+
+The stream is read with `messages.create(stream=True)`: raw events, accumulated here into our
+content blocks (text deltas are yielded as they arrive; tool input JSON is parsed once, at the
+end of its block, with msgspec). The SDK's `messages.stream()` helper would rebuild a snapshot
+of the whole message after every event, which is work the hot path does not need.
+
+Every SDK or transport failure becomes an `LLMError` whose message says what failed and what to
+do, and never carries the API key (the SDK's exception is not chained: it holds the request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anthropic
+import httpx2
+import msgspec
+import structlog
+
+from services.errors import ConfigError
+from services.llm.port import (
+    ContentBlock,
+    LLMError,
+    LLMEvent,
+    LLMRequest,
+    LLMResponse,
+    TextBlock,
+    TextDelta,
+    ToolUseBlock,
+    Usage,
+)
+
+log = structlog.get_logger(__name__)
+
+#: the key the local model is given when none is configured; it accepts any key
+LOCAL_API_KEY = "local"
+
+_to_builtins = msgspec.to_builtins
+_decode_json = msgspec.json.decode
+_TOOL_CHOICE_NONE = {"type": "none"}
+_RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+_RETRYABLE_TYPES = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
+
+
+def make_anthropic_client(
+    api_key: str | None,
+    base_url: str | None,
+    *,
+    timeout: float = 120.0,
+    max_retries: int = 2,
+    default_headers: Mapping[str, str] | None = None,
+) -> anthropic.AsyncAnthropic:
+    """The process's one SDK client.
+
+    `api_key` None means the local model at `base_url` (any key works there). Returns the client;
+    raises ConfigError when neither a key nor a local model URL is given. Credentials are always
+    passed explicitly, so the SDK reads no credential files or variables of its own.
+    """
+    if api_key is None and base_url is None:
+        raise ConfigError(
+            "no model is configured: set ANTHROPIC_API_KEY, or start the local model and pass its URL",
+            variable="ANTHROPIC_API_KEY",
+        )
+    return anthropic.AsyncAnthropic(
+        api_key=api_key if api_key is not None else LOCAL_API_KEY,
+        base_url=base_url,
+        timeout=timeout,
+        max_retries=max_retries,
+        default_headers=default_headers,
+    )
+
+
+class AnthropicLLM:
+    """The LLMClient port over `anthropic.AsyncAnthropic` (streaming Messages API, tool use)."""
+
+    def __init__(self, client: anthropic.AsyncAnthropic) -> None:
+        self._client = client
+        self._messages = client.messages
+        self._secret = client.api_key or client.auth_token or None
+
+    async def stream(self, request: LLMRequest) -> AsyncIterator[LLMEvent]:
+        """Yield a TextDelta per text delta as it arrives, then exactly one LLMResponse.
+
+        Raises LLMError (`retryable` set when trying again may help) for every failure.
+        """
+        kwargs: dict[str, Any] = {
+            "model": request.model,
+            "max_tokens": request.max_tokens,
+            # Our blocks are tagged msgspec structs whose builtins are the API's dicts already.
+            "messages": _to_builtins(request.messages),
+            "stream": True,
+        }
+        if request.system:
+            kwargs["system"] = request.system
+        if request.tools:
+            kwargs["tools"] = _to_builtins(request.tools)
+            if request.tool_choice == "none":
+                kwargs["tool_choice"] = _TOOL_CHOICE_NONE
+        # Errors are raised outside the `except` blocks so that no SDK exception (which holds the
+        # request, headers included) rides along as __context__.
+        error: LLMError | None = None
+        try:
+            events = await self._messages.create(**kwargs)
+        except Exception as exc:
+            error = self._translate(exc, request.model)
+            if error is None:
+                raise
+        if error is not None:
+            raise error
+        try:
+            async for item in _accumulate(events, request.model):
+                yield item
+        except LLMError:
+            raise
+        except Exception as exc:
+            error = self._translate(exc, request.model)
+            if error is None:
+                raise
+        finally:
+            with contextlib.suppress(Exception):  # closing a broken stream may fail the same way
+                await events.close()
+        if error is not None:
+            raise error
+
+    def _translate(self, exc: Exception, model: str) -> LLMError | None:
+        """The LLMError for a failure of the model or its transport; None for anything else."""
+        error = _to_llm_error(exc, model)
+        if error is None:
+            return None
+        message = str(error)
+        if self._secret and self._secret in message:
+            error = LLMError(message.replace(self._secret, "[redacted]"), retryable=error.retryable)
+        log.warning(
+            "llm_call_failed",
+            model=model,
+            error_kind=type(exc).__name__,
+            status=getattr(exc, "status_code", None),
+            retryable=error.retryable,
+        )
+        return error
+
+
+async def _accumulate(events: Any, model: str) -> AsyncIterator[LLMEvent]:
+    """Turn raw stream events into TextDeltas and the final LLMResponse."""
+    texts: dict[int, list[str]] = {}
+    tools: dict[int, tuple[str, str, list[str]]] = {}
+    finished: dict[int, ContentBlock] = {}
+    input_tokens = output_tokens = 0
+    stop_reason: str | None = None
+    started = stopped = False
+    model_name = model
+    async for event in events:
+        kind = event.type
+        if kind == "content_block_delta":
+            delta = event.delta
+            if delta.type == "text_delta":
+                texts[event.index].append(delta.text)
+                yield TextDelta(text=delta.text)
+            elif delta.type == "input_json_delta":
+                tools[event.index][2].append(delta.partial_json)
+        elif kind == "content_block_start":
+            block = event.content_block
+            if block.type == "text":
+                texts[event.index] = [block.text] if block.text else []
+            elif block.type == "tool_use":
+                tools[event.index] = (block.id, block.name, [])
+        elif kind == "content_block_stop":
+            index = event.index
+            if index in texts:
+                text = "".join(texts.pop(index))
+                if text:  # the API refuses empty text blocks when they are sent back
+                    finished[index] = TextBlock(text=text)
+            elif index in tools:
+                tool_id, name, parts = tools.pop(index)
+                finished[index] = ToolUseBlock(
+                    id=tool_id, name=name, input=_tool_input(parts, name)
+                )
+        elif kind == "message_start":
+            started = True
+            message = event.message
+            model_name = message.model or model
+            input_tokens = message.usage.input_tokens or 0
+            output_tokens = message.usage.output_tokens or 0
+        elif kind == "message_delta":
+            stop_reason = event.delta.stop_reason
+            usage = event.usage
+            output_tokens = usage.output_tokens
+            if usage.input_tokens is not None:
+                input_tokens = usage.input_tokens
+        elif kind == "message_stop":
+            stopped = True
+    if not (started and stopped):
+        raise LLMError(
+            f"the stream from model {model!r} ended before message_stop; the answer is incomplete, "
+            "try again",
+            retryable=True,
+        )
+    yield LLMResponse(
+        content=[finished[i] for i in sorted(finished)],
+        stop_reason=stop_reason,
+        usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+        model=model_name,
+    )
+
+
+def _tool_input(parts: list[str], name: str) -> dict[str, Any]:
+    raw = "".join(parts)
+    if not raw:
+        return {}
+    try:
+        value = _decode_json(raw)
+    except msgspec.DecodeError:
+        raise LLMError(
+            f"the model sent tool input for {name!r} that is not valid JSON; try again",
+            retryable=True,
+        ) from None
+    if not isinstance(value, dict):
+        raise LLMError(
+            f"the model sent tool input for {name!r} that is not a JSON object; try again"
+        )
+    return value
+
+
+def _to_llm_error(exc: Exception, model: str) -> LLMError | None:
+    """The LLMError for an SDK, transport or stream-parsing failure; None for anything else."""
+    if isinstance(exc, anthropic.APITimeoutError):
+        return LLMError(f"model {model!r} did not answer in time; try again", retryable=True)
+    if isinstance(exc, anthropic.APIConnectionError):
+        host = _host_of(exc)
+        return LLMError(
+            f"could not reach the model service at {host}: connection failed; check that it is "
+            "running and reachable, then try again",
+            retryable=True,
+        )
+    if isinstance(exc, anthropic.APIStatusError):
+        return _status_error(exc, model)
+    if isinstance(exc, anthropic.APIResponseValidationError | anthropic.APIError):
+        return LLMError(
+            f"the model service sent a response that could not be read: {exc.message[:200]}"
+        )
+    if isinstance(exc, httpx2.TimeoutException):
+        return LLMError(
+            f"model {model!r} stopped answering mid-stream (timeout); try again", retryable=True
+        )
+    if isinstance(exc, httpx2.TransportError | httpx2.StreamError):
+        return LLMError(
+            f"the connection to the model service broke mid-stream ({type(exc).__name__}); try again",
+            retryable=True,
+        )
+    if isinstance(exc, ValueError | AttributeError | KeyError | TypeError | IndexError):
+        # json.JSONDecodeError from an SSE data line, or an event missing what its type promises
+        return LLMError(
+            f"the stream from model {model!r} was malformed ({type(exc).__name__}); try again",
+            retryable=True,
+        )
+    return None
+
+
+def _status_error(exc: anthropic.APIStatusError, model: str) -> LLMError:
+    status = exc.status_code
+    kind = exc.type if isinstance(exc.type, str) else None
+    detail = exc.api_message if isinstance(exc.api_message, str) else None
+    # An `event: error` inside a 200 stream reaches us as a status error with status 200.
+    label = f"{status} {kind}" if kind and status != 200 else (kind or str(status))
+    text = f"the model service refused the request ({label})"
+    if detail:
+        text += f": {detail[:300]}"
+    if status in (401, 403) or kind in ("authentication_error", "permission_error"):
+        return LLMError(text + "; check ANTHROPIC_API_KEY", retryable=False)
+    if status == 404 or kind == "not_found_error":
+        return LLMError(text + f"; check that model {model!r} exists", retryable=False)
+    if status >= 500 or status in _RETRYABLE_STATUS or kind in _RETRYABLE_TYPES:
+        return LLMError(text + "; try again later", retryable=True)
+    return LLMError(text + "; the request itself must change", retryable=False)
+
+
+def _host_of(exc: anthropic.APIConnectionError) -> str:
+    try:
+        url = exc.request.url
+        return f"{url.host}:{url.port}" if url.port else str(url.host)
+    except Exception:  # noqa: BLE001 - the host is only for the message
+        return "the configured URL"
