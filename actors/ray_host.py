@@ -9,6 +9,7 @@ pickling structs, and errors travel as data (`HostError`) rather than as pickled
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import msgspec
@@ -144,8 +145,9 @@ class SessionHostActor:
     async def stats(self) -> dict[str, Any]:
         if self._host is None:
             return {"host": self._name, "live_sessions": 0, "flushes": 0, "flushed_sessions": 0,
-                    "last_flush_ms": 0.0, "dirty": 0, "node_id": ray.get_runtime_context().get_node_id()}
-        return {**self._host.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+                    "last_flush_ms": 0.0, "dirty": 0, "pid": os.getpid(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
+        return {**self._host.stats(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     async def shutdown(self) -> bool:
         """Drain and flush; the caller kills the actor afterwards."""
