@@ -55,6 +55,14 @@ class DeadlineExceeded(ToolError):
     retryable = True
 
 
+class QueueTimeout(DeadlineExceeded):
+    """The deadline passed while waiting for a slot: the tool is busy, not broken, so this does
+    not count toward its circuit breaker."""
+
+    kind = "queue_timeout"
+    counts_for_breaker = False
+
+
 class UpstreamTimeout(ToolError):
     kind = "upstream_timeout"
     retryable = True

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
-from services.tools.errors import DeadlineExceeded
+from services.tools.errors import DeadlineExceeded, QueueTimeout
 
 T = TypeVar("T")
 
@@ -62,20 +62,20 @@ class ResourceLimiter:
             sem = self._semaphores[resource] = asyncio.Semaphore(self.limit_for(resource))
         start = self._clock.monotonic()
         if start >= deadline:
-            raise DeadlineExceeded("deadline passed before the call could start", advice=_ADVICE)
+            raise QueueTimeout("deadline passed before the call could start", advice=_ADVICE)
         try:
             async with asyncio.timeout(deadline - start):
                 await sem.acquire()
         except TimeoutError:
             waited = self._clock.monotonic() - start
-            raise DeadlineExceeded(
+            raise QueueTimeout(
                 f"waited {waited * 1000:.0f} ms for a free slot and ran out of time", advice=_ADVICE
             ) from None
         admitted = self._clock.monotonic()
         try:
             remaining = deadline - admitted
             if remaining <= 0:
-                raise DeadlineExceeded("deadline passed while queued", advice=_ADVICE)
+                raise QueueTimeout("deadline passed while queued", advice=_ADVICE)
             try:
                 async with asyncio.timeout(remaining):
                     value = await work()
