@@ -152,6 +152,11 @@ class Placement:
         raw = await self._call(tenant_id, session_id, "view", tenant_id, session_id)
         return None if raw is None else msgspec.json.decode(raw, type=SessionView)
 
+    async def contract(self, tenant_id: str) -> dict[str, Any]:
+        """The tool-contract report, computed by a session host (its registry is what runs)."""
+        index = rendezvous_index(tenant_id, self._shards)
+        return await self._handle(host_name(index)).contract.remote(tenant_id)
+
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
         return await self._call(tenant_id, session_id, "passivate", tenant_id, session_id)
 

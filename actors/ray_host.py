@@ -134,6 +134,11 @@ class SessionHostActor:
         v = await host.view(tenant_id, session_id)
         return None if v is None else result_encoder.encode(v)
 
+    async def contract(self, tenant_id: str) -> dict[str, Any]:
+        """The tool-contract report against the catalog this host really runs."""
+        await self._ensure()
+        return await self._runtime.contract_report(tenant_id)
+
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
         host = await self._ensure()
         return await host.passivate(tenant_id, session_id)

@@ -137,7 +137,7 @@ async def _serve(settings: Settings) -> None:
     await asyncio.to_thread(cluster.connect, settings)
     placement = Placement(settings)
     await placement.start_hosts()
-    gateway = await open_gateway(settings, placement)
+    gateway = await open_gateway(settings, placement, contract=placement.contract)
     print(f"chat-engine gateway on {gateway.url}", flush=True)
     try:
         await _wait_for_signal()

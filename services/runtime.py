@@ -80,6 +80,23 @@ class Runtime:
         return WebhookToolBackend(self.webhooks, secret_box=self.secret_box,
                                   binding_base_url=base_url, binding_headers=headers)
 
+    async def contract_report(self, tenant_id: str) -> dict:
+        """The tool-contract report against this process's running catalog."""
+        import msgspec
+
+        from services.contract import build_report
+        from services.tools.model import ToolDefinition
+
+        rows = await self.tools.list_published(tenant_id)
+        env = await self.tenants.env_for(tenant_id)
+        published = []
+        for row in rows:
+            try:
+                published.append((msgspec.convert(row.definition, ToolDefinition), row.version))
+            except msgspec.ValidationError:
+                continue  # unreadable rows are reported by the catalog as not loaded
+        return msgspec.to_builtins(build_report(tenant_id, published, env.catalog, env.config))
+
     def _listener_lost(self) -> None:
         log.warning("catalog_listener_lost")
         self.tenants.invalidate()

@@ -90,7 +90,9 @@ class Stack:
         await asyncio.to_thread(cluster.connect, settings)
         self.placement = Placement(settings)
         await self.placement.start_hosts()
-        self.gateway = await open_gateway(settings, self.placement, port=port, ready_check=self._hosts_ready)
+        self.gateway = await open_gateway(
+            settings, self.placement, port=port, ready_check=self._hosts_ready, contract=self.placement.contract
+        )
 
     async def _hosts_ready(self) -> bool:
         assert self.placement is not None

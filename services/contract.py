@@ -1,0 +1,247 @@
+"""The tool-contract report (seed 001 § "Validate the running contract").
+
+Joins three facts per tool: the published definition, the handler actually loaded in the running
+registry (the compiled catalog of a session host) and the backend's expected parameters (the
+OpenAPI document the tenant registered for its backend). Pure: the caller supplies all three.
+
+Findings, each with what to fix: dead route, ignored argument, missing required parameter,
+handler override, handler not loaded, absent from the allowlist, intent naming an unknown tool.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from services.botconfig import BotConfig
+from services.tools.model import (
+    BackendBindingTool,
+    ToolDefinition,
+    WebhookTool,
+    template_holes,
+)
+from services.tools.registry import Catalog
+
+FindingKind = Literal[
+    "dead_route", "ignored_argument", "missing_required_parameter", "handler_override",
+    "handler_not_loaded", "absent_from_allowlist", "unknown_tool_in_intent", "disabled",
+]
+
+
+class Finding(msgspec.Struct, frozen=True, kw_only=True):
+    kind: FindingKind
+    severity: Literal["error", "warning"]
+    message: str
+    fix: str
+
+
+class FieldMapping(msgspec.Struct, frozen=True, kw_only=True):
+    model_name: str | None  # None: not from the model
+    backend_name: str | None  # None: not sent to the backend
+    source: Literal["model", "trusted_scope", "path"]
+    required_by_model: bool = False
+    required_by_backend: bool = False
+
+
+class ToolContract(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    type: str
+    version: int | None
+    origin: str  # "tenant" | "builtin"
+    runs: str | None  # what really executes; None when nothing is loaded
+    enabled: bool
+    offered: bool  # could the model ever be offered it (enabled, allowlisted, loaded)
+    fields: list[FieldMapping]
+    findings: list[Finding]
+
+
+class ContractReport(msgspec.Struct, frozen=True, kw_only=True):
+    tenant_id: str
+    tools: list[ToolContract]
+    findings: int
+    ok: bool
+
+
+_PARAM_RE = re.compile(r"\{([^}/]+)\}")
+
+
+def build_report(
+    tenant_id: str,
+    published: list[tuple[ToolDefinition, int]],
+    catalog: Catalog,
+    config: BotConfig,
+) -> ContractReport:
+    """The report for one tenant. `published` are its rows as stored; `catalog` what runs."""
+    openapi = config.backend.openapi if config.backend is not None else None
+    tools: list[ToolContract] = []
+    seen: set[str] = set()
+    for definition, version in published:
+        seen.add(definition.name)
+        tools.append(_tool(definition, version, catalog, config, openapi))
+    for compiled in catalog:
+        if compiled.name not in seen and compiled.origin == "builtin":
+            tools.append(_tool(compiled.definition, None, catalog, config, openapi))
+    known = {t.name for t in tools}
+    intent_findings: dict[str, list[Finding]] = {}
+    for intent_name, intent in config.intents.items():
+        for tool_name in intent.tools:
+            if tool_name not in known:
+                intent_findings.setdefault(tool_name, []).append(Finding(
+                    kind="unknown_tool_in_intent", severity="error",
+                    message=f"intent '{intent_name}' offers '{tool_name}', but no such tool is published",
+                    fix=f"publish a tool named '{tool_name}' or remove it from the intent in PUT /v1/bot-config",
+                ))
+    for name, findings in sorted(intent_findings.items()):
+        tools.append(ToolContract(name=name, type="missing", version=None, origin="none", runs=None,
+                                  enabled=False, offered=False, fields=[], findings=findings))
+    total = sum(len(t.findings) for t in tools)
+    errors = sum(1 for t in tools for f in t.findings if f.severity == "error")
+    return ContractReport(tenant_id=tenant_id, tools=tools, findings=total, ok=errors == 0)
+
+
+def _tool(
+    definition: ToolDefinition, version: int | None, catalog: Catalog, config: BotConfig, openapi: dict | None
+) -> ToolContract:
+    findings: list[Finding] = []
+    name = definition.name
+    compiled = catalog.get(name)
+    problem = catalog.problems.get(name)
+    origin = "tenant" if version is not None else "builtin"
+    runs: str | None = None
+    if compiled is not None:
+        runs = compiled.runs
+        if version is not None and compiled.origin == "builtin":
+            findings.append(Finding(
+                kind="handler_override", severity="error",
+                message=f"the built-in '{name}' runs instead of this tenant tool ({compiled.runs})",
+                fix="rename the tenant tool; built-ins are dispatched by name first",
+            ))
+    elif problem and problem.startswith("handler override"):
+        findings.append(Finding(kind="handler_override", severity="error", message=problem,
+                                fix="rename the tenant tool; built-ins are dispatched by name first"))
+    else:
+        findings.append(Finding(
+            kind="handler_not_loaded", severity="error",
+            message=f"no handler is loaded for this tool: {problem or 'it is not in the running catalog'}",
+            fix="bind it to a handler registered in code, or fix the definition and publish again",
+        ))
+    if not definition.enabled:
+        findings.append(Finding(kind="disabled", severity="warning", message="the tool is disabled",
+                                fix="enable it with PATCH /v1/tools/{name} {\"enabled\": true} if it should run"))
+    allowlisted = config.allowlist is None or name in config.allowlist
+    if not allowlisted:
+        findings.append(Finding(
+            kind="absent_from_allowlist", severity="warning",
+            message="the agent allowlist does not name this tool, so the model is never offered it",
+            fix="add it to `allowlist` in PUT /v1/bot-config, or delete the tool",
+        ))
+    fields = _fields(definition)
+    if isinstance(definition, BackendBindingTool):
+        findings += _binding_findings(definition, fields, openapi)
+    offered = compiled is not None and compiled.origin == origin and definition.enabled and allowlisted
+    return ToolContract(
+        name=name, type=_type(definition), version=version, origin=origin, runs=runs,
+        enabled=definition.enabled, offered=offered, fields=fields, findings=findings,
+    )
+
+
+def _type(definition: ToolDefinition) -> str:
+    return msgspec.to_builtins(definition)["type"]
+
+
+def _fields(definition: ToolDefinition) -> list[FieldMapping]:
+    props = definition.parameters.get("properties", {})
+    required = set(definition.parameters.get("required", []))
+    protected = definition.protected_keys
+    out: list[FieldMapping] = []
+    holes: set[str] = set()
+    if isinstance(definition, WebhookTool):
+        holes = set(template_holes(definition.webhook_url))
+    elif isinstance(definition, BackendBindingTool):
+        holes = set(template_holes(definition.path))
+    pmap = definition.parameter_map if isinstance(definition, BackendBindingTool) else {}
+    for model_name in props:
+        if model_name in protected:
+            out.append(FieldMapping(model_name=None, backend_name=model_name, source="trusted_scope",
+                                    required_by_backend=model_name in required))
+            continue
+        backend_name = pmap.get(model_name, model_name)
+        out.append(FieldMapping(
+            model_name=model_name, backend_name=backend_name,
+            source="path" if backend_name in holes else "model",
+            required_by_model=model_name in required,
+        ))
+    if isinstance(definition, BackendBindingTool):
+        for key in definition.scope:
+            if not any(f.backend_name == key for f in out):
+                out.append(FieldMapping(model_name=None, backend_name=key, source="trusted_scope"))
+    return out
+
+
+def _binding_findings(tool: BackendBindingTool, fields: list[FieldMapping], openapi: dict | None) -> list[Finding]:
+    if openapi is None:
+        return []
+    operation, path_key = _operation(openapi, tool.method, tool.path)
+    if operation is None:
+        known = ", ".join(sorted(openapi.get("paths", {}))) or "none"
+        return [Finding(
+            kind="dead_route", severity="error",
+            message=f"the backend has no {tool.method} {tool.path} (its OpenAPI document lists: {known})",
+            fix="correct `path`/`method` of the binding, or register the backend's current OpenAPI document",
+        )]
+    expected = _parameters(openapi, operation, path_key)
+    findings: list[Finding] = []
+    sent = {f.backend_name: f for f in fields if f.backend_name is not None}
+    for backend_name, f in sent.items():
+        if backend_name not in expected:
+            origin = f"model argument '{f.model_name}'" if f.model_name else f"trusted field '{backend_name}'"
+            accepted = ", ".join(sorted(expected)) or "none"
+            findings.append(Finding(
+                kind="ignored_argument", severity="error",
+                message=f"{origin} is sent as '{backend_name}', which {tool.method} {tool.path} does not read "
+                        f"(it reads: {accepted}); the call can succeed while ignoring it",
+                fix=f"map it in `parameter_map` to the backend's name (e.g. {{\"{f.model_name or backend_name}\": \"<backend name>\"}})",
+            ))
+    for backend_name, required in sorted(expected.items()):
+        if required and backend_name not in sent:
+            findings.append(Finding(
+                kind="missing_required_parameter", severity="error",
+                message=f"{tool.method} {tool.path} requires '{backend_name}', which neither the model's "
+                        "arguments nor the trusted scope provide",
+                fix=f"add a parameter mapped to '{backend_name}', or list it in `scope` if it comes from the trusted context",
+            ))
+    return findings
+
+
+def _operation(openapi: dict, method: str, path: str) -> tuple[dict | None, str | None]:
+    paths = openapi.get("paths", {}) or {}
+    norm = _PARAM_RE.sub("{}", path)
+    for key, item in paths.items():
+        if _PARAM_RE.sub("{}", key) == norm and isinstance(item, dict):
+            op = item.get(method.lower())
+            if isinstance(op, dict):
+                return op, key
+    return None, None
+
+
+def _parameters(openapi: dict, operation: dict, path_key: str | None) -> dict[str, bool]:
+    """Backend parameter name -> required, from path-level and operation-level parameters and a
+    JSON request body's top-level properties."""
+    params: dict[str, bool] = {}
+    item = openapi.get("paths", {}).get(path_key, {}) if path_key else {}
+    for p in [*item.get("parameters", []), *operation.get("parameters", [])]:
+        if isinstance(p, dict) and "name" in p:
+            params[p["name"]] = bool(p.get("required")) or p.get("in") == "path"
+    body = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    body_required = set(body.get("required", []))
+    for prop in body.get("properties", {}):
+        params[prop] = prop in body_required
+    return params
+
+
+def report_as_dict(report: ContractReport) -> dict[str, Any]:
+    return msgspec.to_builtins(report)
+
+

@@ -1,0 +1,112 @@
+"""The tool-contract report: each finding from a deliberately broken fixture, clean when correct."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.botconfig import Backend, BotConfig, Intent
+from services.contract import build_report
+from services.tools.model import BackendBindingTool, PythonTool
+from services.tools.registry import HandlerRegistry, build_catalog
+
+OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
+    {"name": "q", "in": "query", "required": True},
+    {"name": "per_page", "in": "query"},
+    {"name": "account_id", "in": "query", "required": True},
+]}}}}
+
+SEARCH_PARAMS = {"type": "object", "properties": {"search": {"type": "string"}, "limit": {"type": "integer"}},
+                 "required": ["search"]}
+
+
+def binding(**overrides) -> BackendBindingTool:
+    base = dict(name="example_catalog_search", description="search", parameters=SEARCH_PARAMS,
+                method="GET", path="/example/catalog", parameter_map={"search": "q", "limit": "per_page"},
+                scope=("account_id",))
+    base.update(overrides)
+    return BackendBindingTool(**base)
+
+
+class NullBackend:
+    async def call_webhook(self, *a, **k):  # pragma: no cover - never called by the report
+        raise AssertionError
+
+    async def call_binding(self, *a, **k):  # pragma: no cover
+        raise AssertionError
+
+
+def report_for(tools, *, config=None, builtins=(), registry=None):
+    registry = registry or HandlerRegistry()
+    config = config or BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    published = [(t, 1) for t in tools]
+    catalog = build_catalog(builtins, published, registry=registry, backend=NullBackend())
+    return build_report("t1", published, catalog, config)
+
+
+def kinds(report, name):
+    return [f.kind for t in report.tools if t.name == name for f in t.findings]
+
+
+def test_seed_001_catalog_binding_is_clean_and_shows_both_names_and_trusted_fields():
+    report = report_for([binding()])
+    assert report.ok and report.findings == 0
+    tool = report.tools[0]
+    pairs = {(f.model_name, f.backend_name, f.source) for f in tool.fields}
+    assert ("search", "q", "model") in pairs and ("limit", "per_page", "model") in pairs
+    assert (None, "account_id", "trusted_scope") in pairs
+    assert tool.runs == "binding GET /example/catalog" and tool.offered
+
+
+def test_binding_that_would_send_search_instead_of_q_is_flagged_as_ignored_and_missing():
+    report = report_for([binding(parameter_map={"limit": "per_page"})])
+    found = kinds(report, "example_catalog_search")
+    assert "ignored_argument" in found and "missing_required_parameter" in found
+    messages = " ".join(f.message for f in report.tools[0].findings)
+    assert "'search'" in messages and "'q'" in messages
+    assert not report.ok
+
+
+def test_dead_route():
+    report = report_for([binding(path="/example/catalogue")])
+    assert kinds(report, "example_catalog_search") == ["dead_route"]
+    assert "/example/catalog" in report.tools[0].findings[0].message  # lists what exists
+
+
+def test_missing_required_parameter_from_scope():
+    report = report_for([binding(scope=())])
+    finding = [f for f in report.tools[0].findings if f.kind == "missing_required_parameter"][0]
+    assert "'account_id'" in finding.message and "scope" in finding.fix
+
+
+def test_handler_override_when_a_tenant_tool_shadows_a_builtin():
+    registry = HandlerRegistry()
+
+    @registry.register("builtin.recall")
+    async def recall(args, ctx):
+        return {}
+
+    builtin = PythonTool(name="recall_memory", description="b", parameters={"type": "object"}, handler="builtin.recall")
+    tenant = binding(name="recall_memory")
+    report = report_for([tenant], builtins=[builtin], registry=registry)
+    assert "handler_override" in kinds(report, "recall_memory")
+
+
+def test_python_row_bound_to_an_unregistered_handler_is_not_loaded():
+    report = report_for([PythonTool(name="x", description="d", parameters={"type": "object"}, handler="os.system")])
+    assert kinds(report, "x") == ["handler_not_loaded"]
+    assert report.tools[0].runs is None and not report.tools[0].offered
+
+
+@pytest.mark.parametrize("allowlist", [(), ("other",)])
+def test_tool_absent_from_the_allowlist(allowlist):
+    config = BotConfig(allowlist=allowlist, backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    report = report_for([binding()], config=config)
+    assert kinds(report, "example_catalog_search") == ["absent_from_allowlist"]
+    assert not report.tools[0].offered
+
+
+def test_intent_naming_an_unknown_tool():
+    config = BotConfig(intents={"orders": Intent(phrases=("order",), tools=("check_ordr",))},
+                       backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    report = report_for([binding()], config=config)
+    assert kinds(report, "check_ordr") == ["unknown_tool_in_intent"]
