@@ -21,6 +21,7 @@ from services.gateway.server import Gateway, open_gateway
 from services.settings import Settings
 from services.tools.crypto import SecretBox, load_or_create_key
 from storage.pool import create_pool
+from services.demo_store import OPENAPI as DEMO_OPENAPI
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
 
 log = structlog.get_logger(__name__)
@@ -173,7 +174,7 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
             "orders": {"phrases": ["order", "delivery", "package", "shipping"], "tools": ["check_order"]},
             "shopping": {"phrases": ["looking for", "do you sell", "buy"], "tools": ["example_catalog_search"]},
         },
-        "backend": {"base_url": store_url, "openapi": None},
+        "backend": {"base_url": store_url, "openapi": DEMO_OPENAPI},
     })
     env_file.write_text(f"CE_URL=http://{settings.host}:{settings.port}\nCE_API_KEY={key}\n")
     env_file.chmod(0o600)
