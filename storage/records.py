@@ -147,3 +147,33 @@ class ToolStats(msgspec.Struct, frozen=True, kw_only=True):
     success_rate: float
     p50_ms: float
     p95_ms: float
+
+
+class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+    """What GET /v1/sessions/{id} shows of a stored session (same fields as services.wire)."""
+
+    session_id: str
+    variables: dict[str, str]
+    open_breakers: list[str]
+    handoff: bool
+    messages: int
+
+
+class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of a tenant's session list, most recently updated first."""
+
+    session_id: str
+    message_count: int
+    handoff: bool
+    epoch: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class UsageTotal(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's token usage for one model, summed over its sessions."""
+
+    model: str
+    input_tokens: int
+    output_tokens: int
+    sessions: int

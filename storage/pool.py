@@ -1,0 +1,108 @@
+"""The asyncpg connection pool: JSON codecs on every connection, connection errors made readable.
+
+JSON and JSONB columns take and return plain Python values (dicts, lists, msgspec Structs on the
+way in) through msgspec, in binary format, so no caller ever handles JSON text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import asyncpg
+import msgspec
+
+from storage.errors import StorageError, StorageUnavailable, describe_url
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+_JSONB_VERSION = b"\x01"  # the binary jsonb wire format is a version byte, then JSON text
+
+# everything asyncpg.connect raises for a server that is down, refuses us, or a URL it rejects
+_CONNECT_ERRORS = (OSError, TimeoutError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+_HINT = "check DATABASE_URL or unset it to use the embedded Postgres"
+
+
+def _encode_jsonb(value: Any) -> bytes:
+    return _JSONB_VERSION + _encode(value)
+
+
+def _decode_jsonb(data: bytes) -> Any:
+    return _decode(data[1:])
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    """Install the msgspec JSON/JSONB codecs (used as the pool's `init`; public for one-off
+    connections such as LISTEN or the test fixtures)."""
+    await conn.set_type_codec(
+        "jsonb", schema="pg_catalog", encoder=_encode_jsonb, decoder=_decode_jsonb, format="binary"
+    )
+    await conn.set_type_codec(
+        "json", schema="pg_catalog", encoder=_encode, decoder=_decode, format="binary"
+    )
+
+
+async def connect(url: str, *, timeout: float = 10.0) -> asyncpg.Connection:
+    """One connection with the JSON codecs; raises StorageUnavailable/StorageError like create_pool."""
+    try:
+        conn = await asyncpg.connect(url, timeout=timeout)
+    except _CONNECT_ERRORS as exc:
+        _raise_connect_error(url, exc)
+    await init_connection(conn)
+    return conn
+
+
+async def create_pool(
+    url: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 10.0
+) -> asyncpg.Pool:
+    """Open a pool to `url` with the JSON codecs installed on every connection.
+
+    Raises StorageUnavailable when Postgres cannot be reached (retryable) and StorageError when
+    it refuses us (bad credentials, unknown database); messages name host, port and database,
+    never the password.
+    """
+    try:
+        pool = await asyncpg.create_pool(
+            url, min_size=min_size, max_size=max_size, init=init_connection, timeout=timeout
+        )
+    except _CONNECT_ERRORS as exc:
+        _raise_connect_error(url, exc)
+    assert pool is not None
+    return pool
+
+
+def _raise_connect_error(url: str, exc: BaseException) -> NoReturn:
+    where = describe_url(url)
+    if isinstance(exc, asyncpg.InvalidPasswordError):
+        raise StorageError(
+            f"postgres at {where} rejected the password; {_HINT}"
+        ) from None
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        raise StorageError(
+            f"postgres at {where} rejected the user ({exc.sqlstate}); {_HINT}"
+        ) from None
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        raise StorageError(
+            f"postgres at {where}: the database does not exist; create it or {_HINT}"
+        ) from None
+    if isinstance(exc, ConnectionRefusedError):
+        reason = "connection refused"
+    elif isinstance(exc, FileNotFoundError):
+        reason = "no server socket there"
+    elif isinstance(exc, TimeoutError):
+        reason = "timed out"
+    elif isinstance(exc, OSError):
+        reason = exc.strerror or type(exc).__name__
+    elif isinstance(exc, (asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)):
+        reason = f"server not accepting connections: {exc.sqlstate}"
+    elif isinstance(exc, ValueError):
+        # asyncpg's URL parser (ClientConfigurationError); its message may echo the URL
+        raise StorageError(f"DATABASE_URL is malformed ({where}); {_HINT}") from None
+    elif isinstance(exc, (asyncpg.PostgresConnectionError, asyncpg.InterfaceError)):
+        reason = type(exc).__name__
+    else:
+        raise StorageError(
+            f"postgres at {where} refused the connection ({type(exc).__name__}); {_HINT}"
+        ) from None
+    # `from None`: the chained exception may carry the DSN with its password
+    raise StorageUnavailable(f"cannot connect to Postgres at {where} ({reason}); {_HINT}") from None

@@ -1,0 +1,265 @@
+"""SessionRepo: the session actors' durable store — leases with fencing epochs, group commit.
+
+`activate` takes the lease: it bumps the session's epoch atomically and loads its state. `flush`
+writes many sessions' deltas in ONE transaction after locking their rows, and refuses every
+delta whose epoch is not the current one: an owner that lost its lease (a newer activation
+happened elsewhere) writes nothing at all. This is what keeps "one activation at a time" true
+across host crashes and reshards; it is enforced here, not assumed by the actor layer.
+
+Rows are keyed by session_uid(tenant_id, session id); every query also filters by tenant_id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from services.errors import NotFound
+from storage.errors import StorageError, translate
+from storage.records import (
+    ActivatedSession,
+    FlushResult,
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    SessionSummary,
+    SessionView,
+    UsageTotal,
+    session_uid,
+)
+from storage.repos.calls import INSERT_CALL_SQL, call_row
+
+#: seed 000: the third failure of a tool in a session opens its breaker
+DEFAULT_BREAKER_THRESHOLD = 3
+
+_ACTIVATE = (
+    "INSERT INTO ce_sessions AS s (id, tenant_id, session_key, epoch, owner) "
+    "VALUES ($1, $2, $3, 1, $4) "
+    "ON CONFLICT (id) DO UPDATE SET epoch = s.epoch + 1, owner = EXCLUDED.owner, updated_at = now() "
+    "RETURNING epoch, snapshot"
+)
+# ORDER BY id: concurrent flushers lock rows in one order, so they cannot deadlock each other.
+_LOCK = "SELECT id, tenant_id, epoch FROM ce_sessions WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
+_UPDATE_SESSION = (
+    "UPDATE ce_sessions SET snapshot = $3, message_count = $4, handoff = $5, updated_at = now() "
+    "WHERE id = $1 AND tenant_id = $2"
+)
+_INSERT_MESSAGE = (
+    "INSERT INTO ce_messages (tenant_id, session_id, seq, role, content, message_id) "
+    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (session_id, seq) DO NOTHING"
+)
+_UPSERT_VARIABLE = (
+    "INSERT INTO ce_session_variables (id, session_id, tenant_id, key, value) "
+    "VALUES (gen_random_uuid()::text, $1, $2, $3, $4) "
+    "ON CONFLICT (session_id, key) DO UPDATE SET value = EXCLUDED.value"
+)
+_ADD_USAGE = (
+    "INSERT INTO ce_usage AS u (tenant_id, session_id, model, input_tokens, output_tokens) "
+    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, session_id, model) DO UPDATE SET "
+    "input_tokens = u.input_tokens + EXCLUDED.input_tokens, "
+    "output_tokens = u.output_tokens + EXCLUDED.output_tokens, updated_at = now()"
+)
+_INSERT_TURN = (
+    "INSERT INTO ce_turns (tenant_id, session_id, message_id, response) VALUES ($1, $2, $3, $4) "
+    "ON CONFLICT (session_id, message_id) DO NOTHING"
+)
+
+
+def _snapshot(raw: Any, tenant_id: str, session_id: str) -> SessionSnapshot:
+    try:
+        return msgspec.convert(raw or {}, SessionSnapshot)
+    except msgspec.ValidationError as exc:
+        raise StorageError(
+            f"the stored snapshot of session {session_id!r} of tenant {tenant_id!r} is unreadable "
+            f"({exc}); repair or clear ce_sessions.snapshot for that row"
+        ) from None
+
+
+def _not_found(session_id: str) -> NotFound:
+    return NotFound(f"session {session_id!r} does not exist for this tenant", kind="session", key=session_id)
+
+
+class SessionRepo:
+    """Leases, loads and group-committed flushes of session state."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def activate(
+        self, tenant_id: str, session_id: str, owner: str, history_limit: int = 50
+    ) -> ActivatedSession:
+        """Take the session's lease for `owner` and load its state.
+
+        Creates the session on first touch (epoch 1); otherwise bumps its epoch by one, which
+        fences every earlier activation's flushes. Returns the snapshot, the variables and the
+        last `history_limit` messages in seq order.
+        """
+        uid = session_uid(tenant_id, session_id)
+        with translate("activating a session"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
+                variables = await conn.fetch(
+                    "SELECT key, value FROM ce_session_variables WHERE tenant_id = $1 AND session_id = $2",
+                    tenant_id, uid,
+                )
+                messages = await conn.fetch(
+                    "SELECT seq, role, content, message_id FROM ("
+                    "  SELECT seq, role, content, message_id FROM ce_messages"
+                    "  WHERE tenant_id = $1 AND session_id = $2 ORDER BY seq DESC LIMIT $3"
+                    ") last ORDER BY seq",
+                    tenant_id, uid, history_limit,
+                )
+        return ActivatedSession(
+            tenant_id=tenant_id,
+            session_id=session_id,
+            epoch=row["epoch"],
+            snapshot=_snapshot(row["snapshot"], tenant_id, session_id),
+            variables={r["key"]: r["value"] for r in variables},
+            history=[
+                MessageRecord(seq=m["seq"], role=m["role"], content=m["content"], message_id=m["message_id"])
+                for m in messages
+            ],
+        )
+
+    async def release(self, tenant_id: str, session_id: str, epoch: int) -> bool:
+        """Drop the lease's owner after passivation, if `epoch` still holds it; True if it did.
+        (The epoch stays: the next activation bumps it as always.)"""
+        with translate("releasing a session lease"):
+            done = await self._pool.fetchval(
+                "UPDATE ce_sessions SET owner = NULL WHERE id = $1 AND tenant_id = $2 AND epoch = $3 "
+                "RETURNING true",
+                session_uid(tenant_id, session_id), tenant_id, epoch,
+            )
+        return bool(done)
+
+    async def flush(self, deltas: list[SessionDelta]) -> FlushResult:
+        """Write every delta whose epoch is current, in one transaction (group commit).
+
+        Returns which (tenant_id, session_id) were written and which were refused: a refused
+        delta belongs to an owner that lost its lease and none of it is written. Messages, tool
+        calls and turns already stored are skipped, so a failed flush can be retried as is; only
+        usage is additive, so a retry after a commit whose acknowledgement was lost counts those
+        tokens twice. Raises StorageUnavailable (retryable) when Postgres is unreachable or the
+        connection drops: the transaction did not commit.
+        """
+        if not deltas:
+            return FlushResult(written=[], refused=[])
+        uids = [session_uid(d.tenant_id, d.session_id) for d in deltas]
+        with translate("flushing session state"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                rows = await conn.fetch(_LOCK, sorted(set(uids)))
+                current = {r["id"]: (r["tenant_id"], r["epoch"]) for r in rows}
+                written: list[tuple[str, str]] = []
+                refused: list[tuple[str, str]] = []
+                sessions: dict[str, tuple] = {}
+                messages: list[tuple] = []
+                variables: list[tuple] = []
+                calls: list[tuple] = []
+                usage: list[tuple] = []
+                turns: list[tuple] = []
+                for d, uid in zip(deltas, uids, strict=True):
+                    key = (d.tenant_id, d.session_id)
+                    if current.get(uid) != (d.tenant_id, d.epoch):
+                        refused.append(key)
+                        continue
+                    written.append(key)
+                    snap = d.snapshot
+                    # the last delta of a session in the batch carries its newest snapshot
+                    sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
+                    messages += [
+                        (d.tenant_id, uid, m.seq, m.role, m.content, m.message_id) for m in d.messages
+                    ]
+                    variables += [(uid, d.tenant_id, k, v) for k, v in d.variables.items()]
+                    calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
+                    usage += [
+                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens) for u in d.usage
+                    ]
+                    turns += [(d.tenant_id, uid, t.message_id, t.response) for t in d.turns]
+                # executemany pipelines each statement's rows: one round trip per table, not per row
+                for sql, batch in (
+                    (_UPDATE_SESSION, list(sessions.values())),
+                    (_INSERT_MESSAGE, messages),
+                    (_UPSERT_VARIABLE, variables),
+                    (INSERT_CALL_SQL, calls),
+                    (_ADD_USAGE, usage),
+                    (_INSERT_TURN, turns),
+                ):
+                    if batch:
+                        await conn.executemany(sql, batch)
+        return FlushResult(written=written, refused=refused)
+
+    async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
+        """The session's current lease epoch, or None if it was never activated."""
+        with translate("reading a session epoch"):
+            return await self._pool.fetchval(
+                "SELECT epoch FROM ce_sessions WHERE id = $1 AND tenant_id = $2",
+                session_uid(tenant_id, session_id), tenant_id,
+            )
+
+    async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict[str, Any] | None:
+        """The stored answer to the client's `message_id` in this session, or None."""
+        with translate("reading a stored turn"):
+            return await self._pool.fetchval(
+                "SELECT response FROM ce_turns WHERE tenant_id = $1 AND session_id = $2 AND message_id = $3",
+                tenant_id, session_uid(tenant_id, session_id), message_id,
+            )
+
+    async def get_session_view(
+        self, tenant_id: str, session_id: str, *, breaker_threshold: int = DEFAULT_BREAKER_THRESHOLD
+    ) -> SessionView:
+        """The session as GET /v1/sessions/{id} shows it (as last flushed). Raises NotFound."""
+        uid = session_uid(tenant_id, session_id)
+        with translate("reading a session"):
+            async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+                row = await conn.fetchrow(
+                    "SELECT snapshot, message_count, handoff FROM ce_sessions WHERE id = $1 AND tenant_id = $2",
+                    uid, tenant_id,
+                )
+                if row is None:
+                    raise _not_found(session_id)
+                variables = await conn.fetch(
+                    "SELECT key, value FROM ce_session_variables WHERE tenant_id = $1 AND session_id = $2 "
+                    "ORDER BY key",
+                    tenant_id, uid,
+                )
+        snap = _snapshot(row["snapshot"], tenant_id, session_id)
+        return SessionView(
+            session_id=session_id,
+            variables={r["key"]: r["value"] for r in variables},
+            open_breakers=sorted(n for n, fails in snap.breakers.items() if fails >= breaker_threshold),
+            handoff=row["handoff"],
+            messages=row["message_count"],
+        )
+
+    async def list_sessions(self, tenant_id: str, limit: int = 50) -> list[SessionSummary]:
+        """The tenant's sessions, most recently updated first."""
+        with translate("listing sessions"):
+            rows = await self._pool.fetch(
+                "SELECT session_key, message_count, handoff, epoch, created_at, updated_at "
+                "FROM ce_sessions WHERE tenant_id = $1 ORDER BY updated_at DESC, session_key LIMIT $2",
+                tenant_id, limit,
+            )
+        return [
+            SessionSummary(
+                session_id=r["session_key"], message_count=r["message_count"], handoff=r["handoff"],
+                epoch=r["epoch"], created_at=r["created_at"], updated_at=r["updated_at"],
+            )
+            for r in rows
+        ]
+
+    async def usage_totals(self, tenant_id: str) -> list[UsageTotal]:
+        """The tenant's token usage per model, summed over its sessions, by model name."""
+        with translate("summing usage"):
+            rows = await self._pool.fetch(
+                "SELECT model, sum(input_tokens)::bigint AS input_tokens, "
+                "sum(output_tokens)::bigint AS output_tokens, count(*) AS sessions "
+                "FROM ce_usage WHERE tenant_id = $1 GROUP BY model ORDER BY model",
+                tenant_id,
+            )
+        return [
+            UsageTotal(model=r["model"], input_tokens=r["input_tokens"], output_tokens=r["output_tokens"],
+                       sessions=r["sessions"])
+            for r in rows
+        ]

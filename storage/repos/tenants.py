@@ -1,0 +1,125 @@
+"""TenantRepo: tenants and their API keys (ce_tenants, ce_api_keys).
+
+A key is `ce_` + 32 random bytes (token_urlsafe). Only its sha256 hex is stored. A fast,
+unsalted hash is the right tool here, unlike for passwords: with 256 bits of entropy a key cannot
+be guessed or brute-forced from its hash, and a deterministic hash lets the gateway find the
+tenant with one indexed lookup per request instead of a slow KDF per key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+import asyncpg
+
+from services.errors import InvalidInput, NotFound
+from storage.errors import translate
+from storage.records import IssuedKey, Tenant
+
+KEY_PREFIX = "ce_"
+MAX_NAME_LENGTH = 100
+
+
+def hash_api_key(api_key: str) -> str:
+    """The stored form of an API key: sha256 hex of its UTF-8 bytes."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _tenant(row: asyncpg.Record) -> Tenant:
+    return Tenant(id=row["id"], name=row["name"], created_at=row["created_at"])
+
+
+class TenantRepo:
+    """Tenants and API keys; the only repository whose lookups are not scoped by a tenant id
+    (it is where the tenant id comes from)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def create_tenant(self, name: str) -> tuple[Tenant, IssuedKey]:
+        """Create tenant `name` with its first API key.
+
+        Raises InvalidInput for an empty or over-long name, Conflict when the name is taken.
+        """
+        name = name.strip()
+        if not name or len(name) > MAX_NAME_LENGTH:
+            raise InvalidInput(
+                f"tenant name must be 1-{MAX_NAME_LENGTH} characters, got {len(name)}", path="$.name"
+            )
+        tenant_id = "tn_" + secrets.token_hex(8)
+        with translate("creating a tenant", conflict=f"tenant name {name!r} is taken; choose another"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "INSERT INTO ce_tenants (id, name) VALUES ($1, $2) RETURNING id, name, created_at",
+                    tenant_id, name,
+                )
+                key = await self._insert_key(conn, tenant_id)
+        return _tenant(row), key
+
+    async def issue_key(self, tenant_id: str) -> IssuedKey:
+        """A new API key for the tenant (older keys stay valid). Raises NotFound for no tenant."""
+        with translate("issuing an api key"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                exists = await conn.fetchval(
+                    "SELECT true FROM ce_tenants WHERE id = $1 FOR SHARE", tenant_id
+                )
+                if not exists:
+                    raise NotFound(f"tenant {tenant_id!r} does not exist", kind="tenant", key=tenant_id)
+                return await self._insert_key(conn, tenant_id)
+
+    async def revoke_key(self, tenant_id: str, key_id: str) -> None:
+        """Revoke one of the tenant's keys. Raises NotFound if the tenant has no such live key."""
+        with translate("revoking an api key"):
+            done = await self._pool.fetchval(
+                "UPDATE ce_api_keys SET revoked_at = now() "
+                "WHERE tenant_id = $1 AND id = $2 AND revoked_at IS NULL RETURNING true",
+                tenant_id, key_id,
+            )
+        if not done:
+            raise NotFound(f"api key {key_id!r} is not a live key of this tenant", kind="api_key", key=key_id)
+
+    async def tenant_for_key(self, api_key: str) -> Tenant | None:
+        """The tenant owning this (unrevoked) key, or None."""
+        if not api_key.startswith(KEY_PREFIX):
+            return None
+        with translate("looking up an api key"):
+            row = await self._pool.fetchrow(
+                "SELECT t.id, t.name, t.created_at FROM ce_api_keys k "
+                "JOIN ce_tenants t ON t.id = k.tenant_id "
+                "WHERE k.key_hash = $1 AND k.revoked_at IS NULL",
+                hash_api_key(api_key),
+            )
+        return None if row is None else _tenant(row)
+
+    async def get_by_name(self, name: str) -> Tenant | None:
+        """The tenant called `name`, or None."""
+        with translate("reading a tenant"):
+            row = await self._pool.fetchrow(
+                "SELECT id, name, created_at FROM ce_tenants WHERE name = $1", name
+            )
+        return None if row is None else _tenant(row)
+
+    async def get(self, tenant_id: str) -> Tenant:
+        """The tenant with this id. Raises NotFound."""
+        with translate("reading a tenant"):
+            row = await self._pool.fetchrow(
+                "SELECT id, name, created_at FROM ce_tenants WHERE id = $1", tenant_id
+            )
+        if row is None:
+            raise NotFound(f"tenant {tenant_id!r} does not exist", kind="tenant", key=tenant_id)
+        return _tenant(row)
+
+    @staticmethod
+    async def _insert_key(conn: asyncpg.Connection, tenant_id: str) -> IssuedKey:
+        key_id = "key_" + secrets.token_hex(8)
+        api_key = new_api_key()
+        await conn.execute(
+            "INSERT INTO ce_api_keys (id, tenant_id, key_hash) VALUES ($1, $2, $3)",
+            key_id, tenant_id, hash_api_key(api_key),
+        )
+        return IssuedKey(tenant_id=tenant_id, key_id=key_id, api_key=api_key)

@@ -1,0 +1,343 @@
+"""ToolRepo: tenant tools as versioned data (ce_tool_versions) with one live row each
+(ce_custom_tools, seed 000's table), plus the catalog change notifications.
+
+Every version ever written is kept; the live row is the published version with seed 000's columns
+filled from its definition. Each change sends `NOTIFY ce_catalog, '<tenant_id>'` in the same
+transaction, so it is delivered only if the change commits; `listen_catalog` subscribes to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from services.errors import InvalidInput, NotFound
+from storage.errors import translate
+from storage.records import PublishedTool, ToolVersion
+
+CATALOG_CHANNEL = "ce_catalog"
+_NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
+
+_LIVE_COLUMNS = (
+    "id, tenant_id, name, type, version, coalesce(enabled, true) AS enabled, definition, "
+    "coalesce(created_at, now()) AS created_at, updated_at"
+)
+
+
+def _published(row: asyncpg.Record) -> PublishedTool:
+    return PublishedTool(
+        id=row["id"], tenant_id=row["tenant_id"], name=row["name"], type=row["type"],
+        version=row["version"], enabled=row["enabled"], definition=row["definition"],
+        created_at=row["created_at"], updated_at=row["updated_at"],
+    )
+
+
+def _version(row: asyncpg.Record, *, published: bool) -> ToolVersion:
+    return ToolVersion(
+        tenant_id=row["tenant_id"], name=row["name"], version=row["version"],
+        definition=row["definition"], created_at=row["created_at"], published=published,
+    )
+
+
+def _not_found(name: str) -> NotFound:
+    return NotFound(f"tool {name!r} does not exist for this tenant", kind="tool", key=name)
+
+
+def _normalise(name: str, type_: str, definition: dict[str, Any]) -> dict[str, Any]:
+    """The definition as stored: carries its own `name` and `type`; never a plaintext secret."""
+    if not isinstance(definition, dict):
+        raise InvalidInput("a tool definition must be a JSON object", path="$")
+    if "auth_header" in definition:
+        raise InvalidInput(
+            "the definition carries a plaintext auth_header; encrypt it into auth_header_enc "
+            "before storing (services.tools.crypto)",
+            path="$.auth_header",
+        )
+    for key, want in (("name", name), ("type", type_)):
+        got = definition.get(key, want)
+        if got != want:
+            raise InvalidInput(f"definition {key} {got!r} does not match {want!r}", path=f"$.{key}")
+    parameters = definition.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput("tool parameters must be a JSON object", path="$.parameters")
+    return {**definition, "name": name, "type": type_}
+
+
+def _seed_columns(type_: str, d: dict[str, Any]) -> tuple[Any, ...]:
+    """description, parameters, webhook_url, auth_header, timeout_ms, enabled for ce_custom_tools."""
+    timeout = d.get("timeout_ms", 5000)
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
+        raise InvalidInput(f"timeout_ms must be a positive whole number, got {timeout!r}", path="$.timeout_ms")
+    return (
+        str(d.get("description", "")),
+        d.get("parameters", {}),
+        str(d.get("webhook_url", "")) if type_ == "webhook" else "",
+        d.get("auth_header_enc"),  # ciphertext from services.tools.crypto, or None
+        timeout,
+        bool(d.get("enabled", True)),
+    )
+
+
+class ToolRepo:
+    """Tenant tools: create, version, publish, roll back, enable/disable, delete."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def create(
+        self, tenant_id: str, name: str, type: str, definition: dict[str, Any]
+    ) -> ToolVersion:
+        """Create tool `name` and publish its first version.
+
+        The version is 1 for a new name; a name deleted earlier continues its numbering (its
+        history is kept). Raises Conflict when the tenant already has a live tool of this name,
+        InvalidInput for a definition that cannot be stored.
+        """
+        d = _normalise(name, type, definition)
+        cols = _seed_columns(type, d)
+        with translate("creating a tool", conflict=f"a tool named {name!r} already exists; "
+                       "change it with PATCH or choose another name"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                version = await _next_version(conn, tenant_id, name)
+                await conn.execute(
+                    "INSERT INTO ce_custom_tools (id, tenant_id, name, description, parameters, "
+                    "webhook_url, auth_header, timeout_ms, enabled, type, version, definition) "
+                    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                    str(uuid.uuid4()), tenant_id, name, *cols, type, version, d,
+                )
+                row = await _insert_version(conn, tenant_id, name, version, d)
+                await conn.execute(_NOTIFY, tenant_id)
+        return _version(row, published=True)
+
+    async def new_version(
+        self, tenant_id: str, name: str, definition: dict[str, Any], *, publish: bool = False
+    ) -> ToolVersion:
+        """Store a new version of an existing tool; publish it at once when `publish`.
+
+        The type defaults to the live tool's. Publishing a new definition takes its `enabled`.
+        Raises NotFound when the tenant has no live tool `name`.
+        """
+        with translate("adding a tool version"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                live = await conn.fetchrow(
+                    "SELECT type FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
+                    tenant_id, name,
+                )
+                if live is None:
+                    raise _not_found(name)
+                type_ = definition.get("type", live["type"]) if isinstance(definition, dict) else live["type"]
+                d = _normalise(name, type_, definition)
+                cols = _seed_columns(type_, d)
+                version = await _next_version(conn, tenant_id, name)
+                row = await _insert_version(conn, tenant_id, name, version, d)
+                if publish:
+                    await conn.execute(
+                        "UPDATE ce_custom_tools SET description = $3, parameters = $4, "
+                        "webhook_url = $5, auth_header = $6, timeout_ms = $7, enabled = $8, "
+                        "type = $9, version = $10, definition = $11, updated_at = now() "
+                        "WHERE tenant_id = $1 AND name = $2",
+                        tenant_id, name, *cols, type_, version, d,
+                    )
+                    await conn.execute(_NOTIFY, tenant_id)
+        return _version(row, published=publish)
+
+    async def publish(self, tenant_id: str, name: str, version: int) -> PublishedTool:
+        """Make stored `version` the live one (a rollback when it is older).
+
+        The live enabled/disabled switch is kept as it is. Raises NotFound for no live tool or
+        no such version.
+        """
+        with translate("publishing a tool version"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                live = await conn.fetchrow(
+                    "SELECT coalesce(enabled, true) AS enabled FROM ce_custom_tools "
+                    "WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
+                    tenant_id, name,
+                )
+                if live is None:
+                    raise _not_found(name)
+                d = await conn.fetchval(
+                    "SELECT definition FROM ce_tool_versions "
+                    "WHERE tenant_id = $1 AND name = $2 AND version = $3",
+                    tenant_id, name, version,
+                )
+                if d is None:
+                    raise NotFound(
+                        f"tool {name!r} has no version {version}; list them with "
+                        f"GET /v1/tools/{name}/versions",
+                        kind="tool_version", key=f"{name}@{version}",
+                    )
+                type_ = d.get("type", "webhook")
+                d = {**d, "enabled": live["enabled"]}
+                cols = _seed_columns(type_, d)
+                row = await conn.fetchrow(
+                    "UPDATE ce_custom_tools SET description = $3, parameters = $4, "
+                    "webhook_url = $5, auth_header = $6, timeout_ms = $7, enabled = $8, "
+                    "type = $9, version = $10, definition = $11, updated_at = now() "
+                    f"WHERE tenant_id = $1 AND name = $2 RETURNING {_LIVE_COLUMNS}",
+                    tenant_id, name, *cols, type_, version, d,
+                )
+                await conn.execute(_NOTIFY, tenant_id)
+        return _published(row)
+
+    async def list_published(self, tenant_id: str) -> list[PublishedTool]:
+        """The tenant's live tools (enabled or not), by name."""
+        with translate("listing tools"):
+            rows = await self._pool.fetch(
+                f"SELECT {_LIVE_COLUMNS} FROM ce_custom_tools WHERE tenant_id = $1 ORDER BY name",
+                tenant_id,
+            )
+        return [_published(r) for r in rows]
+
+    async def get(self, tenant_id: str, name: str) -> PublishedTool:
+        """The live tool `name`. Raises NotFound (also when another tenant owns that name)."""
+        with translate("reading a tool"):
+            row = await self._pool.fetchrow(
+                f"SELECT {_LIVE_COLUMNS} FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2",
+                tenant_id, name,
+            )
+        if row is None:
+            raise _not_found(name)
+        return _published(row)
+
+    async def versions(self, tenant_id: str, name: str) -> list[ToolVersion]:
+        """Every stored version of `name`, oldest first; `published` marks the live one.
+
+        Raises NotFound when the tenant never had a tool of that name.
+        """
+        with translate("listing tool versions"):
+            rows = await self._pool.fetch(
+                "SELECT v.tenant_id, v.name, v.version, v.definition, v.created_at, "
+                "(t.version IS NOT DISTINCT FROM v.version) AS published "
+                "FROM ce_tool_versions v LEFT JOIN ce_custom_tools t "
+                "ON t.tenant_id = v.tenant_id AND t.name = v.name "
+                "WHERE v.tenant_id = $1 AND v.name = $2 ORDER BY v.version",
+                tenant_id, name,
+            )
+        if not rows:
+            raise _not_found(name)
+        return [_version(r, published=r["published"]) for r in rows]
+
+    async def delete(self, tenant_id: str, name: str) -> None:
+        """Remove the live tool (its versions stay for audit and re-creation). Raises NotFound."""
+        with translate("deleting a tool"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                gone = await conn.fetchval(
+                    "DELETE FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2 RETURNING true",
+                    tenant_id, name,
+                )
+                if not gone:
+                    raise _not_found(name)
+                await conn.execute(_NOTIFY, tenant_id)
+
+    async def set_enabled(self, tenant_id: str, name: str, enabled: bool) -> PublishedTool:
+        """Switch the live tool on or off (column and live definition). Raises NotFound."""
+        with translate("enabling or disabling a tool"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "UPDATE ce_custom_tools SET enabled = $3, updated_at = now(), "
+                    "definition = jsonb_set(definition, '{enabled}', to_jsonb($3::boolean)) "
+                    f"WHERE tenant_id = $1 AND name = $2 RETURNING {_LIVE_COLUMNS}",
+                    tenant_id, name, enabled,
+                )
+                if row is None:
+                    raise _not_found(name)
+                await conn.execute(_NOTIFY, tenant_id)
+        return _published(row)
+
+
+async def _next_version(conn: asyncpg.Connection, tenant_id: str, name: str) -> int:
+    return await conn.fetchval(
+        "SELECT coalesce(max(version), 0) + 1 FROM ce_tool_versions WHERE tenant_id = $1 AND name = $2",
+        tenant_id, name,
+    )
+
+
+async def _insert_version(
+    conn: asyncpg.Connection, tenant_id: str, name: str, version: int, d: dict[str, Any]
+) -> asyncpg.Record:
+    return await conn.fetchrow(
+        "INSERT INTO ce_tool_versions (tenant_id, name, version, definition) VALUES ($1, $2, $3, $4) "
+        "RETURNING tenant_id, name, version, definition, created_at",
+        tenant_id, name, version, d,
+    )
+
+
+CatalogCallback = Callable[[str], Any]
+
+
+class CatalogListener:
+    """A live LISTEN ce_catalog subscription; `close()` ends it and frees its connection."""
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        callback: CatalogCallback,
+        *,
+        pool: asyncpg.Pool | None,
+        on_lost: Callable[[], Any] | None,
+    ) -> None:
+        self._conn = conn
+        self._callback = callback
+        self._pool = pool
+        self._on_lost = on_lost
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        result = self._callback(payload)
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
+            task.add_done_callback(self._tasks.discard)
+
+    def _terminated(self, _conn: Any) -> None:
+        if not self.closed and self._on_lost is not None:
+            self._on_lost()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._conn.is_closed():
+                self._conn.remove_termination_listener(self._terminated)
+                await self._conn.remove_listener(CATALOG_CHANNEL, self._notified)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            pass  # the connection is gone: nothing left to unsubscribe
+        finally:
+            if self._pool is not None:
+                await self._pool.release(self._conn)
+
+
+async def listen_catalog(
+    source: asyncpg.Pool | asyncpg.Connection,
+    callback: CatalogCallback,
+    *,
+    on_lost: Callable[[], Any] | None = None,
+) -> CatalogListener:
+    """Call `callback(tenant_id)` whenever a tenant's tools or bot config change.
+
+    With a pool, one of its connections is held for the subscription until `close()`. A callback
+    may be a coroutine function (its coroutine is scheduled as a task). `on_lost` is called if the
+    connection dies: notifications sent meanwhile are lost, so the caller should reload all it
+    caches and subscribe again. Raises StorageUnavailable when Postgres cannot be reached.
+    """
+    pool = source if isinstance(source, asyncpg.Pool) else None
+    with translate("subscribing to catalog changes"):
+        conn = await pool.acquire() if pool is not None else source
+    listener = CatalogListener(conn, callback, pool=pool, on_lost=on_lost)
+    try:
+        with translate("subscribing to catalog changes"):
+            await conn.add_listener(CATALOG_CHANNEL, listener._notified)
+            conn.add_termination_listener(listener._terminated)
+    except BaseException:
+        if pool is not None:
+            await pool.release(conn)
+        raise
+    return listener

@@ -1,0 +1,136 @@
+"""The pool and the embedded Postgres: JSON codecs, readable connection errors, no leaked secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from storage.embedded import _asyncpg_url, _check_binaries, start_embedded
+from storage.errors import EmbeddedPostgresError, StorageError, StorageUnavailable, describe_url
+from storage.pool import create_pool
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: int
+
+
+async def test_jsonb_and_json_round_trip_through_msgspec(pool):
+    value = {"a": [1, 2.5, None, True], "nested": {"s": "é"}}
+    assert await pool.fetchval("SELECT $1::jsonb", value) == value
+    assert await pool.fetchval("SELECT $1::json", value) == value
+    assert await pool.fetchval("SELECT $1::jsonb -> 'nested' ->> 's'", value) == "é"
+    assert await pool.fetchval("SELECT $1::jsonb", Point(x=1, y=2)) == {"x": 1, "y": 2}
+    assert await pool.fetchval("SELECT $1::jsonb[]", [{"a": 1}, {"b": [2]}]) == [{"a": 1}, {"b": [2]}]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_unreachable_postgres_is_unavailable_and_names_host_not_password():
+    port = _closed_port()
+    url = f"postgresql://app:hunter2-secret@127.0.0.1:{port}/chat"
+    with pytest.raises(StorageUnavailable, match=rf"cannot connect to Postgres at 127\.0\.0\.1:{port}/chat "
+                       r"\(connection refused\); check DATABASE_URL") as info:
+        await create_pool(url, timeout=5)
+    assert info.value.retryable is True
+    assert "hunter2" not in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+async def test_unknown_database_is_a_clear_error(pg_url):
+    from tests.conftest import database_url
+
+    with pytest.raises(StorageError, match="the database does not exist") as info:
+        await create_pool(database_url(pg_url, "no_such_db_here"))
+    assert not info.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:pw@db.example:6543/app", "db.example:6543/app"),
+        ("postgresql://u:pw@db.example/app", "db.example:5432/app"),
+        ("postgresql://postgres@/postgres?host=/tmp/sock", "unix socket /tmp/sock/postgres"),
+    ],
+)
+def test_describe_url_never_shows_credentials(url, shown):
+    assert describe_url(url) == shown
+
+
+def test_pgserver_uri_becomes_one_asyncpg_accepts():
+    assert _asyncpg_url("postgresql://postgres:@/postgres?host=/tmp/x y") == (
+        "postgresql://postgres@/postgres?host=/tmp/x y"
+    )
+
+
+def test_missing_binaries_say_what_to_install(tmp_path: Path):
+    with pytest.raises(EmbeddedPostgresError, match=r"no usable postgres binary .*`pip install --force-reinstall pgserver`"):
+        _check_binaries(tmp_path)
+
+
+def test_broken_binaries_say_what_to_install(tmp_path: Path):
+    for name in ("postgres", "initdb", "pg_ctl"):
+        exe = tmp_path / name
+        exe.write_bytes(b"\x7fELF not really a program")
+        exe.chmod(0o755)
+    with pytest.raises(EmbeddedPostgresError, match=r"does not run on this machine .* reinstall a pgserver wheel"):
+        _check_binaries(tmp_path)
+
+
+def test_starting_on_a_running_data_dir_attaches_to_the_same_server(pg_server):
+    if pg_server is None:
+        pytest.skip("TEST_DATABASE_URL: no embedded server in this run")
+    again = start_embedded(pg_server.data_dir)
+    assert again.url == pg_server.url
+    assert again.pgdata == pg_server.pgdata
+
+
+async def test_a_connection_lost_mid_flush_is_retryable_and_writes_nothing(fresh_db):
+    from storage.pool import connect
+    from storage.records import MessageRecord, SessionDelta, SessionSnapshot, session_uid
+    from storage.repos import SessionRepo
+
+    url = await fresh_db()
+    p = await create_pool(url, min_size=1, max_size=2)
+    admin = await connect(url)
+    try:
+        sessions = SessionRepo(p)
+        lease = await sessions.activate("t-lost", "s1", owner="h")
+        d = SessionDelta(
+            tenant_id="t-lost", session_id="s1", epoch=lease.epoch, snapshot=SessionSnapshot(message_count=1),
+            messages=[MessageRecord(seq=0, role="user", content=[{"type": "text", "text": "hi"}])],
+        )
+        # hold the session's row so the flush waits inside its transaction, then kill its backend
+        blocker = admin.transaction()
+        await blocker.start()
+        await admin.execute("SELECT 1 FROM ce_sessions WHERE id = $1 FOR UPDATE", session_uid("t-lost", "s1"))
+        flush = asyncio.ensure_future(sessions.flush([d]))
+        for _ in range(200):
+            pid = await admin.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            if pid:
+                break
+            await asyncio.sleep(0.01)
+        assert pid, "the flush never waited for the row lock"
+        await admin.execute("SELECT pg_terminate_backend($1)", pid)
+        with pytest.raises(StorageUnavailable, match="postgres became unreachable while flushing session state") as info:
+            await flush
+        assert info.value.retryable
+        await blocker.rollback()
+        assert await admin.fetchval("SELECT count(*) FROM ce_messages") == 0
+
+        assert (await sessions.flush([d])).written == [("t-lost", "s1")]  # the retry goes through
+        assert await admin.fetchval("SELECT count(*) FROM ce_messages") == 1
+    finally:
+        await admin.close()
+        await p.close()

@@ -1,0 +1,53 @@
+"""Settings.from_env: malformed values fail at start-up with a ConfigError naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.errors import ConfigError
+from services.settings import Settings
+
+
+@pytest.mark.parametrize(
+    ("env", "variable", "message"),
+    [
+        ({"DATABASE_URL": "mysql://u:p@db:3306/x"}, "DATABASE_URL", r"DATABASE_URL must look like postgresql://"),
+        ({"DATABASE_URL": "not a url"}, "DATABASE_URL", r"DATABASE_URL must look like postgresql://"),
+        ({"DATABASE_URL": "postgresql://u:p@db:notaport/x"}, "DATABASE_URL", r"DATABASE_URL has an invalid port"),
+        ({"DATABASE_URL": "postgresql:///x"}, "DATABASE_URL", r"DATABASE_URL names no host"),
+        ({"CE_PLACEMENT": "random"}, "CE_PLACEMENT", r"CE_PLACEMENT must be 'sharded' or 'dedicated', got 'random'"),
+        ({"CE_SHARDS": "four"}, "CE_SHARDS", r"CE_SHARDS must be a whole number, got 'four'"),
+        ({"CE_SHARDS": "0"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got 0"),
+        ({"CE_SHARDS": "-3"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got -3"),
+    ],
+)
+def test_malformed_values_raise_config_error_naming_the_variable(env, variable, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Settings.from_env(env)
+    assert info.value.variable == variable
+    assert variable in str(info.value)
+
+
+def test_a_database_url_password_is_not_echoed_in_the_error():
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"DATABASE_URL": "postgresql://u:s3cret-pw@db:99999999/x"})
+    assert "s3cret-pw" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://user:pw@db.internal:5432/chat",
+        "postgres://user@localhost/chat",
+        "postgresql://postgres@/postgres?host=/tmp/pgsock",  # the embedded server's unix socket
+    ],
+)
+def test_well_formed_database_urls_are_accepted(url):
+    assert Settings.from_env({"DATABASE_URL": url}).database_url == url
+
+
+def test_defaults_and_valid_values():
+    s = Settings.from_env({"CE_PLACEMENT": "dedicated", "CE_SHARDS": "8"})
+    assert (s.placement, s.shards, s.database_url) == ("dedicated", 8, None)
+    assert Settings.from_env({}).placement == "sharded"
+    assert Settings.from_env({"CE_SHARDS": "  "}).shards == 4  # blank counts as unset
