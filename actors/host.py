@@ -62,13 +62,14 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("state", "lock", "last_used", "queued")
+    __slots__ = ("state", "lock", "last_used", "queued", "stale")
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
         self.lock = asyncio.Lock()
         self.last_used = time.monotonic()
         self.queued = 0
+        self.stale = False  # a flush of this copy was refused: a newer activation owns the session
 
 
 class SessionHost:
@@ -84,6 +85,7 @@ class SessionHost:
         self._sessions: dict[Key, _Entry] = {}
         self._activating: dict[Key, asyncio.Future[_Entry]] = {}
         self._dirty: set[Key] = set()
+        self._inflight: set[Key] = set()  # sessions whose delta is in the flush now running
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -203,12 +205,13 @@ class SessionHost:
             raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0)
         key = (tenant_id, session_id)
         entry = await self._entry(key)
+        env = await self._tenants.env_for(tenant_id)
+        # Checked and counted with no await in between, or a flood passes the check all at once.
         if entry.queued >= self._settings.mailbox:
             raise Overloaded(
                 f"too many messages waiting for session {session_id!r}; wait for the replies, then retry",
                 retry_after=1.0,
             )
-        env = await self._tenants.env_for(tenant_id)
         entry.queued += 1
         try:
             await entry.lock.acquire()
@@ -220,7 +223,11 @@ class SessionHost:
                 structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
                 reply = await run(entry, env)
                 entry.last_used = time.monotonic()
-                durable = self._mark_dirty(key) if entry.state.dirty else None
+                if entry.stale:  # taken over while it ran: this copy's state will never be written
+                    raise _lease_lost(session_id)
+                # Also when clean but in flight: a replayed answer is released only once durable.
+                unsaved = entry.state.dirty or key in self._inflight
+                durable = self._mark_dirty(key) if unsaved else None
         finally:
             entry.lock.release()
         if evicted:  # passivated or taken over while we waited: activate again
@@ -234,6 +241,8 @@ class SessionHost:
                     "retry with the same message_id to get it",
                     retry_after=2.0,
                 ) from None
+            if entry.stale:  # evicted before its delta was taken: the flush that resolved us had none
+                raise _lease_lost(session_id)
         return reply
 
     # -- activation and passivation ---------------------------------------------------------
@@ -270,7 +279,8 @@ class SessionHost:
         if entry.lock.locked() or entry.queued:
             return False
         async with entry.lock:
-            if entry.state.dirty:
+            # In flight counts as unsaved: if that flush fails its delta comes back to this entry.
+            if entry.state.dirty or key in self._inflight:
                 await self._mark_dirty(key)
             if self._sessions.get(key) is entry:
                 del self._sessions[key]
@@ -289,6 +299,12 @@ class SessionHost:
             cutoff = time.monotonic() - idle
             for key, entry in list(self._sessions.items()):
                 if entry.last_used < cutoff and not entry.lock.locked() and not entry.queued:
+                    if entry.state.dirty or key in self._inflight:
+                        # Not written yet (the database may be away): queue it for the flusher and
+                        # passivate on a later sweep, rather than hold its lock until Postgres answers.
+                        self._dirty.add(key)
+                        self._wake.set()
+                        continue
                     try:
                         await self.passivate(*key)
                     except Exception:  # noqa: BLE001 - a failed flush keeps the session cached
@@ -336,27 +352,30 @@ class SessionHost:
     async def _flush_locked(self) -> None:
         keys, self._dirty = self._dirty, set()
         waiters = {k: self._waiters.pop(k, []) for k in keys}
-        deltas: dict[Key, SessionDelta] = {}
+        # Each delta with the entry it came from: the session may be evicted or re-activated
+        # while the flush runs, and a result must reach that copy, not whichever is current.
+        deltas: dict[Key, tuple[_Entry, SessionDelta]] = {}
         for key in keys:
             entry = self._sessions.get(key)
             delta = entry.state.take_delta() if entry else None
-            if delta is not None:
-                deltas[key] = delta
+            if entry is not None and delta is not None:
+                deltas[key] = (entry, delta)
         if not deltas:
             _resolve(waiters)
             return
         started = time.perf_counter()
+        self._inflight = set(deltas)
         try:
-            result = await self._store.flush(list(deltas.values()))
+            result = await self._store.flush([delta for _, delta in deltas.values()])
         except BaseException:
-            for key, delta in deltas.items():
-                entry = self._sessions.get(key)
-                if entry is not None:
-                    entry.state.restore_delta(delta)
+            for entry, delta in deltas.values():
+                entry.state.restore_delta(delta)
             for key, fs in waiters.items():
                 self._waiters.setdefault(key, [])[:0] = fs
             self._dirty |= keys
             raise
+        finally:
+            self._inflight = set()
         self.last_flush_ms = (time.perf_counter() - started) * 1000
         self.flushes += 1
         self.flushed_sessions += len(result.written)
@@ -365,12 +384,14 @@ class SessionHost:
         for key in map(tuple, result.refused):
             # A newer activation owns this session: this copy is stale. Evict it so the next
             # message re-activates from Postgres, and fail the replies that were waiting.
-            self._sessions.pop(key, None)  # type: ignore[arg-type]
+            source = deltas.get(key)  # type: ignore[call-overload]
+            if source is not None:
+                source[0].stale = True
+                if self._sessions.get(key) is source[0]:  # type: ignore[call-overload]
+                    del self._sessions[key]  # type: ignore[arg-type]
             for f in waiters.pop(key, []):  # type: ignore[arg-type]
                 if not f.done():
-                    f.set_exception(LeaseLost(
-                        f"session {key[1]!r} was taken over by another activation; retry the message"
-                    ))
+                    f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
         _resolve(waiters)
 
@@ -380,6 +401,10 @@ def _resolve(waiters: dict[Key, list[asyncio.Future[None]]]) -> None:
         for f in fs:
             if not f.done():
                 f.set_result(None)
+
+
+def _lease_lost(session_id: str) -> LeaseLost:
+    return LeaseLost(f"session {session_id!r} was taken over by another activation; retry the message")
 
 
 def _error_data(exc: ChatEngineError) -> dict[str, Any]:

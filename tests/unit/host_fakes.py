@@ -1,0 +1,281 @@
+"""Fakes for the session host: a SessionStore with real lease semantics, a TenantSource, a model.
+
+`FakeSessionStore` implements `actors.host.SessionStore` the way the Postgres adapter must behave:
+`activate` takes a lease (bumps the session's epoch) and returns what is stored; `flush` is one
+transaction that refuses deltas of a stale epoch and applies the rest. Test switches simulate a
+slow or unavailable database. `FakeTenants` implements `actors.host.TenantSource` with a
+`RuleModel` (answers from the request alone, so many sessions can share it) and two python tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+from actors.session import TurnEnv
+from services.botconfig import BotConfig
+from services.llm.port import (
+    LLMRequest,
+    LLMResponse,
+    TextBlock,
+    TextDelta,
+    ToolResultBlock,
+    ToolUseBlock,
+    Usage,
+)
+from services.tools.context import TrustedContext
+from services.tools.executor import Executor
+from services.tools.model import PythonTool
+from services.tools.registry import HandlerRegistry, build_catalog
+from storage.records import (
+    ActivatedSession,
+    FlushResult,
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    ToolCallRecord,
+)
+
+Key = tuple[str, str]
+
+
+class StoreUnavailable(Exception):
+    """What the fake raises while the database is 'down' (the adapter's connection error)."""
+
+
+def _copy_snapshot(snapshot: SessionSnapshot) -> SessionSnapshot:
+    # Through JSON, as a JSONB column would: the store never shares objects with a live session.
+    return msgspec.json.decode(msgspec.json.encode(snapshot), type=SessionSnapshot)
+
+
+class FakeSessionStore:
+    """In-memory SessionStore with leases (epoch per session) and transactional, fenced flushes.
+
+    Switches: `down` (every flush raises), `fail_next` (the next n flushes raise), `hold` (an
+    Event every flush waits on before it commits), `activate_hold` (likewise for activate).
+    Exactly-once is checked, not assumed: a message seq, turn or tool call written twice is
+    recorded in `duplicates` (a unique-constraint violation in Postgres).
+    """
+
+    def __init__(self) -> None:
+        self.epochs: dict[Key, int] = {}
+        self.owners: dict[Key, str] = {}
+        self.snapshots: dict[Key, SessionSnapshot] = {}
+        self.variables: dict[Key, dict[str, str]] = defaultdict(dict)
+        self.messages: dict[Key, list[MessageRecord]] = defaultdict(list)
+        self.turns: dict[Key, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.tool_calls: dict[Key, list[ToolCallRecord]] = defaultdict(list)
+        self.usage: dict[Key, dict[str, list[int]]] = defaultdict(dict)
+        self.duplicates: list[str] = []
+        # switches
+        self.down = False
+        self.fail_next = 0
+        self.hold: asyncio.Event | None = None
+        self.activate_hold: asyncio.Event | None = None
+        # counters
+        self.activations: list[tuple[Key, str, int]] = []  # (key, owner, epoch)
+        self.flush_calls = 0  # every attempt, failed ones included
+        self.failed_flushes = 0
+        self.deltas_per_flush: list[int] = []  # committed flushes only
+        self.refused: list[tuple[Key, int]] = []  # (key, stale epoch)
+        self.get_turn_calls = 0
+        self.flush_entered = asyncio.Event()
+        self.activate_entered = asyncio.Event()
+
+    # -- the SessionStore port -----------------------------------------------------------------
+
+    async def activate(self, tenant_id: str, session_id: str, owner: str) -> ActivatedSession:
+        key = (tenant_id, session_id)
+        self.activate_entered.set()
+        if self.activate_hold is not None:
+            await self.activate_hold.wait()
+        else:
+            await asyncio.sleep(0)  # a round trip
+        epoch = self.epochs.get(key, 0) + 1
+        self.epochs[key] = epoch
+        self.owners[key] = owner
+        self.activations.append((key, owner, epoch))
+        snapshot = self.snapshots.get(key)
+        return ActivatedSession(
+            tenant_id=tenant_id, session_id=session_id, epoch=epoch,
+            snapshot=_copy_snapshot(snapshot) if snapshot is not None else SessionSnapshot(),
+            variables=dict(self.variables[key]), history=list(self.messages[key]),
+        )
+
+    async def flush(self, deltas: list[SessionDelta]) -> FlushResult:
+        self.flush_calls += 1
+        self.flush_entered.set()
+        if self.hold is not None:
+            await self.hold.wait()
+        else:
+            await asyncio.sleep(0)  # a round trip
+        if self.down or self.fail_next > 0:
+            self.fail_next = max(0, self.fail_next - 1)
+            self.failed_flushes += 1
+            raise StoreUnavailable("connection refused")
+        written: list[tuple[str, str]] = []
+        refused: list[tuple[str, str]] = []
+        for delta in deltas:
+            key = (delta.tenant_id, delta.session_id)
+            if self.epochs.get(key) != delta.epoch:
+                refused.append(key)
+                self.refused.append((key, delta.epoch))
+                continue
+            self._apply(key, delta)
+            written.append(key)
+        self.deltas_per_flush.append(len(deltas))
+        return FlushResult(written=written, refused=refused)
+
+    async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None:
+        self.get_turn_calls += 1
+        await asyncio.sleep(0)
+        return self.turns[(tenant_id, session_id)].get(message_id)
+
+    # -- helpers for assertions ----------------------------------------------------------------
+
+    def _apply(self, key: Key, delta: SessionDelta) -> None:
+        seqs = {m.seq for m in self.messages[key]}
+        for m in delta.messages:
+            if m.seq in seqs:
+                self.duplicates.append(f"{key} message seq {m.seq}")
+            self.messages[key].append(m)
+            seqs.add(m.seq)
+        self.variables[key].update(delta.variables)
+        for t in delta.turns:
+            if t.message_id in self.turns[key]:
+                self.duplicates.append(f"{key} turn {t.message_id}")
+            self.turns[key][t.message_id] = t.response
+        ids = {c.id for c in self.tool_calls[key]}
+        for c in delta.tool_calls:
+            if c.id in ids:
+                self.duplicates.append(f"{key} tool call {c.id}")
+            self.tool_calls[key].append(c)
+        for u in delta.usage:
+            acc = self.usage[key].setdefault(u.model, [0, 0])
+            acc[0] += u.input_tokens
+            acc[1] += u.output_tokens
+        self.snapshots[key] = _copy_snapshot(delta.snapshot)
+
+    def seqs(self, key: Key) -> list[int]:
+        return [m.seq for m in self.messages[key]]
+
+    def texts(self, key: Key) -> list[str]:
+        """The plain texts stored for a session, in seq order (tool blocks left out)."""
+        out = []
+        for m in sorted(self.messages[key], key=lambda r: r.seq):
+            out += [b["text"] for b in m.content if b.get("type") == "text"]
+        return out
+
+    @property
+    def commits(self) -> int:
+        return len(self.deltas_per_flush)
+
+
+class RuleModel:
+    """An LLMClient that answers from the request alone, so concurrent sessions can share it.
+
+    - the last message holds tool results -> text "done: <first result>";
+    - the last message is a user text "use <tool> <q>" and <tool> is offered -> one call of it;
+    - otherwise -> text "echo: <text>".
+    `hold(text)` makes requests for that user text wait until released; `entered(text)` is set
+    when one starts. `log` records ("enter"|"exit", text) so overlap is visible.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+        self.log: list[tuple[str, str]] = []
+        self._holds: dict[str, asyncio.Event] = {}
+        self._entered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    def hold(self, text: str) -> asyncio.Event:
+        self._holds[text] = asyncio.Event()
+        return self._holds[text]
+
+    def entered(self, text: str) -> asyncio.Event:
+        return self._entered[text]
+
+    def release_all(self) -> None:
+        for hold in self._holds.values():
+            hold.set()
+
+    async def stream(self, request: LLMRequest):
+        self.requests.append(request)
+        last = request.messages[-1]
+        results = [b for b in last.content if isinstance(b, ToolResultBlock)]
+        texts = [b.text for b in last.content if isinstance(b, TextBlock)]
+        text = texts[-1] if texts and not results else ""
+        label = text or "<tool results>"
+        self.log.append(("enter", label))
+        self._entered[label].set()
+        try:
+            hold = self._holds.get(text)
+            if hold is not None:
+                await hold.wait()
+            else:
+                await asyncio.sleep(0)
+        finally:
+            self.log.append(("exit", label))
+        words = text.split()
+        offered = {t.name for t in request.tools} if request.tool_choice == "auto" else set()
+        if results:
+            content: list = [TextBlock(text=f"done: {results[0].content}")]
+        elif len(words) >= 2 and words[0] == "use" and words[1] in offered:
+            n = len(self.requests)
+            q = " ".join(words[2:])
+            content = [ToolUseBlock(id=f"toolu_{n}", name=words[1], input={"q": q})]
+        else:
+            content = [TextBlock(text=f"echo: {text}")]
+        for block in content:
+            if isinstance(block, TextBlock):
+                yield TextDelta(text=block.text)
+        yield LLMResponse(
+            content=content, usage=Usage(input_tokens=10, output_tokens=3), model=request.model,
+            stop_reason="tool_use" if isinstance(content[0], ToolUseBlock) else "end_turn",
+        )
+
+
+OPEN_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}}
+LOOKUP = PythonTool(name="lookup", description="look things up", parameters=OPEN_SCHEMA, handler="lookup")
+#: a one-shot write: once it succeeded the session variable is set and it is not offered again
+COLLECT_LEAD = PythonTool(
+    name="collect_lead", description="save the contact as a lead", parameters=OPEN_SCHEMA,
+    handler="collect_lead", mutability="write", requires_approval=False,
+    completes_variable="lead_collected",
+)
+
+
+class FakeTenants:
+    """A TenantSource: every tenant gets the same env (RuleModel, lookup + collect_lead).
+
+    `handler_calls` records (session_id, tool, q) for every tool that really ran.
+    """
+
+    def __init__(self, model: RuleModel | None = None) -> None:
+        self.model = model or RuleModel()
+        self.handler_calls: list[tuple[str, str, str]] = []
+        registry = HandlerRegistry()
+
+        @registry.register("lookup")
+        async def lookup(args: dict[str, Any], ctx: TrustedContext) -> Any:
+            self.handler_calls.append((ctx.session_id, "lookup", args.get("q", "")))
+            return {"found": args.get("q", "")}
+
+        @registry.register("collect_lead")
+        async def collect_lead(args: dict[str, Any], ctx: TrustedContext) -> Any:
+            self.handler_calls.append((ctx.session_id, "collect_lead", args.get("q", "")))
+            return {"lead": "saved"}
+
+        catalog = build_catalog([], [(LOOKUP, 1), (COLLECT_LEAD, 1)], registry=registry, backend=None)
+        self.env = TurnEnv(
+            llm=self.model, executor=Executor(), catalog=catalog, config=BotConfig(),
+            main_model="main", cheap_model="cheap",
+        )
+        self.env_calls = 0
+
+    async def env_for(self, tenant_id: str) -> TurnEnv:
+        self.env_calls += 1
+        await asyncio.sleep(0)  # a cache lookup may yield (a reload on change reads the database)
+        return self.env

@@ -1,0 +1,448 @@
+"""The session host with fakes: output gate, group commit, fencing, Postgres away, passivation.
+
+No Postgres, no Ray: `FakeSessionStore` keeps the lease and transaction semantics the host relies
+on, and its switches (`hold`, `down`, `fail_next`) stand in for a slow or absent database. Waits
+are on Events; every await that could hang is bounded (`asyncio.wait_for(..., 5)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from actors.host import HostSettings, LeaseLost, SessionHost
+from services.errors import Overloaded
+from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+
+T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
+KEY = ("t1", "s1")
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = T) -> None:
+    """Wait until `predicate()` holds (for state that has no Event of its own)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def spin(n: int = 20) -> None:
+    """Let every ready task run a few steps."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+class World:
+    """One fake database and tenant source shared by any number of hosts."""
+
+    def __init__(self) -> None:
+        self.store = FakeSessionStore()
+        self.tenants = FakeTenants()
+        self.model = self.tenants.model
+        self.hosts: list[SessionHost] = []
+
+    async def host(self, name: str = "h1", **settings) -> SessionHost:
+        host = SessionHost(name=name, store=self.store, tenants=self.tenants, settings=HostSettings(**settings))
+        await host.start()
+        self.hosts.append(host)
+        return host
+
+    def calls(self, session_id: str = "s1") -> list[tuple[str, str]]:
+        return [(tool, q) for sid, tool, q in self.tenants.handler_calls if sid == session_id]
+
+    async def close(self) -> None:
+        self.store.down, self.store.fail_next = False, 0
+        if self.store.hold is not None:
+            self.store.hold.set()
+        if self.store.activate_hold is not None:
+            self.store.activate_hold.set()
+        self.model.release_all()
+        for host in self.hosts:  # stop() twice is harmless: a test may have stopped it already
+            await asyncio.wait_for(host.stop(), T)
+
+
+@pytest.fixture
+async def world():
+    w = World()
+    yield w
+    await w.close()
+
+
+# -- output gate ---------------------------------------------------------------------------------
+
+
+async def test_with_the_output_gate_a_reply_waits_for_the_flush_that_holds_its_state(world):
+    store = world.store
+    store.hold = asyncio.Event()
+    host = await world.host(output_gate=True)
+    seen_at_return: list[bool] = []
+    task = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    task.add_done_callback(lambda _t: seen_at_return.append("m1" in store.turns[KEY]))
+
+    await asyncio.wait_for(store.flush_entered.wait(), T)
+    await spin()
+    assert not task.done(), "the reply was released while its flush had not committed"
+    assert store.turns[KEY] == {}
+
+    store.hold.set()
+    reply = await asyncio.wait_for(task, T)
+    assert reply.reply == "echo: hello"
+    assert seen_at_return == [True]
+    assert store.turns[KEY]["m1"] == msgspec.to_builtins(reply)
+
+
+async def test_without_the_output_gate_a_reply_does_not_wait_for_the_database(world):
+    store = world.store
+    store.hold = asyncio.Event()  # every flush hangs until the end of the test
+    host = await world.host(output_gate=False)
+    reply = await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+    assert reply.reply == "echo: hello"
+    assert store.turns[KEY] == {}  # not durable yet: the lossy benchmark mode
+    store.hold.set()
+    await eventually(lambda: "m1" in store.turns[KEY])
+
+
+# -- group commit --------------------------------------------------------------------------------
+
+
+async def test_fifty_sessions_sending_at_once_share_a_few_flushes(world):
+    store, model = world.store, world.model
+    hold = model.hold("go")
+    host = await world.host(flush_interval_s=0.02)
+    tasks = [asyncio.create_task(host.send("t1", f"s{i}", "go", f"m{i}")) for i in range(50)]
+    await eventually(lambda: sum(1 for kind, text in model.log if kind == "enter" and text == "go") == 50)
+    hold.set()  # all fifty turns finish in one burst
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), T)
+
+    assert [r.reply for r in replies] == ["echo: go"] * 50
+    assert all(store.seqs(("t1", f"s{i}")) == [0, 1] for i in range(50))
+    assert all(f"m{i}" in store.turns[("t1", f"s{i}")] for i in range(50))
+    assert sum(store.deltas_per_flush) == 50
+    assert store.commits < 50 // 2, store.deltas_per_flush
+    assert max(store.deltas_per_flush) >= 10, store.deltas_per_flush
+    assert host.flushes == store.commits and host.flushed_sessions == 50
+
+
+# -- Postgres away -------------------------------------------------------------------------------
+
+
+async def test_while_the_database_is_down_replies_wait_and_after_it_recovers_all_is_written_once(world):
+    store = world.store
+    host = await world.host(max_backoff_s=0.02)
+    store.down = True
+    sessions = [f"s{i}" for i in range(5)]
+    tasks = []
+    for sid in sessions:  # two turns per session: the second runs while the first waits
+        tasks.append(asyncio.create_task(host.send("t1", sid, f"use collect_lead {sid}", f"{sid}-a")))
+        tasks.append(asyncio.create_task(host.send("t1", sid, f"use lookup {sid}", f"{sid}-b")))
+
+    await eventually(lambda: store.failed_flushes >= 3 and len(world.tenants.handler_calls) == 10)
+    await spin()
+    assert not any(t.done() for t in tasks), "a reply was released while nothing was durable"
+    assert all(store.messages[("t1", sid)] == [] for sid in sessions)
+
+    store.down = False
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), T)
+    assert [r.reply for r in replies[:2]] == ['done: {"lead":"saved"}', 'done: {"found":"s0"}']
+    assert store.duplicates == []
+    for sid in sessions:
+        key = ("t1", sid)
+        assert store.seqs(key) == list(range(8))  # 4 messages per tool turn, contiguous, once
+        assert set(store.turns[key]) == {f"{sid}-a", f"{sid}-b"}
+        assert store.variables[key] == {"lead_collected": "true"}
+        assert store.snapshots[key].completed == ["collect_lead"]
+        assert sorted(c.tool_name for c in store.tool_calls[key]) == ["collect_lead", "lookup"]
+        assert store.usage[key] == {"main": [20, 6], "cheap": [20, 6]}
+    assert len(world.tenants.handler_calls) == 10  # nothing ran twice
+
+
+async def test_a_reply_that_cannot_be_saved_in_time_is_overloaded_and_a_retry_returns_it(world):
+    store = world.store
+    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    with pytest.raises(Overloaded, match="retry with the same message_id") as info:
+        await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+    assert info.value.retry_after > 0
+    assert world.calls() == [("lookup", "q1")]
+
+    # still down: the retry is not answered from memory either, and runs nothing
+    with pytest.raises(Overloaded, match="retry with the same message_id"):
+        await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+
+    store.down = False
+    reply = await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+    assert reply.message_id == "m1" and reply.reply == 'done: {"found":"q1"}'
+    assert [c.name for c in reply.tool_calls] == ["lookup"]
+    assert world.calls() == [("lookup", "q1")]  # the retry ran no tool again
+    assert store.turns[KEY]["m1"] == msgspec.to_builtins(reply)
+    assert store.seqs(KEY) == [0, 1, 2, 3] and store.duplicates == []
+
+
+async def test_a_retried_message_id_is_not_answered_before_the_first_answer_is_durable(world):
+    store = world.store
+    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    with pytest.raises(Overloaded):
+        await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+    # the database comes back, but the flush carrying m1 is still in flight
+    store.hold = asyncio.Event()
+    store.flush_entered.clear()
+    store.down = False
+    await asyncio.wait_for(store.flush_entered.wait(), T)
+    retry = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    await spin()
+    assert not retry.done(), "the retry was answered while its state was not yet written"
+    store.hold.set()
+    reply = await asyncio.wait_for(retry, T)
+    assert reply.reply == "echo: hello" and "m1" in store.turns[KEY]
+
+
+async def test_an_idle_session_with_unsaved_state_still_takes_messages_while_the_database_is_down(world):
+    store, model = world.store, world.model
+    host = await world.host(idle_seconds=0.05, gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    with pytest.raises(Overloaded):
+        await asyncio.wait_for(host.send("t1", "s1", "first", "m1"), T)
+    await asyncio.sleep(0.3)  # several idle sweeps pass over the unsaved session
+    assert host.live_sessions == 1  # its state exists only here: it must not be dropped
+    second = asyncio.create_task(host.send("t1", "s1", "second", "m2"))
+    await asyncio.wait_for(model.entered("second").wait(), T)  # not stuck behind a passivation
+    store.down = False
+    reply = await asyncio.wait_for(second, T)
+    assert reply.reply == "echo: second"
+    assert store.texts(KEY) == ["first", "echo: first", "second", "echo: second"]
+    await eventually(lambda: host.live_sessions == 0)  # passivated once clean
+
+
+# -- fencing -------------------------------------------------------------------------------------
+
+
+async def test_a_takeover_by_another_host_refuses_the_stale_copy_and_the_next_message_reactivates(world):
+    store, model = world.store, world.model
+    h1 = await world.host("h1")
+    h2 = await world.host("h2")
+    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
+    await asyncio.wait_for(h2.send("t1", "s1", "from h2", "m2"), T)  # takes the lease: epoch 2
+    assert store.epochs[KEY] == 2
+
+    with pytest.raises(LeaseLost, match="taken over by another activation"):
+        await asyncio.wait_for(h1.send("t1", "s1", "stale", "m3"), T)
+    assert store.refused == [(KEY, 1)]
+    assert h1.live_sessions == 0  # the stale copy is gone
+    assert "stale" not in store.texts(KEY)
+
+    reply = await asyncio.wait_for(h1.send("t1", "s1", "again", "m4"), T)
+    assert reply.reply == "echo: again"
+    assert store.epochs[KEY] == 3 and store.activations[-1] == (KEY, h1.owner, 3)
+    seen = [b.text for m in model.requests[-1].messages for b in m.content]
+    assert "from h2" in seen  # re-activated from the store, not from the stale memory
+    assert store.seqs(KEY) == list(range(6))
+    assert store.texts(KEY) == ["hello", "echo: hello", "from h2", "echo: from h2", "again", "echo: again"]
+
+
+async def test_a_turn_that_ran_on_a_copy_evicted_meanwhile_is_not_reported_as_saved(world):
+    store, model = world.store, world.model
+    h1 = await world.host("h1")
+    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
+    await store.activate("t1", "s1", "elsewhere")  # another host takes the lease
+    slow = model.hold("second")
+    first = asyncio.create_task(h1.send("t1", "s1", "first", "m2"))
+    second = asyncio.create_task(h1.send("t1", "s1", "second", "m3"))
+    await asyncio.wait_for(model.entered("second").wait(), T)  # runs on the stale copy
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(first, T)  # its flush was refused and the copy evicted
+    slow.set()
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(second, T)
+    assert "second" not in store.texts(KEY)
+
+
+async def test_a_turn_finished_while_the_refused_flush_was_in_flight_is_not_reported_as_saved(world):
+    store, model = world.store, world.model
+    h1 = await world.host("h1")
+    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
+    await store.activate("t1", "s1", "elsewhere")  # another host takes the lease
+    store.hold = asyncio.Event()
+    store.flush_entered.clear()
+    first = asyncio.create_task(h1.send("t1", "s1", "first", "m2"))
+    await asyncio.wait_for(store.flush_entered.wait(), T)  # first's delta is in flight
+    second = asyncio.create_task(h1.send("t1", "s1", "second", "m3"))
+    await eventually(lambda: ("exit", "second") in model.log)  # done, its delta not yet taken
+    store.hold.set()  # the flush comes back refused: the copy is evicted
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(first, T)
+    with pytest.raises(LeaseLost, match="retry the message"):
+        await asyncio.wait_for(second, T)
+    assert "second" not in store.texts(KEY)
+
+
+# -- activation, ordering, admission --------------------------------------------------------------
+
+
+async def test_twenty_concurrent_first_messages_activate_the_session_once(world):
+    store = world.store
+    store.activate_hold = asyncio.Event()
+    host = await world.host(mailbox=32)
+    tasks = [asyncio.create_task(host.send("t1", "s1", f"hi {i}", f"m{i}")) for i in range(20)]
+    await asyncio.wait_for(store.activate_entered.wait(), T)
+    await spin()
+    store.activate_hold.set()
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), T)
+    assert sorted(r.reply for r in replies) == sorted(f"echo: hi {i}" for i in range(20))
+    assert [a[0] for a in store.activations] == [KEY]
+    assert store.seqs(KEY) == list(range(40)) and store.duplicates == []
+
+
+async def test_turns_of_one_session_run_one_after_another(world):
+    model = world.model
+    slow = model.hold("slow")
+    host = await world.host()
+    first = asyncio.create_task(host.send("t1", "s1", "slow", "m1"))
+    await asyncio.wait_for(model.entered("slow").wait(), T)
+    second = asyncio.create_task(host.send("t1", "s1", "fast", "m2"))
+    await spin()
+    assert not model.entered("fast").is_set(), "a second turn started while the first was running"
+    slow.set()
+    await asyncio.wait_for(asyncio.gather(first, second), T)
+    assert model.log == [("enter", "slow"), ("exit", "slow"), ("enter", "fast"), ("exit", "fast")]
+
+
+async def test_a_full_mailbox_turns_away_the_flood_and_the_admitted_messages_complete(world):
+    model = world.model
+    slow = model.hold("busy")
+    host = await world.host(mailbox=2)
+    running = asyncio.create_task(host.send("t1", "s1", "busy", "m0"))
+    await asyncio.wait_for(model.entered("busy").wait(), T)
+    flood = [asyncio.create_task(host.send("t1", "s1", f"more {i}", f"m{i + 1}")) for i in range(10)]
+    await eventually(lambda: sum(t.done() for t in flood) >= 8)
+    await spin()
+    refused = [t for t in flood if t.done()]
+    assert len(refused) == 8  # one running + two queued admitted, the rest turned away
+    for t in refused:
+        with pytest.raises(Overloaded, match="too many messages waiting") as info:
+            t.result()
+        assert info.value.retry_after > 0
+    slow.set()
+    admitted = await asyncio.wait_for(asyncio.gather(running, *[t for t in flood if t not in refused]), T)
+    assert [r.reply for r in admitted] == ["echo: busy", "echo: more 0", "echo: more 1"]
+
+
+# -- passivation ---------------------------------------------------------------------------------
+
+
+async def test_an_idle_session_is_flushed_dropped_and_reactivated_with_its_state(world):
+    store, model = world.store, world.model
+    host = await world.host(idle_seconds=0.05)
+    first = await asyncio.wait_for(host.send("t1", "s1", "use collect_lead ada", "m1"), T)
+    assert [c.name for c in first.tool_calls] == ["collect_lead"]
+    assert {t.name for t in model.requests[0].tools} == {"lookup", "collect_lead"}
+
+    await eventually(lambda: host.live_sessions == 0)
+    assert store.variables[KEY] == {"lead_collected": "true"}
+
+    model.requests.clear()
+    reply = await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
+    assert reply.reply == "echo: hello"
+    assert len(store.activations) == 2
+    request = model.requests[0]
+    assert [t.name for t in request.tools] == ["lookup"]  # the one-shot tool stays done
+    assert "use collect_lead ada" in [b.text for m in request.messages for b in m.content if hasattr(b, "text")]
+    view = await host.view("t1", "s1")
+    assert view is not None and view.variables == {"lead_collected": "true"} and view.messages == 6
+
+
+async def test_passivating_while_a_flush_is_in_flight_loses_nothing_when_that_flush_fails(world):
+    store = world.store
+    host = await world.host(max_backoff_s=0.02)
+    store.hold = asyncio.Event()
+    send = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    await asyncio.wait_for(store.flush_entered.wait(), T)  # the turn's state is in flight
+    passivate = asyncio.create_task(host.passivate("t1", "s1"))
+    await spin()
+    store.fail_next = 1  # ... and that flush fails; the retry succeeds
+    store.hold.set()
+    reply = await asyncio.wait_for(send, T)
+    assert await asyncio.wait_for(passivate, T) is True
+    assert reply.reply == "echo: hello"
+    assert store.failed_flushes == 1
+    assert "m1" in store.turns[KEY] and store.texts(KEY) == ["hello", "echo: hello"]
+    assert host.live_sessions == 0
+
+
+async def test_a_message_id_answered_before_passivation_returns_the_stored_reply_and_runs_nothing(world):
+    store, model = world.store, world.model
+    host = await world.host()
+    first = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    assert await host.passivate("t1", "s1") is True
+    assert host.live_sessions == 0
+    requests, get_turns = len(model.requests), store.get_turn_calls
+
+    again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    assert again == first
+    assert store.get_turn_calls == get_turns + 1 and len(store.activations) == 2
+    assert len(model.requests) == requests and world.calls() == [("lookup", "q")]
+    assert store.seqs(KEY) == [0, 1, 2, 3]
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+
+async def test_stop_finishes_the_running_turn_flushes_it_and_turns_later_messages_away(world):
+    store, model = world.store, world.model
+    host = await world.host(flush_interval_s=30.0)  # only stop() will flush
+    slow = model.hold("last words")
+    send = asyncio.create_task(host.send("t1", "s1", "last words", "m1"))
+    await asyncio.wait_for(model.entered("last words").wait(), T)
+    stop = asyncio.create_task(host.stop())
+    await spin()
+    assert not stop.done()
+    slow.set()
+    await asyncio.wait_for(stop, T)
+    reply = await asyncio.wait_for(send, T)
+    assert reply.reply == "echo: last words" and "m1" in store.turns[KEY]
+    with pytest.raises(Overloaded, match="shutting down") as info:
+        await host.send("t1", "s1", "anyone?", "m2")
+    assert info.value.retry_after > 0
+
+
+async def test_stop_flushes_state_that_was_not_yet_written(world):
+    store = world.store
+    host = await world.host(output_gate=False, flush_interval_s=30.0)
+    await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+    assert store.turns[KEY] == {}
+    await asyncio.wait_for(host.stop(), T)
+    assert "m1" in store.turns[KEY] and store.texts(KEY) == ["hello", "echo: hello"]
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+async def test_stream_yields_tool_events_and_text_then_done_once_durable(world):
+    store = world.store
+    host = await world.host()
+    events = []
+    durable_at_done = None
+    async with asyncio.timeout(T):
+        async for event in host.stream("t1", "s1", "use lookup q", "m1"):
+            events.append(event)
+            if event.event == "done":
+                durable_at_done = "m1" in store.turns[KEY]
+    assert [e.event for e in events] == ["tool_call", "tool_result", "text", "done"]
+    assert events[0].data["name"] == "lookup"
+    assert events[-1].data["reply"] == 'done: {"found":"q"}'
+    assert events[-1].data["message_id"] == "m1"
+    assert durable_at_done is True
+
+
+async def test_a_stream_abandoned_after_its_first_event_still_completes_and_is_saved(world):
+    store = world.store
+    host = await world.host()
+    gen = host.stream("t1", "s1", "use lookup q", "m1")
+    first = await asyncio.wait_for(gen.__anext__(), T)
+    assert first.event == "tool_call"
+    await gen.aclose()
+    await eventually(lambda: "m1" in store.turns[KEY])
+    assert world.calls() == [("lookup", "q")]
+    assert store.seqs(KEY) == [0, 1, 2, 3]
