@@ -29,7 +29,7 @@ from actors import session as core
 from actors.session import SessionState, TurnEnv
 from services.errors import ChatEngineError, Overloaded
 from services.wire import SessionView, StreamEvent, TurnReply
-from storage.records import ActivatedSession, FlushResult, SessionDelta
+from storage.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +40,11 @@ class SessionStore(Protocol):
     async def activate(self, tenant_id: str, session_id: str, owner: str) -> ActivatedSession: ...
     async def flush(self, deltas: list[SessionDelta]) -> FlushResult: ...
     async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None: ...
+    async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]: ...
+
+
+class JobSource(Protocol):
+    async def finished(self, tenant_id: str, session_id: str, job_ids: list[str]) -> list[JobRecord]: ...
 
 
 class TenantSource(Protocol):
@@ -75,9 +80,10 @@ class _Entry:
 class SessionHost:
     def __init__(
         self, *, name: str, store: SessionStore, tenants: TenantSource, settings: HostSettings | None = None,
-        on_flush: Callable[[int, float], None] | None = None,
+        on_flush: Callable[[int, float], None] | None = None, jobs: JobSource | None = None,
     ) -> None:
         self.name = name
+        self._jobs = jobs
         self.owner = f"{name}:{os.getpid()}"
         self._store = store
         self._tenants = tenants
@@ -137,11 +143,17 @@ class SessionHost:
         """Run one message; returns once its state is durable (output gate on)."""
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
-            if message_id and message_id not in entry.state.turns:
+            state = entry.state
+            if message_id and message_id not in state.turns and not state.turns_complete:
+                # Only when the cache may have dropped it: most messages cost no read here.
                 stored = await self._store.get_turn(tenant_id, session_id, message_id)
                 if stored is not None:
-                    entry.state.turns[message_id] = stored
-            return await core.handle_message(entry.state, text, message_id, env, emit)
+                    state.turns[message_id] = stored
+            finished: list[JobRecord] = []
+            waiting = state.snapshot.extra.get(core.JOBS_KEY)
+            if waiting and self._jobs is not None and message_id not in state.turns:
+                finished = await self._jobs.finished(tenant_id, session_id, list(waiting))
+            return await core.handle_message(state, text, message_id, env, emit, finished_jobs=finished)
 
         return await self._turn(tenant_id, session_id, run)
 
@@ -258,7 +270,11 @@ class SessionHost:
         self._activating[key] = future
         try:
             activated = await self._store.activate(key[0], key[1], self.owner)
-            entry = _Entry(SessionState(activated))
+            state = SessionState(activated)
+            if activated.history:
+                recent = await self._store.recent_turns(key[0], key[1], core.TURN_CACHE + 1)
+                state.load_turns(recent, complete=len(recent) <= core.TURN_CACHE)
+            entry = _Entry(state)
             self._sessions[key] = entry
             future.set_result(entry)
             log.debug("session_activated", session_id=key[1], epoch=activated.epoch)

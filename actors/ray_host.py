@@ -81,6 +81,7 @@ class SessionHostActor:
                 self._runtime = await Runtime.open(self._settings)
                 host = SessionHost(
                     name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
+                    jobs=self._runtime.jobs,
                     settings=HostSettings(
                         idle_seconds=self._settings.idle_seconds,
                         output_gate=self._settings.output_gate,

@@ -51,6 +51,7 @@ from services.wire import (
 )
 from storage.records import (
     ActivatedSession,
+    JobRecord,
     MessageRecord,
     SessionDelta,
     SessionSnapshot,
@@ -64,6 +65,7 @@ HISTORY_WINDOW = 40
 TURN_CACHE = 64
 HANDOFF_MARKER = "[[HANDOFF]]"
 HANDOFF_TOOL = "escalate_to_human"
+JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
 HANDED_OFF_REPLY = (
     "You have been handed over to a member of our team; they will reply here as soon as they can."
 )
@@ -127,6 +129,8 @@ class SessionState:
         self.history: list[ChatMessage] = [_to_chat(m) for m in activated.history]
         self.next_seq = (activated.history[-1].seq + 1) if activated.history else 0
         self.turns: dict[str, dict[str, Any]] = {}
+        #: every stored turn of this session is in `turns` (so a message_id not there is new)
+        self.turns_complete = not activated.history
         self._messages: list[MessageRecord] = []
         self._variables: dict[str, str] = {}
         self._calls: list[ToolCallRecord] = []
@@ -146,7 +150,8 @@ class SessionState:
             return None
         delta = SessionDelta(
             tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
-            snapshot=msgspec.structs.replace(self.snapshot, message_count=self.snapshot.message_count),
+            # A deep copy: the store encodes it after awaits, while later turns change the original.
+            snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
             messages=self._messages, variables=self._variables, tool_calls=self._calls,
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o) for m, (i, o) in self._usage.items()],
             turns=self._turns,
@@ -200,11 +205,17 @@ class SessionState:
         acc[1] += output_tokens
         self._touch()
 
+    def load_turns(self, turns: dict[str, dict[str, Any]], *, complete: bool) -> None:
+        """Seed the turn cache at activation with the most recent stored answers."""
+        self.turns.update(list(turns.items())[-TURN_CACHE:])
+        self.turns_complete = complete
+
     def remember_turn(self, message_id: str, reply: TurnReply) -> None:
         response = msgspec.to_builtins(reply)
         self.turns[message_id] = response
         if len(self.turns) > TURN_CACHE:
             self.turns.pop(next(iter(self.turns)))
+            self.turns_complete = False
         self._turns.append(TurnRecord(message_id=message_id, response=response))
         self._touch()
 
@@ -225,6 +236,7 @@ class _Turn:
         self.client_actions: list[dict[str, Any]] = []
         self.rounds = 0
         self.text_parts: list[str] = []
+        self.deliveries: list[dict[str, Any]] = []
 
     def reply(self, state: SessionState, text: str, pending: PendingApproval | None = None) -> TurnReply:
         return TurnReply(
@@ -235,16 +247,18 @@ class _Turn:
                 output_tokens=sum(u[1] for u in self.usage.values()),
             ),
             handoff=state.snapshot.handoff, pending_approval=pending,
-            client_actions=list(self.client_actions),
+            client_actions=list(self.client_actions), deliveries=list(self.deliveries),
         )
 
 
 async def handle_message(
-    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit = _no_emit
+    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit = _no_emit,
+    *, finished_jobs: list[JobRecord] = (),
 ) -> TurnReply:
     """Run one contact message through the tool loop; returns the reply the contact gets.
 
-    A message_id seen before returns the first answer and runs nothing again.
+    A message_id seen before returns the first answer and runs nothing again. `finished_jobs`
+    (workflow jobs this session waited for) are delivered into the conversation first.
     """
     message_id = message_id or f"m_{secrets.token_hex(8)}"
     if message_id in state.turns:
@@ -257,8 +271,13 @@ async def handle_message(
         pending = msgspec.convert(state.snapshot.pending, PendingTurn)
         state.snapshot.pending = None
         content += _declined_results(pending, "the customer sent a new message instead of approving")
+    deliveries = _deliver_jobs(state, finished_jobs)
+    for delivery in deliveries:
+        await emit(StreamEvent(event="job_result", data=delivery))
+        content.append(TextBlock(text=_job_notice(delivery)))
     content.append(TextBlock(text=text))
     state.append(ChatMessage(role="user", content=content), message_id)
+    turn.deliveries = deliveries
     if state.snapshot.handoff:
         turn_reply = turn.reply(state, HANDED_OFF_REPLY)
         state.append(ChatMessage(role="assistant", content=[TextBlock(text=HANDED_OFF_REPLY)]), message_id)
@@ -403,6 +422,10 @@ async def _absorb(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome],
         summary = ToolCallSummary(id=o.call_id, name=o.name, success=o.success, latency_ms=o.latency_ms, error=o.error)
         turn.tool_calls.append(summary)
         if o.success:
+            if o.job_id is not None:
+                state.snapshot.extra.setdefault(JOBS_KEY, []).append(o.job_id)
+            for key, value in o.variables.items():
+                state.set_variable(key, value)
             if o.completes_variable:
                 state.set_variable(o.completes_variable, "true")
                 if o.name not in state.snapshot.completed:
@@ -441,6 +464,27 @@ async def _hold(
     # Remembered so a retried message_id returns the same approval request, not a second run.
     state.remember_turn(turn.message_id, reply)
     return reply
+
+
+def _deliver_jobs(state: SessionState, finished: list[JobRecord]) -> list[dict[str, Any]]:
+    """Take finished jobs off the session's waiting list; what the contact and model get."""
+    waiting = state.snapshot.extra.get(JOBS_KEY) or []
+    out = []
+    for job in finished:
+        if job.id not in waiting:
+            continue  # delivered before (a retry of this turn): never twice
+        waiting.remove(job.id)
+        out.append({"job_id": job.id, "tool": job.tool_name, "status": job.status,
+                    "result": job.result, "error": job.error})
+    if out:
+        state._touch()  # noqa: SLF001 - the waiting list is part of the snapshot
+    return out
+
+
+def _job_notice(delivery: dict[str, Any]) -> str:
+    body = msgspec.json.encode(delivery["result"]).decode() if delivery["status"] == "succeeded" else delivery["error"]
+    return (f"[Update: the background task '{delivery['tool']}' (job {delivery['job_id']}) "
+            f"{delivery['status']}: {body}. Tell the customer about it.]")
 
 
 def _declined_results(pending: PendingTurn, reason: str) -> list[ContentBlock]:

@@ -38,7 +38,9 @@ class TenantCatalogs:
         main_model: str,
         cheap_model: str,
         ttl_s: float = 60.0,
+        workflows: Any = None,
     ) -> None:
+        self._workflows = workflows
         self._tools = tools
         self._configs = configs
         self._registry = registry
@@ -102,7 +104,8 @@ class TenantCatalogs:
             except msgspec.ValidationError as exc:
                 log.error("tool_definition_unreadable", tool_name=row.name, error=str(exc))
         catalog = build_catalog(
-            self._builtins(), definitions, registry=self._registry, backend=self._backend_for(config)
+            self._builtins(), definitions, registry=self._registry, backend=self._backend_for(config),
+            workflows=self._workflows,
         )
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,

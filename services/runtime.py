@@ -21,8 +21,17 @@ from services.tools.limiter import ResourceLimiter
 from services.tools.registry import HandlerRegistry
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient, WebhookToolBackend
+from services.workflows import WorkflowRunner
 from storage.pool import create_pool
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo, listen_catalog
+from storage.repos import (
+    BotConfigRepo,
+    SessionRepo,
+    TenantRepo,
+    ToolCallRepo,
+    ToolRepo,
+    listen_catalog,
+)
+from storage.repos.jobs import JobRepo
 
 log = structlog.get_logger(__name__)
 
@@ -53,10 +62,12 @@ class Runtime:
         rt.llm = AnthropicLLM(make_anthropic_client(settings.anthropic_api_key, settings.anthropic_base_url))
         rt.registry = HandlerRegistry()
         rt.executor = Executor(limiter=ResourceLimiter())
+        rt.jobs = JobRepo(rt.pool)
+        rt.workflows = WorkflowRunner(rt.jobs, rt.webhooks)
         builtins = rt._install_builtins()
         rt.tenants = TenantCatalogs(
             tools=rt.tools, configs=rt.configs, registry=rt.registry, backend_for=rt._backend_for,
-            builtins=builtins, llm=rt.llm, executor=rt.executor,
+            builtins=builtins, llm=rt.llm, executor=rt.executor, workflows=rt.workflows,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
         )
         if listen:
@@ -104,6 +115,8 @@ class Runtime:
     async def close(self) -> None:
         if self.listener is not None:
             await self.listener.close()
+        if getattr(self, "workflows", None) is not None:
+            await self.workflows.close()
         if self.webhooks is not None:
             await self.webhooks.close()
         if self.pool is not None:

@@ -17,11 +17,11 @@ import structlog
 
 from actors import cluster
 from actors.placement import Placement
+from services.demo_store import OPENAPI as DEMO_OPENAPI
 from services.gateway.server import Gateway, open_gateway
 from services.settings import Settings
 from services.tools.crypto import SecretBox, load_or_create_key
 from storage.pool import create_pool
-from services.demo_store import OPENAPI as DEMO_OPENAPI
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
 
 log = structlog.get_logger(__name__)

@@ -52,6 +52,8 @@ class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     handoff: bool = False
     pending_approval: PendingApproval | None = None
     client_actions: list[dict[str, Any]] = []
+    #: workflow results delivered into this turn (seed 001's asynchronous workflows)
+    deliveries: list[dict[str, Any]] = []
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):

@@ -177,3 +177,17 @@ class UsageTotal(msgspec.Struct, frozen=True, kw_only=True):
     input_tokens: int
     output_tokens: int
     sessions: int
+
+
+class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A workflow job: `status` is running | succeeded | failed."""
+
+    id: str
+    tenant_id: str
+    session_id: str | None
+    tool_name: str
+    status: str
+    result: Any = None
+    error: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import structlog
@@ -22,7 +22,13 @@ from aiohttp import web
 
 from services.botconfig import Backend, BotConfig, Intent
 from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, Overloaded
-from services.gateway.bodies import ToolCreate, ToolPatch, definition_from_body, patched_body, tool_view
+from services.gateway.bodies import (
+    ToolCreate,
+    ToolPatch,
+    definition_from_body,
+    patched_body,
+    tool_view,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.wire import DecideApproval, SendMessage, SessionView, StreamEvent, TurnReply
 
@@ -76,6 +82,7 @@ class GatewayDeps:
     configs: Any  # storage BotConfigRepo
     secret_box: Any  # services.tools.crypto.SecretBox
     contract: Callable[[str], Awaitable[dict]] | None = None
+    jobs: Any = None  # storage JobRepo
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -181,6 +188,16 @@ def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_encoder.encode(data), content_type="application/json")
 
 
+def reply_body(reply: TurnReply | dict[str, Any]) -> dict[str, Any]:
+    """A turn's reply as CONTRACT.md shows it: `handoff` is always there, true or false.
+
+    TurnReply omits default fields on the wire (so `pending_approval` appears only when set),
+    which would drop `handoff: false` too; the contract makes it a required field.
+    """
+    body = reply if isinstance(reply, dict) else msgspec.to_builtins(reply)
+    return body if "handoff" in body else {**body, "handoff": False}
+
+
 def _session_id(request: web.Request) -> str:
     sid = request.match_info["session_id"]
     if not SESSION_ID_RE.match(sid):
@@ -213,7 +230,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, body.message_id), started)
     reply = await deps.router.send(tenant_id, session_id, body.text, body.message_id)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return json_response(reply)
+    return json_response(reply_body(reply))
 
 
 async def post_approval(request: web.Request) -> web.StreamResponse:
@@ -228,7 +245,7 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
         return await _sse(request, stream, started)
     reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return json_response(reply)
+    return json_response(reply_body(reply))
 
 
 async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:
@@ -238,10 +255,12 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     await response.prepare(request)
     deps = request.app[DEPS]
     async for event in events:
+        data = event.data
         if event.event == "done":
-            deps.metrics.observe_turn(msgspec.convert(event.data, TurnReply), time.perf_counter() - started)
+            deps.metrics.observe_turn(msgspec.convert(data, TurnReply), time.perf_counter() - started)
+            data = reply_body(data)
         try:
-            await response.write(b"event: " + event.event.encode() + b"\ndata: " + _encoder.encode(event.data) + b"\n\n")
+            await response.write(b"event: " + event.event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
         except (ConnectionResetError, RuntimeError):
             # The client went away; the turn still completes and is stored inside the actor.
             log.info("sse_client_disconnected")
@@ -372,6 +391,37 @@ def parse_since(raw: str | None) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
+# -- workflow jobs ----------------------------------------------------------------------------
+
+class JobResultIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/jobs/{job_id}/result: the tenant's system reports a workflow job's outcome."""
+
+    status: Literal["succeeded", "failed"]
+    result: Any = None
+    error: str | None = None
+
+
+def _job_view(job) -> dict[str, Any]:
+    return {"job_id": job.id, "session_id": job.session_id, "tool": job.tool_name, "status": job.status,
+            "result": job.result, "error": job.error, "created_at": job.created_at, "updated_at": job.updated_at}
+
+
+async def post_job_result(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    body: JobResultIn = await decode_body(request, JobResultIn)
+    if body.status == "failed" and not body.error:
+        raise InvalidInput("a failed job needs `error`: what went wrong, in words for the customer - at `$.error`",
+                           path="$.error")
+    job = await deps.jobs.finish(request[TENANT], request.match_info["job_id"],
+                                 succeeded=body.status == "succeeded", result=body.result, error=body.error)
+    return json_response(_job_view(job))
+
+
+async def get_job(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    return json_response(_job_view(await deps.jobs.get(request[TENANT], request.match_info["job_id"])))
+
+
 # -- bot config -------------------------------------------------------------------------------
 
 def _config_view(config: dict[str, Any]) -> dict[str, Any]:
@@ -459,6 +509,8 @@ def build_app(deps: GatewayDeps) -> web.Application:
     r.add_get("/v1/tools/{name}/versions", tool_versions)
     r.add_post("/v1/tools/{name}/versions/{version}/publish", publish_tool)
     r.add_get("/v1/analytics/tools", tool_analytics)
+    r.add_post("/v1/jobs/{job_id}/result", post_job_result)
+    r.add_get("/v1/jobs/{job_id}", get_job)
     r.add_get("/v1/bot-config", get_bot_config)
     r.add_put("/v1/bot-config", put_bot_config)
     r.add_get("/healthz", healthz)

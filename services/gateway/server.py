@@ -11,6 +11,7 @@ from services.settings import Settings
 from services.tools.crypto import SecretBox
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from storage.repos.jobs import JobRepo
 
 
 class Gateway:
@@ -35,7 +36,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
         sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
         secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
-        contract=contract,
+        contract=contract, jobs=JobRepo(pool),
     )
 
     async def ready() -> bool:

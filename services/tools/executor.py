@@ -32,7 +32,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
-from services.tools.registry import Catalog, ClientAction, CompiledTool
+from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
 from storage.records import ToolCallRecord
 
@@ -64,6 +64,10 @@ class ToolOutcome(msgspec.Struct, frozen=True, kw_only=True):
     counts_for_breaker: bool = False
     client_action: ClientAction | None = None
     completes_variable: str | None = None
+    #: session variables the handler set with a SetVariables result (applied on success only)
+    variables: dict[str, str] = {}
+    #: a workflow tool's job, whose result the session waits for
+    job_id: str | None = None
     record: ToolCallRecord
 
 
@@ -249,6 +253,10 @@ class Executor:
 
     def _succeeded(self, p: PreparedCall, ctx: TrustedContext, value: Any, run_ms: int, queue_ms: int) -> ToolOutcome:
         d = p.tool.definition  # type: ignore[union-attr]
+        variables: dict[str, str] = {}
+        if isinstance(value, SetVariables):
+            variables = {str(k): str(v) for k, v in value.variables.items()}
+            value = value.result
         client_action = value if isinstance(value, ClientAction) else None
         data = msgspec.to_builtins(value) if value is not None else None
         if client_action is not None:
@@ -263,7 +271,8 @@ class Executor:
         return ToolOutcome(
             call_id=p.call.id, name=d.name, success=True, content=content,
             latency_ms=run_ms, queue_ms=queue_ms, client_action=client_action,
-            completes_variable=d.completes_variable,
+            completes_variable=d.completes_variable, variables=variables,
+            job_id=value.job_id if isinstance(value, JobStarted) else None,
             record=self._record(p, ctx, success=True, result=data, error=None, latency_ms=run_ms, queue_ms=queue_ms),
         )
 

@@ -72,9 +72,15 @@ class PythonTool(_ToolBase, tag="python"):
 
 
 class WorkflowTool(_ToolBase, tag="workflow"):
-    """Starts a long-running job now (returns a reference); the result reaches the session later."""
+    """Starts a long-running job now (returns a reference); the result reaches the session later.
 
-    handler: str
+    Either `handler` (a workflow registered in code, run in the background by the engine) or
+    `start_url` (the tenant's system gets `POST {job_id, tool, arguments, callback_path}` and
+    reports back through `POST /v1/jobs/{job_id}/result`).
+    """
+
+    handler: str | None = None
+    start_url: str | None = None
 
 
 class ClientTool(_ToolBase, tag="client"):

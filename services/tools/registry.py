@@ -46,11 +46,42 @@ class ToolBackend(Protocol):
     ) -> Any: ...
 
 
+class WorkflowStarter(Protocol):
+    """Starts workflow jobs (services.workflows implements it)."""
+
+    async def start(
+        self, tool: WorkflowTool, handler: Handler | None, args: dict[str, Any], ctx: TrustedContext
+    ) -> JobStarted: ...
+
+
+class JobStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """What a workflow tool returns at once: a reference to the job that finishes later."""
+
+    job_id: str
+    status: str = "running"
+    note: str = (
+        "The task runs in the background; tell the customer you started it and that the result "
+        "will follow in this conversation."
+    )
+
+
 class ClientAction(msgspec.Struct, frozen=True, kw_only=True):
     """What a `client` tool produces: an event for the UI; nothing runs server-side."""
 
     name: str
     arguments: dict[str, Any]
+
+
+class SetVariables(msgspec.Struct, frozen=True, kw_only=True):
+    """What a code-registered handler may return to set session variables besides its result.
+
+    `result` is what the model reads (as if returned alone); `variables` are set on the session
+    only when the call succeeds. Upstream HTTP answers are decoded to plain JSON, so only code
+    registered in this engine can produce this marker, never a tenant's webhook.
+    """
+
+    result: Any = None
+    variables: dict[str, str] = {}
 
 
 class CompileError(Exception):
@@ -108,6 +139,7 @@ def compile_tool(
     backend: ToolBackend | None,
     origin: str = "tenant",
     version: int = 1,
+    workflows: WorkflowStarter | None = None,
 ) -> CompiledTool:
     """Turn one definition into a CompiledTool. Raises CompileError when no handler fits or
     the parameter schema is unusable."""
@@ -144,7 +176,9 @@ def compile_tool(
             definition, call_binding, origin=origin, version=version,
             runs=f"binding {definition.method} {definition.path}",
         )
-    if isinstance(definition, (PythonTool, WorkflowTool)):
+    if isinstance(definition, WorkflowTool):
+        return _compile_workflow(definition, registry=registry, workflows=workflows, origin=origin, version=version)
+    if isinstance(definition, PythonTool):
         handler = registry.get(definition.handler)
         if handler is None:
             raise CompileError(
@@ -161,6 +195,30 @@ def compile_tool(
 
         return CompiledTool(definition, to_client, origin=origin, version=version, runs="client event")
     raise CompileError(f"unknown tool family {type(definition).__name__}", tool_name=name)
+
+
+def _compile_workflow(
+    definition: WorkflowTool, *, registry: HandlerRegistry, workflows: WorkflowStarter | None,
+    origin: str, version: int,
+) -> CompiledTool:
+    name = definition.name
+    if workflows is None:
+        raise CompileError("no workflow runner is configured", tool_name=name)
+    if (definition.handler is None) == (definition.start_url is None):
+        raise CompileError("a workflow tool needs exactly one of `handler` or `start_url`", tool_name=name)
+    handler = None
+    if definition.handler is not None:
+        handler = registry.get(definition.handler)
+        if handler is None:
+            raise CompileError(
+                f"handler {definition.handler!r} is not registered in this engine", tool_name=name
+            )
+    runs = f"workflow {definition.handler}" if definition.handler else f"workflow POST {definition.start_url}"
+
+    async def start(args: dict[str, Any], ctx: TrustedContext, _d=definition, _h=handler) -> Any:
+        return await workflows.start(_d, _h, args, ctx)
+
+    return CompiledTool(definition, start, origin=origin, version=version, runs=runs)
 
 
 class Catalog:
@@ -191,6 +249,7 @@ def build_catalog(
     registry: HandlerRegistry,
     backend: ToolBackend | None,
     revision: int = 0,
+    workflows: WorkflowStarter | None = None,
 ) -> Catalog:
     """Compile built-ins and (definition, version) tenant rows into one Catalog.
 
@@ -201,7 +260,7 @@ def build_catalog(
     problems: dict[str, str] = {}
     for definition in builtins:
         tools[definition.name] = compile_tool(
-            definition, registry=registry, backend=backend, origin="builtin"
+            definition, registry=registry, backend=backend, origin="builtin", workflows=workflows
         )
     for definition, version in tenant_tools:
         if definition.name in tools and tools[definition.name].origin == "builtin":
@@ -209,7 +268,7 @@ def build_catalog(
             continue
         try:
             tools[definition.name] = compile_tool(
-                definition, registry=registry, backend=backend, version=version
+                definition, registry=registry, backend=backend, version=version, workflows=workflows
             )
         except CompileError as exc:
             problems[definition.name] = str(exc)

@@ -198,6 +198,16 @@ class SessionRepo:
                 session_uid(tenant_id, session_id), tenant_id,
             )
 
+    async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict[str, Any]]:
+        """The last `limit` stored answers of this session by message_id, oldest first."""
+        with translate("reading recent turns"):
+            rows = await self._pool.fetch(
+                "SELECT message_id, response FROM (SELECT message_id, response, created_at FROM ce_turns "
+                "WHERE tenant_id = $1 AND session_id = $2 ORDER BY created_at DESC LIMIT $3) t ORDER BY created_at",
+                tenant_id, session_uid(tenant_id, session_id), limit,
+            )
+        return {r["message_id"]: r["response"] for r in rows}
+
     async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict[str, Any] | None:
         """The stored answer to the client's `message_id` in this session, or None."""
         with translate("reading a stored turn"):

@@ -129,6 +129,10 @@ class FakeSessionStore:
         self.deltas_per_flush.append(len(deltas))
         return FlushResult(written=written, refused=refused)
 
+    async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]:
+        await asyncio.sleep(0)
+        return dict(list(self.turns[(tenant_id, session_id)].items())[-limit:])
+
     async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None:
         self.get_turn_calls += 1
         await asyncio.sleep(0)

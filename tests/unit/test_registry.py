@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from services.tools.context import TrustedContext
-from services.tools.model import ToolDefinition
+from services.tools.model import ToolDefinition, WorkflowTool
 from services.tools.registry import (
     ClientAction,
     CompileError,
     HandlerRegistry,
+    JobStarted,
     build_catalog,
     compile_tool,
 )
@@ -40,18 +41,50 @@ def test_code_rows_bind_only_to_registered_handlers(make, handler_name: str) -> 
     registry = registry_with(FakeHandler("registered"))
     definition = make("t", handler=handler_name)
     with pytest.raises(CompileError, match=f"handler '{handler_name}' is not registered in this engine") as info:
-        compile_tool(definition, registry=registry, backend=None)
+        compile_tool(definition, registry=registry, backend=None, workflows=FakeWorkflows())
     assert info.value.tool_name == "t"
 
 
-@pytest.mark.parametrize(("make", "kind"), [(python_tool, "python"), (workflow_tool, "workflow")])
-async def test_code_row_runs_exactly_the_registered_handler(make, kind: str) -> None:
+async def test_python_row_runs_exactly_the_registered_handler() -> None:
     handler = FakeHandler("leads.collect", result={"lead_id": "L1"})
-    compiled = compile_tool(make("collect_lead", handler="leads.collect"), registry=registry_with(handler), backend=None)
+    compiled = compile_tool(python_tool("collect_lead", handler="leads.collect"), registry=registry_with(handler), backend=None)
     assert compiled.handler is handler
-    assert compiled.runs == f"{kind} leads.collect"
+    assert compiled.runs == "python leads.collect"
     assert await compiled.handler({"q": "x"}, CTX) == {"lead_id": "L1"}
     assert handler.calls == [({"q": "x"}, CTX)]
+
+
+async def test_workflow_row_starts_a_job_with_exactly_the_registered_handler() -> None:
+    handler = FakeHandler("reports.build")
+    workflows = FakeWorkflows()
+    definition = workflow_tool("build_report", handler="reports.build")
+    compiled = compile_tool(definition, registry=registry_with(handler), backend=None, workflows=workflows)
+    assert compiled.runs == "workflow reports.build"
+    started = await compiled.handler({"q": "x"}, CTX)
+    assert started == JobStarted(job_id="job-1")
+    assert workflows.started == [(definition, handler, {"q": "x"}, CTX)]
+    assert handler.calls == []  # the job runs in the background, not in the call
+
+
+@pytest.mark.parametrize("fields", [{}, {"handler": "reports.build", "start_url": "https://x.test/jobs"}])
+def test_workflow_row_needs_exactly_one_of_handler_or_start_url(fields) -> None:
+    definition = WorkflowTool(name="w", description="d", parameters={"type": "object"}, **fields)
+    with pytest.raises(CompileError, match="exactly one of `handler` or `start_url`"):
+        compile_tool(definition, registry=registry_with(FakeHandler("reports.build")), backend=None, workflows=FakeWorkflows())
+
+
+def test_workflow_row_without_a_runner_is_not_loaded() -> None:
+    with pytest.raises(CompileError, match="no workflow runner"):
+        compile_tool(workflow_tool("w", handler="x"), registry=HandlerRegistry(), backend=None)
+
+
+class FakeWorkflows:
+    def __init__(self) -> None:
+        self.started: list = []
+
+    async def start(self, tool, handler, args, ctx):
+        self.started.append((tool, handler, args, ctx))
+        return JobStarted(job_id=f"job-{len(self.started)}")
 
 
 def test_registering_a_different_handler_under_a_taken_name_raises() -> None:
@@ -87,7 +120,7 @@ def test_registering_the_same_handler_twice_is_idempotent() -> None:
 )
 def test_compiled_tool_runs_describes_what_executes(definition: ToolDefinition, runs: str) -> None:
     registry = registry_with(FakeHandler("lookup"), FakeHandler("book"))
-    compiled = compile_tool(definition, registry=registry, backend=FakeToolBackend(), version=7)
+    compiled = compile_tool(definition, registry=registry, backend=FakeToolBackend(), version=7, workflows=FakeWorkflows())
     assert compiled.runs == runs
     assert compiled.name == definition.name
     assert compiled.definition is definition
