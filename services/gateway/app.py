@@ -38,6 +38,7 @@ SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_TEXT = 16_000
 MAX_BODY = 256 * 1024
 KEY_CACHE_TTL_S = 30.0
+RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
 
 
 class SessionRouter(Protocol):
@@ -89,7 +90,7 @@ class GatewayDeps:
 
 
 DEPS = web.AppKey("deps", GatewayDeps)
-TENANT = "ce_tenant_id"
+TENANT = web.RequestKey("ce_tenant_id", str)
 
 _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
@@ -111,6 +112,12 @@ async def errors_middleware(request: web.Request, handler):
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         response = await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return problem(405, exc.reason, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                       headers={"Allow": allowed})
+    except web.HTTPNotFound as exc:
+        return problem(404, exc.reason, f"there is no route {request.path}; the routes are listed in /openapi.json")
     except web.HTTPException as exc:
         if exc.status >= 400:
             return problem(exc.status, exc.reason, exc.text or exc.reason)
@@ -134,6 +141,9 @@ async def errors_middleware(request: web.Request, handler):
         kind = getattr(getattr(exc, "error", None), "kind", None)
         if kind == "not_found":
             return problem(404, "Not found", str(exc))
+        if kind == "internal":
+            # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
+            return problem(500, "Internal error", str(exc))
         log.warning("request_failed", error=type(exc).__name__)
         return problem(400, "Request failed", str(exc))
     except Exception:
@@ -297,6 +307,9 @@ def _published_view(row) -> dict[str, Any]:
 async def create_tool(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     body: ToolCreate = await decode_body(request, ToolCreate)
+    if body.name in RESERVED_TOOL_NAMES:
+        # GET /v1/tools/contract is the contract report, so a tool of that name could never be read
+        raise InvalidInput(f"name {body.name!r} is reserved by the API; choose another - at `$.name`", path="$.name")
     definition = definition_from_body(body, encrypt=_encrypt(deps))
     data = msgspec.to_builtins(definition)
     version = await deps.tools.create(request[TENANT], definition.name, body.type, data)

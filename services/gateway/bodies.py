@@ -51,6 +51,7 @@ class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     scope: list[str] = []
     # python / workflow
     handler: str | None = None
+    start_url: str | None = None  # workflow run by the tenant's system
 
 
 class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -75,6 +76,7 @@ class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     parameter_map: dict[str, str] | msgspec.UnsetType = UNSET
     scope: list[str] | msgspec.UnsetType = UNSET
     handler: str | msgspec.UnsetType = UNSET
+    start_url: str | msgspec.UnsetType = UNSET
     publish: bool = True
 
 
@@ -114,11 +116,22 @@ def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
         holes = template_holes(body.path)
         family = {"path": body.path, "method": body.method or "GET", "parameter_map": body.parameter_map,
                   "scope": tuple(body.scope)}
-    elif body.type in ("python", "workflow"):
+    elif body.type == "workflow":
+        if (body.handler is None) == (body.start_url is None):
+            raise InvalidInput(
+                "a workflow tool needs exactly one of `handler` (registered in the engine) or `start_url` "
+                "(your system runs the job) - at `$.handler`", path="$.handler",
+            )
+        if body.start_url is not None:
+            _check_url(body.start_url, field="start_url")
+            family = {"start_url": body.start_url}
+        else:
+            family = {"handler": body.handler}
+    elif body.type == "python":
         if not body.handler:
-            raise InvalidInput(f"handler is required for a {body.type} tool - at `$.handler`", path="$.handler")
+            raise InvalidInput("handler is required for a python tool - at `$.handler`", path="$.handler")
         family = {"handler": body.handler}
-    for field in ("webhook_url", "auth_header", "path", "handler"):
+    for field in ("webhook_url", "auth_header", "path", "handler", "start_url"):
         if getattr(body, field) is not None and field not in family and not (field == "auth_header" and body.type == "webhook"):
             raise InvalidInput(f"{field} does not apply to a {body.type} tool - at `$.{field}`", path=f"$.{field}")
     schema = normalise_parameters(body.parameters, required_hint=holes)
@@ -169,20 +182,19 @@ def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: 
     return view
 
 
-def _check_url(url: str) -> None:
+def _check_url(url: str, *, field: str = "webhook_url") -> None:
     parts = urlsplit(url.replace("{", "").replace("}", ""))
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise InvalidInput(
-            f"webhook_url must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.webhook_url`",
-            path="$.webhook_url",
+            f"{field} must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.{field}`",
+            path=f"$.{field}",
         )
     if parts.username or parts.password:
         raise InvalidInput(
-            "webhook_url must not carry credentials; put them in auth_header - at `$.webhook_url`",
-            path="$.webhook_url",
+            f"{field} must not carry credentials; put them in auth_header - at `$.{field}`", path=f"$.{field}",
         )
-    if "{" in (urlsplit(url).hostname or "") or "{" in urlsplit(url).netloc:
+    if "{" in urlsplit(url).netloc:
         raise InvalidInput(
-            "webhook_url may use {param} holes in its path and query only, never in the host - at `$.webhook_url`",
-            path="$.webhook_url",
+            f"{field} may use {{param}} holes in its path and query only, never in the host - at `$.{field}`",
+            path=f"$.{field}",
         )
