@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
 from services.llm.port import (
     ChatMessage,
@@ -66,6 +67,7 @@ TURN_CACHE = 64
 HANDOFF_MARKER = "[[HANDOFF]]"
 HANDOFF_TOOL = "escalate_to_human"
 JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
+CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session (per-session limits)
 HANDED_OFF_REPLY = (
     "You have been handed over to a member of our team; they will reply here as soon as they can."
 )
@@ -114,6 +116,7 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     main_model: str
     cheap_model: str
     approval_ttl_s: float = 900.0
+    approval_keys: tuple[bytes, ...] = ()  # HMAC keys signing approval ids (services.approvals)
     scope: dict[str, Any] = {}
 
 
@@ -219,8 +222,11 @@ class SessionState:
         self._turns.append(TurnRecord(message_id=message_id, response=response))
         self._touch()
 
-    def tool_state(self) -> SessionToolState:
-        return SessionToolState(variables=self.variables, breakers=self.snapshot.breakers)
+    def tool_state(self, turn_calls: dict[str, int] | None = None) -> SessionToolState:
+        return SessionToolState(
+            variables=self.variables, breakers=self.snapshot.breakers,
+            calls=self.snapshot.extra.get(CALLS_KEY, {}), turn_calls=turn_calls or {},
+        )
 
     def open_breakers(self) -> list[str]:
         return sorted(n for n in self.snapshot.breakers if breaker_open(self.snapshot.breakers, n))
@@ -296,8 +302,12 @@ async def handle_approval(
     """
     raw = state.snapshot.pending
     pending = msgspec.convert(raw, PendingTurn) if raw is not None else None
+    if not verify_approval_id(env.approval_keys, state.tenant_id, state.session_id, approval_id):
+        raise SessionError("this approval id is not valid for this session; use the id from the reply",
+                           kind="not_found")
     if pending is None or not secrets.compare_digest(pending.approval_id, approval_id):
-        raise SessionError(f"no pending approval {approval_id!r} in this session", kind="not_found")
+        raise SessionError(f"no pending approval {approval_id[:60]!r} in this session (already decided or "
+                           "replaced by a newer message)", kind="not_found")
     if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
         return msgspec.convert(state.turns[pending.message_id], TurnReply)
     state.snapshot.pending = None
@@ -315,10 +325,10 @@ async def handle_approval(
             msgspec.structs.replace(c, arguments=edited_arguments[c.id]) if c.id in edited_arguments else c
             for c in calls
         ]
-    plan = _prepare(state, env, calls, message_id=pending.message_id)
+    plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn)
     ctx = _context(state, env, pending.message_id)
     if approve and not expired:
-        outcomes = await env.executor.execute(plan, ctx, approved=True)
+        outcomes = await env.executor.execute(plan, ctx, approved=True, on_progress=_progress(emit))
     else:
         reason = "the approval expired before anyone decided" if expired else "the customer declined"
         outcomes = env.executor.deny(plan, ctx, reason=reason)
@@ -359,10 +369,10 @@ async def _loop(
         tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
         for call in tool_calls:
             await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
-        plan = _prepare(state, env, tool_calls, message_id=turn.message_id)
+        plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn)
         if plan.needs_approval:
             return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
-        outcomes = await env.executor.execute(plan, _context(state, env, turn.message_id))
+        outcomes = await env.executor.execute(plan, _context(state, env, turn.message_id), on_progress=_progress(emit))
         await _absorb(state, turn, outcomes, emit, turn.message_id)
     if HANDOFF_MARKER in final_text:
         final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
@@ -390,11 +400,27 @@ def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:
     state.add_usage(response.model, response.usage.input_tokens, response.usage.output_tokens)
 
 
-def _prepare(state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str) -> BatchPlan:
+def _prepare(
+    state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str, turn: _Turn | None = None
+) -> BatchPlan:
     executor: Executor = env.executor
+    turn_calls: dict[str, int] = {}
+    for summary in turn.tool_calls if turn is not None else ():
+        turn_calls[summary.name] = turn_calls.get(summary.name, 0) + 1
     return executor.prepare(
-        calls, catalog=env.catalog, config=env.config, session=state.tool_state(), scope=_scope(state, env)
+        calls, catalog=env.catalog, config=env.config, session=state.tool_state(turn_calls),
+        scope=_scope(state, env),
     )
+
+
+def _progress(emit: Emit):
+    async def on_progress(prepared, elapsed_ms: int, message: str | None) -> None:
+        data = {"id": prepared.call.id, "name": prepared.call.name, "elapsed_ms": elapsed_ms}
+        if message:
+            data["message"] = message
+        await emit(StreamEvent(event="tool_progress", data=data))
+
+    return on_progress
 
 
 def _scope(state: SessionState, env: TurnEnv) -> dict[str, Any]:
@@ -421,6 +447,9 @@ async def _absorb(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome],
         state.record_call(o.record)
         summary = ToolCallSummary(id=o.call_id, name=o.name, success=o.success, latency_ms=o.latency_ms, error=o.error)
         turn.tool_calls.append(summary)
+        if o.error_kind != "policy_denied":
+            counts = state.snapshot.extra.setdefault(CALLS_KEY, {})
+            counts[o.name] = counts.get(o.name, 0) + 1
         if o.success:
             if o.job_id is not None:
                 state.snapshot.extra.setdefault(JOBS_KEY, []).append(o.job_id)
@@ -449,7 +478,8 @@ async def _hold(
     expires = datetime.now(UTC) + timedelta(seconds=env.approval_ttl_s)
     tools = [p.tool.name for p in plan.calls if p.needs_approval and p.tool is not None]
     pending = PendingTurn(
-        approval_id=f"apr_{secrets.token_urlsafe(16)}", message_id=turn.message_id, calls=calls,
+        approval_id=new_approval_id(env.approval_keys, state.tenant_id, state.session_id),
+        message_id=turn.message_id, calls=calls,
         round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
     )

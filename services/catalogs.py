@@ -2,15 +2,17 @@
 
 The cache is the TenantSource of the session hosts. A change to a tenant's tools or bot config is
 announced on Postgres's `ce_catalog` channel; every host process listens and drops that tenant's
-entry, so live sessions see the change on their next message without a restart. A TTL bounds the
-staleness should a notification be lost while the listening connection was down.
+entry. A notification reaches a host a moment after the write commits, so a message sent right
+after the write can overtake it; to keep "live sessions see the change on their next message"
+true, every turn also compares its cached entry with the tenant's catalog stamp (one small
+indexed read) and reloads on a difference. A TTL bounds the staleness should both fail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -38,9 +40,14 @@ class TenantCatalogs:
         main_model: str,
         cheap_model: str,
         ttl_s: float = 60.0,
+        stamp: Callable[[str], Awaitable[str]] | None = None,
         workflows: Any = None,
+        approval_keys: tuple[bytes, ...] = (),
+        approval_ttl_s: float = 900.0,
     ) -> None:
         self._workflows = workflows
+        self._approval_keys = approval_keys
+        self._approval_ttl_s = approval_ttl_s
         self._tools = tools
         self._configs = configs
         self._registry = registry
@@ -51,8 +58,10 @@ class TenantCatalogs:
         self._main = main_model
         self._cheap = cheap_model
         self._ttl = ttl_s
-        self._cache: dict[str, tuple[TurnEnv, float]] = {}
-        self._loading: dict[str, asyncio.Future[TurnEnv]] = {}
+        # the ToolRepo's fingerprint of the tenant's tools and config; None: trust NOTIFY alone
+        self._stamp = stamp if stamp is not None else getattr(tools, "catalog_stamp", None)
+        self._cache: dict[str, tuple[TurnEnv, float, str | None]] = {}
+        self._loading: dict[str, tuple[str | None, asyncio.Future[TurnEnv]]] = {}
         self._generation = 0
         self.reloads = 0
 
@@ -65,19 +74,24 @@ class TenantCatalogs:
             self._cache.pop(tenant_id, None)
 
     async def env_for(self, tenant_id: str) -> TurnEnv:
+        # Read first, on every turn: a stamp read that began before this turn arrived could miss
+        # a change committed just before it, so it is neither cached nor shared.
+        stamp = await self._current_stamp(tenant_id)
         cached = self._cache.get(tenant_id)
-        if cached is not None and cached[1] > time.monotonic():
+        if cached is not None and cached[1] > time.monotonic() and stamp in (None, cached[2]):
             return cached[0]
         loading = self._loading.get(tenant_id)
-        if loading is not None:
-            return await asyncio.shield(loading)
+        if loading is not None and stamp in (None, loading[0]):
+            return await asyncio.shield(loading[1])
         future: asyncio.Future[TurnEnv] = asyncio.get_running_loop().create_future()
-        self._loading[tenant_id] = future
+        self._loading[tenant_id] = (stamp, future)
         generation = self._generation
         try:
+            # The rows are read after the stamp: a change committed in between makes the next
+            # turn load once more, never keeps a stale catalog.
             env = await self._load(tenant_id)
             if generation == self._generation:  # not invalidated while loading
-                self._cache[tenant_id] = (env, time.monotonic() + self._ttl)
+                self._cache[tenant_id] = (env, time.monotonic() + self._ttl, stamp)
             future.set_result(env)
             return env
         except BaseException as exc:
@@ -85,7 +99,19 @@ class TenantCatalogs:
             future.exception()
             raise
         finally:
-            del self._loading[tenant_id]
+            if self._loading.get(tenant_id, (None, None))[1] is future:
+                del self._loading[tenant_id]
+
+    async def _current_stamp(self, tenant_id: str) -> str | None:
+        """The tenant's catalog stamp now; None when there is no stamp source or the read failed
+        (then the NOTIFY and the TTL decide, as they did before stamps)."""
+        if self._stamp is None:
+            return None
+        try:
+            return await self._stamp(tenant_id)
+        except Exception as exc:  # noqa: BLE001 - a missed check must not fail the turn
+            log.warning("catalog_stamp_unavailable", tenant_id=tenant_id, error=type(exc).__name__)
+            return None
 
     async def catalog_for(self, tenant_id: str) -> tuple[Catalog, BotConfig]:
         env = await self.env_for(tenant_id)
@@ -110,4 +136,5 @@ class TenantCatalogs:
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,
             main_model=config.main_model or self._main, cheap_model=config.cheap_model or self._cheap,
+            approval_keys=self._approval_keys, approval_ttl_s=self._approval_ttl_s,
         )

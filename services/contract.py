@@ -27,7 +27,11 @@ from services.tools.registry import Catalog
 FindingKind = Literal[
     "dead_route", "ignored_argument", "missing_required_parameter", "handler_override",
     "handler_not_loaded", "absent_from_allowlist", "unknown_tool_in_intent", "disabled",
+    "output_contract_broken",
 ]
+
+#: the in-band error text of a result that breaks its output schema (services.tools.executor)
+OUTPUT_CONTRACT_FRAGMENT = "does not match its declared output schema"
 
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,14 +76,16 @@ def build_report(
     published: list[tuple[ToolDefinition, int]],
     catalog: Catalog,
     config: BotConfig,
+    output_failures: dict[str, int] | None = None,
 ) -> ContractReport:
-    """The report for one tenant. `published` are its rows as stored; `catalog` what runs."""
+    """The report for one tenant. `published` are its rows as stored; `catalog` what runs;
+    `output_failures` how many recent calls per tool broke the tool's output schema."""
     openapi = config.backend.openapi if config.backend is not None else None
     tools: list[ToolContract] = []
     seen: set[str] = set()
     for definition, version in published:
         seen.add(definition.name)
-        tools.append(_tool(definition, version, catalog, config, openapi))
+        tools.append(_tool(definition, version, catalog, config, openapi, (output_failures or {}).get(definition.name, 0)))
     for compiled in catalog:
         if compiled.name not in seen and compiled.origin == "builtin":
             tools.append(_tool(compiled.definition, None, catalog, config, openapi))
@@ -102,9 +108,17 @@ def build_report(
 
 
 def _tool(
-    definition: ToolDefinition, version: int | None, catalog: Catalog, config: BotConfig, openapi: dict | None
+    definition: ToolDefinition, version: int | None, catalog: Catalog, config: BotConfig, openapi: dict | None,
+    output_failures: int = 0,
 ) -> ToolContract:
     findings: list[Finding] = []
+    if output_failures:
+        findings.append(Finding(
+            kind="output_contract_broken", severity="error",
+            message=f"{output_failures} recent result(s) did not match the declared output_schema; "
+                    "the model was told the result could not be relied on",
+            fix="fix the backend's response, or update output_schema to what the backend really returns",
+        ))
     name = definition.name
     compiled = catalog.get(name)
     problem = catalog.problems.get(name)

@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from services.approvals import approval_keys
 from services.botconfig import BotConfig
 from services.catalogs import TenantCatalogs
 from services.errors import ConfigError
@@ -68,6 +69,7 @@ class Runtime:
         rt.tenants = TenantCatalogs(
             tools=rt.tools, configs=rt.configs, registry=rt.registry, backend_for=rt._backend_for,
             builtins=builtins, llm=rt.llm, executor=rt.executor, workflows=rt.workflows,
+            approval_keys=approval_keys(settings.secret_keys), approval_ttl_s=settings.approval_ttl_s,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
         )
         if listen:
@@ -95,7 +97,9 @@ class Runtime:
         """The tool-contract report against this process's running catalog."""
         import msgspec
 
-        from services.contract import build_report
+        from datetime import UTC, datetime, timedelta
+
+        from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
         from services.tools.model import ToolDefinition
 
         rows = await self.tools.list_published(tenant_id)
@@ -106,7 +110,9 @@ class Runtime:
                 published.append((msgspec.convert(row.definition, ToolDefinition), row.version))
             except msgspec.ValidationError:
                 continue  # unreadable rows are reported by the catalog as not loaded
-        return msgspec.to_builtins(build_report(tenant_id, published, env.catalog, env.config))
+        since = datetime.now(UTC) - timedelta(hours=24)
+        broken = await self.calls.failures_matching(tenant_id, since, OUTPUT_CONTRACT_FRAGMENT)
+        return msgspec.to_builtins(build_report(tenant_id, published, env.catalog, env.config, broken))
 
     def _listener_lost(self) -> None:
         log.warning("catalog_listener_lost")

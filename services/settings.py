@@ -37,6 +37,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     idle_seconds: float = 300.0
     output_gate: bool = True
     flush_interval_ms: float = 5.0
+    approval_ttl_s: float = 900.0
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -94,6 +95,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             idle_seconds=_float(get, "CE_IDLE_SECONDS", 300.0),
             output_gate=(get("CE_OUTPUT_GATE") or "on").lower() not in ("off", "0", "false", "no"),
             flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
+            approval_ttl_s=_float(get, "CE_APPROVAL_TTL_S", 900.0),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=(get("CE_LOG_LEVEL") or "info").lower(),
         )

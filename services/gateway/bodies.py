@@ -22,7 +22,7 @@ from services.tools.model import (
     normalise_parameters,
     template_holes,
 )
-from services.tools.validation import check_schema
+from services.tools.validation import check_any_schema, check_schema
 
 ToolType = Literal["webhook", "backend_binding", "python", "workflow", "client"]
 UNSET: Any = msgspec.UNSET
@@ -52,6 +52,15 @@ class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # python / workflow
     handler: str | None = None
     start_url: str | None = None  # workflow run by the tenant's system
+    # limits, progress, retries, output contract
+    max_calls_per_turn: int | None = None
+    max_calls_per_session: int | None = None
+    max_parallel: int | None = None
+    max_result_chars: int | None = None
+    progress_after_ms: int | None = None
+    progress_message: str | None = None
+    retries: int = 0
+    output_schema: dict[str, Any] | None = None
 
 
 class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -77,6 +86,14 @@ class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     scope: list[str] | msgspec.UnsetType = UNSET
     handler: str | msgspec.UnsetType = UNSET
     start_url: str | msgspec.UnsetType = UNSET
+    max_calls_per_turn: int | None | msgspec.UnsetType = UNSET
+    max_calls_per_session: int | None | msgspec.UnsetType = UNSET
+    max_parallel: int | None | msgspec.UnsetType = UNSET
+    max_result_chars: int | None | msgspec.UnsetType = UNSET
+    progress_after_ms: int | None | msgspec.UnsetType = UNSET
+    progress_message: str | None | msgspec.UnsetType = UNSET
+    retries: int | msgspec.UnsetType = UNSET
+    output_schema: dict[str, Any] | None | msgspec.UnsetType = UNSET
     publish: bool = True
 
 
@@ -146,12 +163,29 @@ def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
     for name in body.sensitive:
         if name not in properties:
             raise InvalidInput(f"sensitive names '{name}', which is not a parameter - at `$.sensitive`", path="$.sensitive")
+    for field in ("max_calls_per_turn", "max_calls_per_session", "max_parallel", "max_result_chars", "progress_after_ms"):
+        value = getattr(body, field)
+        if value is not None and value < 1:
+            raise InvalidInput(f"{field} must be at least 1, got {value} - at `$.{field}`", path=f"$.{field}")
+    if not 0 <= body.retries <= 5:
+        raise InvalidInput(f"retries must be between 0 and 5, got {body.retries} - at `$.retries`", path="$.retries")
+    if body.retries and body.mutability != "read":
+        raise InvalidInput(
+            "retries are allowed for read tools only: a write is never retried blindly - at `$.retries`",
+            path="$.retries",
+        )
+    if body.output_schema is not None:
+        check_any_schema(body.output_schema, where="$.output_schema")
     data = {
         "type": body.type, "name": body.name, "description": body.description, "parameters": schema,
         "mutability": body.mutability, "requires_approval": body.requires_approval,
         "intents": tuple(body.intents), "enabled": body.enabled, "sensitive": tuple(body.sensitive),
         "protected": tuple(body.protected), "timeout_ms": body.timeout_ms,
-        "completes_variable": body.completes_variable, "resource": body.resource, **family,
+        "completes_variable": body.completes_variable, "resource": body.resource,
+        "max_calls_per_turn": body.max_calls_per_turn, "max_calls_per_session": body.max_calls_per_session,
+        "max_parallel": body.max_parallel, "max_result_chars": body.max_result_chars,
+        "progress_after_ms": body.progress_after_ms, "progress_message": body.progress_message,
+        "retries": body.retries, "output_schema": body.output_schema, **family,
     }
     return msgspec.convert(data, ToolDefinition)
 

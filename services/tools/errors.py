@@ -90,6 +90,12 @@ class UpstreamUnreachable(ToolError):
     retryable = True
 
 
+class OutputContractBroken(ToolError):
+    """The result does not match the tool's declared output schema (a contract failure)."""
+
+    kind = "output_contract"
+
+
 class DestinationBlocked(ToolError):
     """The SSRF guard refused the destination before any connection was made."""
 

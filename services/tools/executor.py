@@ -12,9 +12,11 @@ stronger guarantee).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,6 +28,7 @@ from services.tools.context import TrustedContext
 from services.tools.errors import (
     ApprovalDenied,
     InvalidArguments,
+    OutputContractBroken,
     PolicyDenied,
     ToolCrashed,
     ToolError,
@@ -40,6 +43,10 @@ log = structlog.get_logger(__name__)
 
 REDACTED = "[redacted]"
 DEFAULT_MAX_RESULT_CHARS = 16_000
+DEFAULT_PROGRESS_AFTER_MS = 2_000
+RETRY_BASE_S = 0.1
+
+OnProgress = Callable[["PreparedCall", int, "str | None"], Awaitable[None]]
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +125,10 @@ class Executor:
         clock: Clock | None = None,
         new_id: Callable[[], str] | None = None,
         max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
+        progress_after_ms: int = DEFAULT_PROGRESS_AFTER_MS,
     ) -> None:
+        self._progress_after_ms = progress_after_ms
+        self._on_progress: OnProgress | None = None
         self._clock = clock or SystemClock()
         # Deadlines are computed on self._clock; the limiter must compare them on the same clock.
         self._limiter = limiter or ResourceLimiter(clock=self._clock)
@@ -137,8 +147,20 @@ class Executor:
         scope: dict[str, Any],
     ) -> BatchPlan:
         """Check every call of a batch before any runs. Never raises for bad calls: each
-        carries its error, to be returned in-band."""
-        return BatchPlan(calls=[self._prepare_one(c, catalog, config, session, scope) for c in calls])
+        carries its error, to be returned in-band. Calls of one tool in the batch count toward
+        its per-turn and per-session limits in order."""
+        in_batch: dict[str, int] = {}
+        prepared = []
+        for c in calls:
+            p = self._prepare_one(c, catalog, config, session, scope)
+            if p.error is None and p.tool is not None:
+                limit_error = _limit_error(p.tool, session, in_batch.get(p.tool.name, 0))
+                if limit_error is not None:
+                    p = msgspec.structs.replace(p, error=limit_error, needs_approval=False)
+                else:
+                    in_batch[p.tool.name] = in_batch.get(p.tool.name, 0) + 1
+            prepared.append(p)
+        return BatchPlan(calls=prepared)
 
     def _prepare_one(
         self, call: ToolCall, catalog: Catalog, config: BotConfig, session: SessionToolState, scope: dict[str, Any]
@@ -174,13 +196,17 @@ class Executor:
     # -- stages 6-9: context, execute, normalise, record --------------------------------------
 
     async def execute(
-        self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False, deadline: float | None = None
+        self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False, deadline: float | None = None,
+        on_progress: OnProgress | None = None,
     ) -> list[ToolOutcome]:
         """Run a prepared batch; outcomes are in call order.
 
-        Consecutive reads run concurrently; a write runs alone, in order. A batch that needs
-        approval runs only with `approved=True`. `deadline` (clock time) caps every call.
+        Consecutive reads run concurrently (at most `max_parallel` of one tool at once); a write
+        runs alone, in order. A batch that needs approval runs only with `approved=True`.
+        `deadline` (clock time) caps every call. `on_progress(call, elapsed_ms, message)` is
+        awaited once for each call still running after its progress threshold.
         """
+        self._on_progress = on_progress
         if plan.needs_approval and not approved:
             raise ValueError("this batch needs approval before it runs")
         outcomes: list[ToolOutcome] = []
@@ -216,7 +242,19 @@ class Executor:
             return []
         if len(group) == 1:
             return [await self._run_one(group[0], ctx, deadline)]
-        return list(await asyncio.gather(*(self._run_one(p, ctx, deadline) for p in group)))
+        gates: dict[str, asyncio.Semaphore] = {}
+        for p in group:
+            if p.tool is not None and p.tool.definition.max_parallel and p.tool.name not in gates:
+                gates[p.tool.name] = asyncio.Semaphore(p.tool.definition.max_parallel)
+
+        async def run(p: PreparedCall) -> ToolOutcome:
+            gate = gates.get(p.tool.name) if p.tool is not None else None
+            if gate is None:
+                return await self._run_one(p, ctx, deadline)
+            async with gate:
+                return await self._run_one(p, ctx, deadline)
+
+        return list(await asyncio.gather(*(run(p) for p in group)))
 
     async def _run_one(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
         if prepared.error is not None or prepared.tool is None:
@@ -226,14 +264,15 @@ class Executor:
         call_deadline = self._clock.monotonic() + d.timeout_ms / 1000
         if deadline is not None:
             call_deadline = min(call_deadline, deadline)
-        call_ctx = msgspec.structs.replace(
-            ctx, idempotency_key=f"{ctx.idempotency_key or ctx.message_id or ''}:{prepared.call.id}"
-        )
+        call_ctx = msgspec.structs.replace(ctx, idempotency_key=idempotency_key(ctx, prepared))
         started = time.perf_counter()
+        progress = self._watch_progress(prepared, started)
         try:
             timed = await self._limiter.run(
-                d.resource or d.name, call_deadline, lambda: tool.handler(prepared.arguments, call_ctx)
+                d.resource or d.name, call_deadline,
+                lambda: self._attempts(tool, prepared.arguments, call_ctx, call_deadline),
             )
+            _check_output(tool, timed.value)
         except ToolError as exc:
             elapsed = int((time.perf_counter() - started) * 1000)
             return self._failed(prepared, ctx, exc, elapsed, 0)
@@ -243,6 +282,9 @@ class Executor:
             log.exception("tool_crashed", tool_name=d.name)
             elapsed = int((time.perf_counter() - started) * 1000)
             return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
+        finally:
+            if progress is not None:
+                progress.cancel()
         try:
             return self._succeeded(prepared, ctx, timed.value, int(timed.run_s * 1000), int(timed.queue_s * 1000))
         except (TypeError, msgspec.EncodeError):
@@ -250,6 +292,39 @@ class Executor:
             log.exception("tool_result_unencodable", tool_name=d.name)
             elapsed = int((time.perf_counter() - started) * 1000)
             return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
+
+    async def _attempts(self, tool: CompiledTool, args: dict[str, Any], ctx: TrustedContext, deadline: float) -> Any:
+        """Call the handler; an idempotent read retries a retryable failure with exponential
+        backoff and full jitter while its deadline leaves room. Writes never retry here."""
+        d = tool.definition
+        retries = d.retries if d.mutability == "read" else 0
+        attempt = 0
+        while True:
+            try:
+                return await tool.handler(args, ctx)
+            except ToolError as exc:
+                if attempt >= retries or not exc.retryable:
+                    raise
+                pause = random.uniform(0, RETRY_BASE_S * 2**attempt)
+                if self._clock.monotonic() + pause >= deadline:
+                    raise
+                attempt += 1
+                log.info("tool_retry", tool_name=d.name, attempt=attempt, error_kind=exc.kind)
+                await asyncio.sleep(pause)
+
+    def _watch_progress(self, p: PreparedCall, started: float) -> asyncio.Task | None:
+        on_progress = getattr(self, "_on_progress", None)
+        if on_progress is None or p.tool is None:
+            return None
+        d = p.tool.definition
+        after_ms = d.progress_after_ms if d.progress_after_ms is not None else self._progress_after_ms
+
+        async def report() -> None:
+            await asyncio.sleep(after_ms / 1000)
+            elapsed = int((time.perf_counter() - started) * 1000)
+            await on_progress(p, elapsed, d.progress_message)
+
+        return asyncio.create_task(report())
 
     def _succeeded(self, p: PreparedCall, ctx: TrustedContext, value: Any, run_ms: int, queue_ms: int) -> ToolOutcome:
         d = p.tool.definition  # type: ignore[union-attr]
@@ -263,11 +338,9 @@ class Executor:
             content = f"Shown to the customer in the app: {d.name}. Continue the conversation."
         else:
             content = msgspec.json.encode(data).decode() if data is not None else "done (no content)"
-            if len(content) > self._max_result_chars:
-                content = (
-                    content[: self._max_result_chars]
-                    + f" [result truncated: {self._max_result_chars} of {len(content)} characters shown]"
-                )
+            cap = d.max_result_chars or self._max_result_chars
+            if len(content) > cap:
+                content = content[:cap] + f" [result truncated: {cap} of {len(content)} characters shown]"
         return ToolOutcome(
             call_id=p.call.id, name=d.name, success=True, content=content,
             latency_ms=run_ms, queue_ms=queue_ms, client_action=client_action,
@@ -298,6 +371,47 @@ class Executor:
             message_id=ctx.message_id, tool_name=p.tool.name if p.tool else _short(p.call.name, 64),
             parameters=params, result=result, success=success, latency_ms=latency_ms,
             queue_ms=queue_ms, error=error, created_at=datetime.now(UTC),
+        )
+
+
+def idempotency_key(ctx: TrustedContext, p: PreparedCall) -> str:
+    """Stable for the same call of the same message, also when a retried message re-runs the
+    turn and the model names its call differently: the client's message id, the tool and its
+    arguments (canonical JSON)."""
+    digest = hashlib.sha256(
+        p.call.name.encode() + b"\0" + msgspec.json.encode(p.arguments, order="sorted")
+    ).hexdigest()[:24]
+    return f"{ctx.idempotency_key or ctx.message_id or ''}:{digest}"
+
+
+def _limit_error(tool: CompiledTool, session: SessionToolState, earlier_in_batch: int) -> ToolError | None:
+    d = tool.definition
+    in_turn = session.turn_calls.get(d.name, 0) + earlier_in_batch
+    in_session = session.calls.get(d.name, 0) + earlier_in_batch
+    if d.max_calls_per_turn is not None and in_turn >= d.max_calls_per_turn:
+        return PolicyDenied(
+            f"called too often: at most {d.max_calls_per_turn} call(s) per message",
+            advice="Use the results you already have; do not call it again for this message.",
+        )
+    if d.max_calls_per_session is not None and in_session >= d.max_calls_per_session:
+        return PolicyDenied(
+            f"called too often: at most {d.max_calls_per_session} call(s) per conversation",
+            advice="Do not call it again in this conversation; help the customer another way.",
+        )
+    return None
+
+
+def _check_output(tool: CompiledTool, value: Any) -> None:
+    """A declared output schema is a contract: a result that breaks it is a failure, in-band."""
+    validator = tool.output_validator
+    if validator is None or isinstance(value, (ClientAction, JobStarted)):
+        return
+    result = value.result if isinstance(value, SetVariables) else value
+    problems = validator.errors(msgspec.to_builtins(result))
+    if problems:
+        raise OutputContractBroken(
+            "result does not match its declared output schema: " + "; ".join(problems[:3]),
+            advice="Do not rely on this result; tell the customer you cannot confirm this right now.",
         )
 
 

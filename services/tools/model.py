@@ -36,6 +36,17 @@ class _ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     completes_variable: str | None = None
     #: the resource whose concurrency limit this tool shares (default: the tool itself)
     resource: str | None = None
+    # -- limits beyond the breaker ----------------------------------------------------------
+    max_calls_per_turn: int | None = None
+    max_calls_per_session: int | None = None
+    max_parallel: int | None = None  # calls of this tool running at once within one round
+    max_result_chars: int | None = None  # results longer are truncated for the model (kept whole in the record)
+    # -- progress while slow ------------------------------------------------------------------
+    progress_after_ms: int | None = None  # None: the engine default
+    progress_message: str | None = None  # shown to the contact, e.g. "Still checking your order…"
+    # -- retries (idempotent reads only), output contract ---------------------------------------
+    retries: int = 0  # extra attempts on a retryable failure, with backoff and jitter, within the deadline
+    output_schema: dict[str, Any] | None = None  # a result that does not match is a contract failure
 
     @property
     def needs_approval(self) -> bool:

@@ -23,7 +23,7 @@ from services.tools.model import (
     WebhookTool,
     WorkflowTool,
 )
-from services.tools.validation import ArgumentValidator, check_schema
+from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
 
 Handler = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
 
@@ -115,7 +115,7 @@ class HandlerRegistry:
 class CompiledTool:
     """A definition joined to the handler that actually runs it."""
 
-    __slots__ = ("definition", "handler", "origin", "runs", "validator", "version")
+    __slots__ = ("definition", "handler", "origin", "output_validator", "runs", "validator", "version")
 
     def __init__(
         self, definition: ToolDefinition, handler: Handler, *, origin: str, runs: str, version: int
@@ -125,6 +125,8 @@ class CompiledTool:
         self.origin = origin  # "builtin" | "tenant"
         self.runs = runs  # what really executes, for operators ("GET https://.../{order_id}")
         self.validator = ArgumentValidator(definition.parameters)
+        schema = definition.output_schema
+        self.output_validator = ArgumentValidator(schema) if schema else None
         self.version = version
 
     @property
@@ -148,6 +150,8 @@ def compile_tool(
         # Also checked on save; checked again here because a broken schema would otherwise
         # raise from argument validation mid-turn instead of failing in-band or in `problems`.
         check_schema(definition.parameters)
+        if definition.output_schema is not None:
+            check_any_schema(definition.output_schema, where="$.output_schema")
     except InvalidInput as exc:
         raise CompileError(str(exc), tool_name=name) from None
     if isinstance(definition, WebhookTool):

@@ -26,6 +26,8 @@ class SessionToolState(msgspec.Struct, frozen=True, kw_only=True):
 
     variables: Mapping[str, str] = {}
     breakers: Mapping[str, int] = {}  # tool name -> failures this session
+    calls: Mapping[str, int] = {}  # tool name -> calls this session (limits)
+    turn_calls: Mapping[str, int] = {}  # tool name -> calls in the current turn (limits)
 
 
 def breaker_open(breakers: Mapping[str, int], tool_name: str) -> bool:
@@ -70,6 +72,8 @@ def gate_reason(tool: CompiledTool, config: BotConfig, session: SessionToolState
         return "this assistant may not change records"
     if is_completed(tool, session.variables):
         return "this was already done in this conversation"
+    if d.max_calls_per_session is not None and session.calls.get(d.name, 0) >= d.max_calls_per_session:
+        return "this tool was used as often as allowed in this conversation"
     return None
 
 

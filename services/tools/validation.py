@@ -43,6 +43,18 @@ def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None
         raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
 
 
+def check_any_schema(schema: dict[str, Any], *, where: str) -> None:
+    """Raise InvalidInput when `schema` is not a valid JSON schema (of any type)."""
+    if not isinstance(schema, dict):
+        raise InvalidInput(f"a JSON schema must be an object - at `{where}`", path=where)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except SchemaError as exc:
+        path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
+        raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
+
+
 def _error_rank(error: jsonschema.ValidationError) -> tuple[int, str]:
     # Missing and unexpected fields first: they are what the model most often gets wrong.
     order = {"required": 0, "additionalProperties": 1, "type": 2}

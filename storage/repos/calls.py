@@ -65,6 +65,16 @@ class ToolCallRepo:
             for r in rows
         ]
 
+    async def failures_matching(self, tenant_id: str, since: datetime, fragment: str) -> dict[str, int]:
+        """Per tool, how many failed calls since `since` have `fragment` in their error text."""
+        with translate("counting tool failures"):
+            rows = await self._pool.fetch(
+                "SELECT tool_name, count(*) AS n FROM ce_tool_calls WHERE tenant_id = $1 AND created_at >= $2 "
+                "AND NOT success AND strpos(error, $3) > 0 GROUP BY tool_name",
+                tenant_id, since, fragment,
+            )
+        return {r["tool_name"]: r["n"] for r in rows}
+
     async def recent(self, tenant_id: str, session_id: str, limit: int = 50) -> list[ToolCallRecord]:
         """The session's latest `limit` tool calls, newest first."""
         with translate("reading recent tool calls"):

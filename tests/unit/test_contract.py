@@ -110,3 +110,15 @@ def test_intent_naming_an_unknown_tool():
                        backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
     report = report_for([binding()], config=config)
     assert kinds(report, "check_ordr") == ["unknown_tool_in_intent"]
+
+
+def test_recent_results_breaking_the_output_schema_are_reported():
+    from services.contract import OUTPUT_CONTRACT_FRAGMENT
+
+    tool = binding(output_schema={"type": "object", "required": ["results"]})
+    catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(), backend=NullBackend())
+    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    report = build_report("t1", [(tool, 1)], catalog, config, {"example_catalog_search": 3})
+    finding = report.tools[0].findings[0]
+    assert finding.kind == "output_contract_broken" and "3 recent result(s)" in finding.message
+    assert "output schema" in OUTPUT_CONTRACT_FRAGMENT

@@ -1,0 +1,200 @@
+"""Limits per tool, progress, safe retries, output contracts and signed approvals (pure, fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+import pytest
+
+from actors.session import SessionError, TurnEnv, handle_approval, handle_message, new_state
+from services.approvals import approval_keys, new_approval_id, verify_approval_id
+from services.botconfig import BotConfig
+from services.tools.errors import UpstreamStatus, UpstreamTimeout
+from services.tools.executor import Executor
+from services.tools.model import PythonTool
+from services.tools.registry import HandlerRegistry, build_catalog
+from tests.unit.test_session_loop import ScriptedLLM
+
+SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
+KEYS = approval_keys(["a" * 44])
+
+
+def env_for(llm, registry, tools, **env) -> TurnEnv:
+    catalog = build_catalog([], [(t, 1) for t in tools], registry=registry, backend=None)
+    return TurnEnv(llm=llm, executor=Executor(progress_after_ms=50), catalog=catalog, config=BotConfig(),
+                   main_model="main", cheap_model="cheap", approval_keys=KEYS, **env)
+
+
+@pytest.fixture
+def reg():
+    r = HandlerRegistry()
+    r.log = []  # type: ignore[attr-defined]
+    r.flaky = [UpstreamTimeout("upstream timeout"), UpstreamStatus("upstream error (503)", status=503)]  # type: ignore[attr-defined]
+
+    @r.register("ok")
+    async def ok(args, ctx):
+        r.log.append(("ok", args.get("q")))
+        return {"q": args.get("q"), "text": "x" * 100}
+
+    @r.register("flaky")
+    async def flaky(args, ctx):
+        r.log.append(("flaky", ctx.idempotency_key))
+        if r.flaky:
+            raise r.flaky.pop(0)
+        return {"ok": True}
+
+    @r.register("slow")
+    async def slow(args, ctx):
+        await asyncio.sleep(0.3)
+        return {"done": True}
+
+    @r.register("running")
+    async def running(args, ctx):
+        r.log.append(("start", args.get("q")))
+        await asyncio.sleep(0.05)
+        r.log.append(("end", args.get("q")))
+        return {}
+
+    return r
+
+
+def tool(name, handler, **kw):
+    return PythonTool(name=name, description=name, parameters=SCHEMA, handler=handler, **kw)
+
+
+async def test_calls_beyond_the_per_turn_limit_are_refused_in_band(reg):
+    t = tool("lookup", "ok", max_calls_per_turn=2)
+    llm = ScriptedLLM([[("lookup", {"q": "1"}), ("lookup", {"q": "2"}), ("lookup", {"q": "3"})], "done"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]))
+    assert [c.success for c in reply.tool_calls] == [True, True, False]
+    assert "at most 2 call(s) per message" in reply.tool_calls[2].error
+    assert [q for name, q in reg.log] == ["1", "2"]
+
+
+async def test_the_per_session_limit_stops_calls_and_then_the_offer(reg):
+    t = tool("lookup", "ok", max_calls_per_session=1)
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("lookup", {"q": "1"})], "ok"])
+    await handle_message(state, "a", "m1", env_for(llm, reg, [t]))
+    llm = ScriptedLLM([[("lookup", {"q": "2"})], "ok"])
+    reply = await handle_message(state, "b", "m2", env_for(llm, reg, [t]))
+    assert llm.requests[0].tools == [] and not reply.tool_calls[0].success
+    assert "per conversation" in reply.tool_calls[0].error or "allowed" in reply.tool_calls[0].error
+    assert len(reg.log) == 1
+
+
+async def test_max_parallel_bounds_one_tools_concurrency_within_a_round(reg):
+    t = tool("fetch", "running", max_parallel=1)
+    llm = ScriptedLLM([[("fetch", {"q": "a"}), ("fetch", {"q": "b"})], "ok"])
+    await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]))
+    assert reg.log == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b")]
+
+
+async def test_a_result_over_the_tools_cap_is_truncated_for_the_model_and_kept_whole_in_the_record(reg):
+    t = tool("lookup", "ok", max_result_chars=40)
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("lookup", {"q": "1"})], "ok"])
+    await handle_message(state, "go", "m1", env_for(llm, reg, [t]))
+    seen = llm.requests[1].messages[-1].content[0].content
+    assert seen.endswith("characters shown]") and "result truncated: 40 of" in seen
+    assert state.take_delta().tool_calls[0].result["text"] == "x" * 100
+
+
+async def test_a_slow_tool_reports_progress_on_the_stream_before_its_result(reg):
+    t = tool("slow_lookup", "slow", progress_message="Still checking your order…")
+    events = []
+
+    async def emit(e):
+        events.append(e)
+
+    llm = ScriptedLLM([[("slow_lookup", {"q": "1"})], "ok"])
+    await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]), emit)
+    kinds = [e.event for e in events]
+    assert kinds.index("tool_progress") < kinds.index("tool_result")
+    progress = events[kinds.index("tool_progress")].data
+    assert progress["message"] == "Still checking your order…" and progress["elapsed_ms"] >= 40
+
+
+async def test_an_idempotent_read_retries_retryable_failures_with_the_same_idempotency_key(reg):
+    t = tool("lookup", "flaky", retries=2)
+    llm = ScriptedLLM([[("lookup", {"q": "1"})], "ok"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]))
+    assert reply.tool_calls[0].success and len(reg.log) == 3
+    assert len({key for _, key in reg.log}) == 1
+
+
+async def test_a_write_never_retries(reg):
+    t = tool("save", "flaky", mutability="write", requires_approval=False, retries=2)
+    llm = ScriptedLLM([[("save", {"q": "1"})], "ok"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]))
+    assert not reply.tool_calls[0].success and len(reg.log) == 1
+
+
+async def test_a_result_breaking_its_output_schema_is_a_contract_failure_in_band(reg):
+    t = tool("lookup", "ok", output_schema={"type": "object", "required": ["status"]})
+    llm = ScriptedLLM([[("lookup", {"q": "1"})], "ok"])
+    reply = await handle_message(new_state("t", "s"), "go", "m1", env_for(llm, reg, [t]))
+    assert not reply.tool_calls[0].success
+    assert "does not match its declared output schema" in reply.tool_calls[0].error and "status" in reply.tool_calls[0].error
+
+
+def test_approval_ids_are_signed_for_one_tenants_session():
+    approval = new_approval_id(KEYS, "t1", "s1")
+    assert verify_approval_id(KEYS, "t1", "s1", approval)
+    assert not verify_approval_id(KEYS, "t1", "s2", approval)
+    assert not verify_approval_id(KEYS, "t2", "s1", approval)
+    assert not verify_approval_id(KEYS, "t1", "s1", approval[:-2] + "AA")
+    assert not verify_approval_id(approval_keys(["b" * 44]), "t1", "s1", approval)
+    # rotation: a newer first key still verifies ids signed with the older one
+    assert verify_approval_id(approval_keys(["b" * 44, "a" * 44]), "t1", "s1", approval)
+
+
+WRITE = PythonTool(name="book", description="book", parameters=SCHEMA, handler="ok", mutability="write")
+
+
+async def test_a_forged_approval_id_is_refused_and_runs_nothing(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "ok"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    forged = held.pending_approval.approval_id.split(".")[0] + ".forgedforgedforgedforged"
+    with pytest.raises(SessionError, match="not valid for this session"):
+        await handle_approval(state, forged, True, env)
+    assert reg.log == [] and state.snapshot.pending is not None
+
+
+async def test_a_replayed_approval_id_is_refused(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "ok", "again"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    await handle_approval(state, held.pending_approval.approval_id, True, env)
+    with pytest.raises(SessionError, match="no pending approval"):
+        await handle_approval(state, held.pending_approval.approval_id, True, env)
+    assert reg.log == [("ok", "1")]
+
+
+async def test_an_expired_approval_ends_in_an_in_band_result_and_runs_nothing(reg):
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("book", {"q": "1"})], "it expired"])
+    env = env_for(llm, reg, [WRITE], approval_ttl_s=60)
+    held = await handle_message(state, "book", "m1", env)
+    later = datetime.now(UTC) + timedelta(seconds=61)
+    done = await handle_approval(state, held.pending_approval.approval_id, True, env, now=later)
+    assert reg.log == [] and "expired" in done.tool_calls[0].error
+
+
+async def test_the_approver_may_edit_arguments_which_are_validated_before_anything_runs(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "ok"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    call_id = msgspec.convert(state.snapshot.pending, dict)["calls"][0]["id"]
+    done = await handle_approval(state, held.pending_approval.approval_id, True, env,
+                                 edited_arguments={call_id: {"q": 42}})
+    assert reg.log == [] and "'q'" in done.tool_calls[0].error  # 42 is not a string: refused in-band
+    state2 = new_state("t", "s2")
+    env2 = env_for(ScriptedLLM([[("book", {"q": "1"})], "ok"]), reg, [WRITE])
+    held2 = await handle_message(state2, "book", "m1", env2)
+    call_id2 = msgspec.convert(state2.snapshot.pending, dict)["calls"][0]["id"]
+    await handle_approval(state2, held2.pending_approval.approval_id, True, env2, edited_arguments={call_id2: {"q": "2"}})
+    assert reg.log == [("ok", "2")]
