@@ -34,7 +34,7 @@ from services.llm.port import (
     ToolUseBlock,
 )
 from services.tools.context import TrustedContext
-from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
+from services.tools.executor import REDACTED, BatchPlan, Executor, ToolCall, ToolOutcome
 from services.tools.registry import Catalog
 from services.tools.toolset import (
     SessionToolState,
@@ -45,6 +45,7 @@ from services.tools.toolset import (
 )
 from services.wire import (
     PendingApproval,
+    PendingCall,
     StreamEvent,
     ToolCallSummary,
     TurnReply,
@@ -322,7 +323,9 @@ async def handle_approval(
     calls = pending.calls
     if edited_arguments:
         calls = [
-            msgspec.structs.replace(c, arguments=edited_arguments[c.id]) if c.id in edited_arguments else c
+            # Edits are merged over the model's arguments: an approver sends only what changes.
+            msgspec.structs.replace(c, arguments={**c.arguments, **edited_arguments[c.id]})
+            if c.id in edited_arguments else c
             for c in calls
         ]
     plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn)
@@ -486,7 +489,13 @@ async def _hold(
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()  # noqa: SLF001
     approval = PendingApproval(
-        approval_id=pending.approval_id, summary=pending.summary, tools=tools, expires_at=pending.expires_at
+        approval_id=pending.approval_id, summary=pending.summary, tools=tools, expires_at=pending.expires_at,
+        calls=[
+            PendingCall(id=p.call.id, name=p.tool.name, arguments={
+                k: (REDACTED if k in p.tool.definition.sensitive else v) for k, v in p.arguments.items()
+            })
+            for p in plan.calls if p.tool is not None and p.error is None
+        ],
     )
     await emit(StreamEvent(event="approval_required", data=msgspec.to_builtins(approval)))
     text = "Before I go ahead, please confirm:\n" + "\n".join(f"- {line}" for line in pending.summary)

@@ -37,6 +37,7 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     notification_secret: str | None = None  # Standard Webhooks signing secret (whsec_...)
     backend: Backend | None = None
     contact_id_variable: str = "contact_id"
+    approval_ttl_s: float | None = None  # None: the engine's CE_APPROVAL_TTL_S
 
 
 DEFAULT_CONFIG = BotConfig()

@@ -136,5 +136,5 @@ class TenantCatalogs:
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,
             main_model=config.main_model or self._main, cheap_model=config.cheap_model or self._cheap,
-            approval_keys=self._approval_keys, approval_ttl_s=self._approval_ttl_s,
+            approval_keys=self._approval_keys, approval_ttl_s=config.approval_ttl_s or self._approval_ttl_s,
         )

@@ -35,11 +35,20 @@ class UsageOut(msgspec.Struct, frozen=True, kw_only=True):
     output_tokens: int = 0
 
 
+class PendingCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A held call as the approver sees it; its arguments may be edited by call id."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
 class PendingApproval(msgspec.Struct, frozen=True, kw_only=True):
     approval_id: str
     summary: list[str]
     tools: list[str]
     expires_at: str | None = None
+    calls: list[PendingCall] = []
 
 
 class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -71,6 +71,7 @@ class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     notification_webhook: str | None = None
     notification_secret: str | None = None
     backend: BackendIn | None = None
+    approval_ttl_s: float | None = None
 
 
 @dataclass
@@ -235,10 +236,13 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     if body.message_id is not None and not 0 < len(body.message_id) <= 128:
         raise InvalidInput("message_id must be 1-128 characters - at `$.message_id`", path="$.message_id")
     structlog.contextvars.bind_contextvars(session_id=session_id)
+    # Every turn gets a message id here, so a retry of the hop to the actor (a host that died
+    # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
+    message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
     started = time.perf_counter()
     if _wants_stream(request):
-        return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, body.message_id), started)
-    reply = await deps.router.send(tenant_id, session_id, body.text, body.message_id)
+        return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
+    reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
     return json_response(reply_body(reply))
 
@@ -530,4 +534,8 @@ def build_app(deps: GatewayDeps) -> web.Application:
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi)
+    from services.gateway.builtin_routes import add_builtin_routes  # here: it imports this module
+    add_builtin_routes(app)
+    from services.gateway.dashboard import add_dashboard_routes  # here: it imports this module
+    add_dashboard_routes(app)
     return app
