@@ -66,6 +66,7 @@ class SessionHostActor:
         self._runtime: Any = None
         self._init_lock: asyncio.Lock | None = None
         self._watchdog: asyncio.Task | None = None
+        self._turns = 0  # turns (send/decide/stream) running in this actor now
 
     async def _ensure(self) -> SessionHost:
         if self._host is not None:
@@ -78,6 +79,9 @@ class SessionHostActor:
                 from services.runtime import Runtime
 
                 configure_logging(fmt=self._settings.log_format, level=self._settings.log_level)
+                from services.tracing import configure_tracing
+
+                self._tracing = configure_tracing(self._settings.otlp_endpoint, service_name=f"chat-engine.{self._name}")
                 self._runtime = await Runtime.open(self._settings)
                 host = SessionHost(
                     name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
@@ -99,36 +103,46 @@ class SessionHostActor:
         return self._name
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+        self._turns += 1
         try:
             host = await self._ensure()
             reply = await host.send(tenant_id, session_id, text, message_id)
             return result_encoder.encode(HostResult(reply=reply))
         except Exception as exc:  # noqa: BLE001 - errors travel as data
             return self._error(exc)
+        finally:
+            self._turns -= 1
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
     ) -> bytes:
+        self._turns += 1
         try:
             host = await self._ensure()
             reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
             return result_encoder.encode(HostResult(reply=reply))
         except Exception as exc:  # noqa: BLE001
             return self._error(exc)
+        finally:
+            self._turns -= 1
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None,
     ):
         """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
+        self._turns += 1
         try:
-            host = await self._ensure()
-        except Exception as exc:  # noqa: BLE001
-            err = to_host_error(exc)
-            yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
-            return
-        async for event in host.stream(tenant_id, session_id, text, message_id, approval):
-            yield result_encoder.encode(event)
+            try:
+                host = await self._ensure()
+            except Exception as exc:  # noqa: BLE001
+                err = to_host_error(exc)
+                yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
+                return
+            async for event in host.stream(tenant_id, session_id, text, message_id, approval):
+                yield result_encoder.encode(event)
+        finally:
+            self._turns -= 1
 
     async def view(self, tenant_id: str, session_id: str) -> bytes | None:
         host = await self._ensure()
@@ -161,6 +175,8 @@ class SessionHostActor:
             await self._host.stop()
             await self._runtime.close()
             self._host = None
+        if getattr(self, "_tracing", None) is not None:
+            self._tracing.shutdown()  # flush the last spans
         return True
 
     def _error(self, exc: BaseException) -> bytes:
@@ -171,15 +187,14 @@ class SessionHostActor:
 
     async def _exit_when_idle(self) -> None:
         # A dedicated actor is one process per live session: once its session passivates, the
-        # process goes too. The next message creates it again (get_if_exists).
+        # process goes too. The next message creates it again (get_if_exists). Checked as "no
+        # session and no turn right now", not "had a session at an earlier check": a session
+        # passivated before the first check must not leave its process behind for good.
         host = self._host
         assert host is not None
-        seen = False
         while True:
             await asyncio.sleep(max(0.5, self._settings.idle_seconds / 4))
-            if host.live_sessions:
-                seen = True
-            elif seen:
+            if not host.live_sessions and not self._turns:
                 await self.shutdown()
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from services.approvals import new_approval_id, verify_approval_id
+from services.tracing import tracer
 from services.botconfig import BotConfig
 from services.llm.port import (
     ChatMessage,
@@ -265,8 +266,28 @@ async def handle_message(
     """Run one contact message through the tool loop; returns the reply the contact gets.
 
     A message_id seen before returns the first answer and runs nothing again. `finished_jobs`
-    (workflow jobs this session waited for) are delivered into the conversation first.
+    (workflow jobs this session waited for) are delivered into the conversation first. The turn
+    is one trace (turn -> round -> tool call) when tracing is configured.
     """
+    with tracer().start_as_current_span("turn", attributes={
+        "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.message_id": message_id or "",
+    }) as span:
+        reply = await _handle_message(state, text, message_id, env, emit, finished_jobs)
+        _annotate(span, reply)
+        return reply
+
+
+def _annotate(span, reply: TurnReply) -> None:
+    span.set_attribute("ce.rounds", reply.rounds)
+    span.set_attribute("ce.tool_calls", len(reply.tool_calls))
+    span.set_attribute("ce.handoff", reply.handoff)
+    span.set_attribute("ce.pending_approval", reply.pending_approval is not None)
+
+
+async def _handle_message(
+    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit,
+    finished_jobs: list[JobRecord],
+) -> TurnReply:
     message_id = message_id or f"m_{secrets.token_hex(8)}"
     if message_id in state.turns:
         return msgspec.convert(state.turns[message_id], TurnReply)
@@ -301,6 +322,18 @@ async def handle_approval(
 
     Raises SessionError(kind="not_found") when no such approval is pending.
     """
+    with tracer().start_as_current_span("turn.resume", attributes={
+        "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.approved": approve,
+    }) as span:
+        reply = await _handle_approval(state, approval_id, approve, env, emit, edited_arguments, now)
+        _annotate(span, reply)
+        return reply
+
+
+async def _handle_approval(
+    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit,
+    edited_arguments: dict[str, dict[str, Any]] | None, now: datetime | None,
+) -> TurnReply:
     raw = state.snapshot.pending
     pending = msgspec.convert(raw, PendingTurn) if raw is not None else None
     if not verify_approval_id(env.approval_keys, state.tenant_id, state.session_id, approval_id):
@@ -353,30 +386,38 @@ async def _loop(
             tools=tool_specs(offered) if offered or _has_tool_blocks(state.history) else [],
             tool_choice="none" if last else "auto",
         )
-        try:
-            response = await _stream(env.llm, request, emit)
-        except LLMError:
-            final_text = LLM_DOWN_REPLY
+        with tracer().start_as_current_span("round", attributes={
+            "ce.round": round_no, "ce.model": request.model, "ce.tools_offered": len(request.tools),
+        }) as span:
+            try:
+                response = await _stream(env.llm, request, emit)
+            except LLMError as exc:
+                span.set_attribute("ce.error", str(exc)[:200])
+                final_text = LLM_DOWN_REPLY
+                turn.rounds = round_no
+                break
+            span.set_attribute("ce.input_tokens", response.usage.input_tokens)
+            span.set_attribute("ce.output_tokens", response.usage.output_tokens)
             turn.rounds = round_no
-            break
-        turn.rounds = round_no
-        _count(turn, state, response)
-        calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
-        text = "".join(b.text for b in response.content if isinstance(b, TextBlock))
-        if not calls or last:
-            final_text = text.strip() or (ROUND_CAP_REPLY if calls else "")
-            # Only the text is kept: tool calls the last round was told not to make never run.
-            state.append(ChatMessage(role="assistant", content=[TextBlock(text=final_text or "…")]), turn.message_id)
-            break
-        state.append(ChatMessage(role="assistant", content=response.content), turn.message_id)
-        tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
-        for call in tool_calls:
-            await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
-        plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn)
-        if plan.needs_approval:
-            return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
-        outcomes = await env.executor.execute(plan, _context(state, env, turn.message_id), on_progress=_progress(emit))
-        await _absorb(state, turn, outcomes, emit, turn.message_id)
+            _count(turn, state, response)
+            calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
+            text = "".join(b.text for b in response.content if isinstance(b, TextBlock))
+            if not calls or last:
+                final_text = text.strip() or (ROUND_CAP_REPLY if calls else "")
+                # Only the text is kept: tool calls the last round was told not to make never run.
+                state.append(ChatMessage(role="assistant", content=[TextBlock(text=final_text or "…")]), turn.message_id)
+                break
+            state.append(ChatMessage(role="assistant", content=response.content), turn.message_id)
+            tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
+            for call in tool_calls:
+                await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
+            plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn)
+            if plan.needs_approval:
+                return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
+            outcomes = await env.executor.execute(
+                plan, _context(state, env, turn.message_id), on_progress=_progress(emit)
+            )
+            await _absorb(state, turn, outcomes, emit, turn.message_id)
     if HANDOFF_MARKER in final_text:
         final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
         _mark_handoff(state, "the assistant asked for a human")

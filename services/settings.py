@@ -38,6 +38,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     output_gate: bool = True
     flush_interval_ms: float = 5.0
     approval_ttl_s: float = 900.0
+    otlp_endpoint: str | None = None
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -96,6 +97,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             output_gate=(get("CE_OUTPUT_GATE") or "on").lower() not in ("off", "0", "false", "no"),
             flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
             approval_ttl_s=_float(get, "CE_APPROVAL_TTL_S", 900.0),
+            otlp_endpoint=get("CE_OTLP_ENDPOINT"),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=(get("CE_LOG_LEVEL") or "info").lower(),
         )

@@ -73,6 +73,7 @@ class ToolCallRecord(msgspec.Struct, frozen=True, kw_only=True):
     queue_ms: int = 0
     error: str | None = None
     created_at: datetime | None = None
+    trace_id: str | None = None  # the OpenTelemetry trace of the turn (hex), when tracing is on
 
 
 class MessageRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,6 +24,7 @@ import msgspec
 import structlog
 
 from services.botconfig import BotConfig
+from services.tracing import current_trace_id, tracer
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     ApprovalDenied,
@@ -257,6 +258,15 @@ class Executor:
         return list(await asyncio.gather(*(run(p) for p in group)))
 
     async def _run_one(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
+        with tracer().start_as_current_span("tool_call", attributes={"ce.tool": prepared.call.name[:64]}) as span:
+            outcome = await self._run_one_traced(prepared, ctx, deadline)
+            span.set_attribute("ce.outcome", "success" if outcome.success else (outcome.error_kind or "failure"))
+            span.set_attribute("ce.latency_ms", outcome.latency_ms)
+            span.set_attribute("ce.queue_ms", outcome.queue_ms)
+            span.set_attribute("ce.arguments", msgspec.json.encode(outcome.record.parameters or {}).decode()[:2000])
+            return outcome
+
+    async def _run_one_traced(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
         if prepared.error is not None or prepared.tool is None:
             return self._failed(prepared, ctx, prepared.error or UnknownTool("unknown tool"), 0, 0)
         tool = prepared.tool
@@ -370,7 +380,7 @@ class Executor:
             id=self._new_id(), tenant_id=ctx.tenant_id, session_id=ctx.session_id,
             message_id=ctx.message_id, tool_name=p.tool.name if p.tool else _short(p.call.name, 64),
             parameters=params, result=result, success=success, latency_ms=latency_ms,
-            queue_ms=queue_ms, error=error, created_at=datetime.now(UTC),
+            queue_ms=queue_ms, error=error, created_at=datetime.now(UTC), trace_id=current_trace_id(),
         )
 
 

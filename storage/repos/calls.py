@@ -15,8 +15,8 @@ from storage.records import ToolCallRecord, ToolStats, session_uid
 
 INSERT_CALL_SQL = (
     "INSERT INTO ce_tool_calls (id, session_id, tenant_id, message_id, tool_name, parameters, "
-    "result, success, latency_ms, queue_ms, error, created_at) "
-    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, coalesce($12, now())) "
+    "result, success, latency_ms, queue_ms, error, created_at, trace_id) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, coalesce($12, now()), $13) "
     "ON CONFLICT (id) DO NOTHING"
 )
 
@@ -26,7 +26,7 @@ def call_row(rec: ToolCallRecord, tenant_id: str, session_id: str) -> tuple:
     return (
         rec.id, session_uid(tenant_id, session_id), tenant_id, rec.message_id, rec.tool_name,
         rec.parameters, rec.result, rec.success, rec.latency_ms, rec.queue_ms, rec.error,
-        rec.created_at,
+        rec.created_at, rec.trace_id,
     )
 
 
@@ -80,7 +80,7 @@ class ToolCallRepo:
         with translate("reading recent tool calls"):
             rows = await self._pool.fetch(
                 "SELECT id, message_id, tool_name, parameters, result, success, latency_ms, "
-                "queue_ms, error, created_at FROM ce_tool_calls "
+                "queue_ms, error, created_at, trace_id FROM ce_tool_calls "
                 "WHERE tenant_id = $1 AND session_id = $2 "
                 "ORDER BY created_at DESC, id DESC LIMIT $3",
                 tenant_id, session_uid(tenant_id, session_id), limit,
@@ -90,7 +90,7 @@ class ToolCallRepo:
                 id=r["id"], tenant_id=tenant_id, session_id=session_id, message_id=r["message_id"],
                 tool_name=r["tool_name"], parameters=r["parameters"], result=r["result"],
                 success=r["success"], latency_ms=r["latency_ms"] or 0, queue_ms=r["queue_ms"] or 0,
-                error=r["error"], created_at=r["created_at"],
+                error=r["error"], created_at=r["created_at"], trace_id=r["trace_id"],
             )
             for r in rows
         ]

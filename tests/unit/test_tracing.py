@@ -1,0 +1,56 @@
+"""Each turn is a trace: turn -> round -> tool call, with attributes; call records carry the id."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from actors.session import TurnEnv, handle_message, new_state
+from services.botconfig import BotConfig
+from services.tools.executor import Executor
+from services.tools.model import PythonTool
+from services.tools.registry import HandlerRegistry, build_catalog
+from tests.unit.test_session_loop import ScriptedLLM
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans():
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # the global provider can be set once per process
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        trace.set_tracer_provider(provider)
+    _EXPORTER.clear()
+    return _EXPORTER
+
+
+async def test_a_turn_is_one_trace_of_rounds_and_tool_calls_with_redacted_arguments(spans):
+    registry = HandlerRegistry()
+
+    @registry.register("pay")
+    async def pay(args, ctx):
+        return {"paid": True}
+
+    tool = PythonTool(name="pay", description="pay", handler="pay", sensitive=("card",),
+                      parameters={"type": "object", "properties": {"card": {"type": "string"}, "amount": {"type": "integer"}}})
+    catalog = build_catalog([], [(tool, 1)], registry=registry, backend=None)
+    env = TurnEnv(llm=ScriptedLLM([[("pay", {"card": "4111111111111111", "amount": 5})], "paid"]),
+                  executor=Executor(), catalog=catalog, config=BotConfig(), main_model="main", cheap_model="cheap")
+    state = new_state("t1", "s1")
+    await handle_message(state, "pay", "m1", env)
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    turn, tool_span = finished["turn"], finished["tool_call"]
+    rounds = [s for s in spans.get_finished_spans() if s.name == "round"]
+    assert len(rounds) == 2 and all(r.parent.span_id == turn.context.span_id for r in rounds)
+    assert tool_span.parent.span_id == rounds[0].context.span_id
+    assert {s.context.trace_id for s in spans.get_finished_spans()} == {turn.context.trace_id}
+    assert tool_span.attributes["ce.outcome"] == "success" and "ce.queue_ms" in tool_span.attributes
+    assert "4111111111111111" not in tool_span.attributes["ce.arguments"] and "[redacted]" in tool_span.attributes["ce.arguments"]
+    assert turn.attributes["ce.rounds"] == 2 and rounds[0].attributes["ce.model"] == "main"
+    record = state.take_delta().tool_calls[0]
+    assert record.trace_id == format(turn.context.trace_id, "032x")
