@@ -58,8 +58,11 @@ def host_name(index: int) -> str:
 class Placement:
     """Routes turns to session actors; handles are cached, a dead one is looked up again once."""
 
-    def __init__(self, settings: Settings, *, shards: int | None = None) -> None:
+    def __init__(self, settings: Settings, *, shards: int | None = None, prefix: str = "") -> None:
+        """`prefix` goes in front of every actor name: hosts of another configuration (the
+        benchmark's gate-off hosts, say) live beside the default ones under their own names."""
         self._settings = settings
+        self._prefix = prefix
         self._encoded = msgspec.json.encode(settings)
         self._mode = settings.placement
         self._shards = shards or settings.shards
@@ -79,8 +82,8 @@ class Placement:
 
     def actor_name(self, tenant_id: str, session_id: str) -> str:
         if self._mode == "dedicated":
-            return SESSION_PREFIX + session_uid(tenant_id, session_id)
-        return host_name(rendezvous_index(f"{tenant_id}:{session_id}", self._shards))
+            return self._prefix + SESSION_PREFIX + session_uid(tenant_id, session_id)
+        return self._prefix + host_name(rendezvous_index(f"{tenant_id}:{session_id}", self._shards))
 
     def _handle(self, name: str) -> Any:
         handle = self._handles.get(name)
@@ -100,7 +103,7 @@ class Placement:
         """Create (or find) the shard hosts and wait until each is ready."""
         if self._mode != "sharded":
             return []
-        names = [host_name(i) for i in range(self._shards)]
+        names = [self._prefix + host_name(i) for i in range(self._shards)]
         return list(await asyncio.gather(*(self._handle(n).ready.remote() for n in names)))
 
     async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any) -> Any:
@@ -113,7 +116,8 @@ class Placement:
                 self._forget(name)
                 if attempt:
                     raise Overloaded(
-                        "the session host is restarting; retry with the same message_id", retry_after=1.0
+                        "the session host is restarting; retry with the same message_id", retry_after=1.0,
+                        reason="restarting",
                     ) from exc
                 log.warning("session_host_unavailable", host=name, error=type(exc).__name__)
                 await asyncio.sleep(0.2)
@@ -148,16 +152,31 @@ class Placement:
                 "retry_after": 1.0,
             })
 
+    def _absent(self, tenant_id: str, session_id: str) -> bool:
+        """Dedicated and no actor runs the session: it is not live, and reading it (or passivating
+        it) must not start a process that no turn would ever stop."""
+        if self._mode != "dedicated":
+            return False
+        try:
+            ray.get_actor(self.actor_name(tenant_id, session_id), namespace=NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
+        if self._absent(tenant_id, session_id):
+            return None  # not live: the gateway reads the stored session instead
         raw = await self._call(tenant_id, session_id, "view", tenant_id, session_id)
         return None if raw is None else msgspec.json.decode(raw, type=SessionView)
 
     async def contract(self, tenant_id: str) -> dict[str, Any]:
         """The tool-contract report, computed by a session host (its registry is what runs)."""
         index = rendezvous_index(tenant_id, self._shards)
-        return await self._handle(host_name(index)).contract.remote(tenant_id)
+        return await self._handle(self._prefix + host_name(index)).contract.remote(tenant_id)
 
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
+        if self._absent(tenant_id, session_id):
+            return True  # nothing live to passivate
         return await self._call(tenant_id, session_id, "passivate", tenant_id, session_id)
 
     def host_handles(self, shards: int | None = None) -> list[Any]:
@@ -165,7 +184,7 @@ class Placement:
         handles = []
         for i in range(shards or self._shards):
             try:
-                handles.append(ray.get_actor(host_name(i), namespace=NAMESPACE))
+                handles.append(ray.get_actor(self._prefix + host_name(i), namespace=NAMESPACE))
             except ValueError:
                 continue
         return handles
@@ -175,10 +194,16 @@ class Placement:
         results = await asyncio.gather(*(h.stats.remote() for h in handles), return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
+    async def actor_stats(self) -> list[dict[str, Any]]:
+        """Stats of every actor this placement has a handle to (dedicated ones included)."""
+        handles = list(self._handles.values())
+        results = await asyncio.gather(*(h.stats.remote() for h in handles), return_exceptions=True)
+        return [r for r in results if isinstance(r, dict)]
+
     async def shutdown_hosts(self, shards: int | None = None) -> None:
         """Flush and stop every host this placement knows of, then kill the actors."""
         handles = self.host_handles(shards) if self._mode == "sharded" else []
-        handles += [h for n, h in self._handles.items() if n.startswith(SESSION_PREFIX)]
+        handles += [h for n, h in self._handles.items() if n.startswith(self._prefix + SESSION_PREFIX)]
         await asyncio.gather(*(h.shutdown.remote() for h in handles), return_exceptions=True)
         for h in handles:
             try:
@@ -191,7 +216,8 @@ class Placement:
 def _unwrap(result: HostResult) -> TurnReply:
     if result.error is not None:
         if result.error.kind in ("overloaded", "lease_lost", "unavailable"):
-            raise Overloaded(result.error.message, retry_after=result.error.retry_after or 1.0)
+            raise Overloaded(result.error.message, retry_after=result.error.retry_after or 1.0,
+                             reason=result.error.reason or ("restarting" if result.error.kind == "lease_lost" else "host_busy"))
         raise HostFailure(result.error)
     assert result.reply is not None
     return result.reply

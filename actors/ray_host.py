@@ -29,6 +29,7 @@ class HostError(msgspec.Struct, frozen=True, kw_only=True):
     kind: str  # "overloaded" | "lease_lost" | "not_found" | "unavailable" | "internal"
     message: str
     retry_after: float | None = None
+    reason: str | None = None  # Overloaded.reason
 
 
 class HostResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +44,7 @@ event_decoder = msgspec.json.Decoder(StreamEvent)
 
 def to_host_error(exc: BaseException) -> HostError:
     if isinstance(exc, Overloaded):
-        return HostError(kind="overloaded", message=str(exc), retry_after=exc.retry_after)
+        return HostError(kind="overloaded", message=str(exc), retry_after=exc.retry_after, reason=exc.reason)
     if isinstance(exc, LeaseLost):
         return HostError(kind="lease_lost", message=str(exc), retry_after=0.1)
     if isinstance(exc, SessionError):

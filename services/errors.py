@@ -41,8 +41,20 @@ class InvalidInput(ChatEngineError):
 
 
 class Overloaded(ChatEngineError):
-    """Admission refused; retry after `retry_after` seconds."""
+    """Admission refused; retry after `retry_after` seconds.
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    `reason` says who refused: the caller's own excess ("mailbox", "tenant_rate",
+    "tenant_concurrency": HTTP 429) or the engine's capacity or health ("host_busy",
+    "shutting_down", "unsaved", "restarting": HTTP 503).
+    """
+
+    CALLER_REASONS = frozenset({"mailbox", "tenant_rate", "tenant_concurrency"})
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, reason: str = "host_busy") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.reason = reason
+
+    @property
+    def status(self) -> int:
+        return 429 if self.reason in self.CALLER_REASONS else 503

@@ -39,6 +39,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     flush_interval_ms: float = 5.0
     approval_ttl_s: float = 900.0
     otlp_endpoint: str | None = None
+    tenant_rate: float = 100.0  # messages/s per tenant per gateway (0: unlimited)
+    tenant_burst: float = 200.0
+    tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -98,6 +101,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
             approval_ttl_s=_float(get, "CE_APPROVAL_TTL_S", 900.0),
             otlp_endpoint=get("CE_OTLP_ENDPOINT"),
+            tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
+            tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
+            tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=(get("CE_LOG_LEVEL") or "info").lower(),
         )

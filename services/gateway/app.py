@@ -8,6 +8,7 @@ gateway processes can serve the same sessions.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -29,6 +30,7 @@ from services.gateway.bodies import (
     patched_body,
     tool_view,
 )
+from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
 from services.wire import DecideApproval, SendMessage, SessionView, StreamEvent, TurnReply
 
@@ -85,6 +87,7 @@ class GatewayDeps:
     secret_box: Any  # services.tools.crypto.SecretBox
     contract: Callable[[str], Awaitable[dict]] | None = None
     jobs: Any = None  # storage JobRepo
+    limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -134,8 +137,8 @@ async def errors_middleware(request: web.Request, handler):
     except Conflict as exc:
         return problem(409, "Conflict", str(exc))
     except Overloaded as exc:
-        status = 429 if "too many messages" in str(exc) else 503
-        return problem(status, "Overloaded", str(exc), headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+        title = "Too many requests" if exc.status == 429 else "Overloaded"
+        return problem(exc.status, title, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     except ChatEngineError as exc:
         if getattr(exc, "retryable", False):
             return problem(503, "Unavailable", str(exc), headers={"Retry-After": "1"})
@@ -240,9 +243,10 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
     message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
     started = time.perf_counter()
-    if _wants_stream(request):
-        return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
-    reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
+    with deps.limiter.admit(tenant_id):
+        if _wants_stream(request):
+            return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
+        reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
     return json_response(reply_body(reply))
 
@@ -254,10 +258,11 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
     approval_id = request.match_info["approval_id"]
     body: DecideApproval = await decode_body(request, DecideApproval)
     started = time.perf_counter()
-    if _wants_stream(request):
-        stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
-        return await _sse(request, stream, started)
-    reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
+    with deps.limiter.admit(tenant_id):
+        if _wants_stream(request):
+            stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
+            return await _sse(request, stream, started)
+        reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
     return json_response(reply_body(reply))
 

@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.app import GatewayDeps, build_app
+from services.gateway.limits import TenantLimiter
 from services.settings import Settings
 from services.tools.crypto import SecretBox
 from storage.pool import create_pool
@@ -37,6 +38,8 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
         secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
         contract=contract, jobs=JobRepo(pool),
+        limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
+                              concurrency=settings.tenant_concurrency),
     )
 
     async def ready() -> bool:

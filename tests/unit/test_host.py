@@ -324,9 +324,25 @@ async def test_a_full_mailbox_turns_away_the_flood_and_the_admitted_messages_com
         with pytest.raises(Overloaded, match="too many messages waiting") as info:
             t.result()
         assert info.value.retry_after > 0
+        assert info.value.status == 429  # the caller's own excess
     slow.set()
     admitted = await asyncio.wait_for(asyncio.gather(running, *[t for t in flood if t not in refused]), T)
     assert [r.reply for r in admitted] == ["echo: busy", "echo: more 0", "echo: more 1"]
+
+
+async def test_a_host_at_capacity_sheds_new_turns_with_503_and_admits_again_when_free(world):
+    model = world.model
+    slow = model.hold("busy")
+    host = await world.host(max_inflight=2)
+    running = [asyncio.create_task(host.send("t1", f"s{i}", "busy", f"m{i}")) for i in range(2)]
+    await asyncio.wait_for(model.entered("busy").wait(), T)
+    with pytest.raises(Overloaded, match="at capacity") as info:
+        await host.send("t1", "s9", "hello", "m9")
+    assert info.value.status == 503 and info.value.retry_after > 0
+    slow.set()
+    await asyncio.wait_for(asyncio.gather(*running), T)
+    reply = await asyncio.wait_for(host.send("t1", "s9", "hello", "m9"), T)
+    assert reply.reply == "echo: hello"
 
 
 # -- passivation ---------------------------------------------------------------------------------
