@@ -16,6 +16,7 @@ Durable Object semantics, enforced here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -63,6 +64,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     flush_interval_s: float = 0.005
     gate_timeout_s: float = 30.0
     mailbox: int = 16  # turns queued per session beyond the running one
+    max_inflight: int = 5000  # turns admitted at once per host; beyond: 503 (admission control)
     max_backoff_s: float = 2.0
 
 
@@ -98,9 +100,14 @@ class SessionHost:
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._on_flush = on_flush
+        self._running = 0
         self.flushes = 0
         self.flushed_sessions = 0
         self.last_flush_ms = 0.0
+        self.activations = 0
+        #: how long recent activations of sessions with a past took (Postgres lease + state
+        #: load): the cost of coming back after passivation, reported by the benchmark
+        self.reactivation_ms: collections.deque[float] = collections.deque(maxlen=4096)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -131,7 +138,9 @@ class SessionHost:
         return {
             "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
-            "dirty": len(self._dirty),
+            "dirty": len(self._dirty), "activations": self.activations,
+            "reactivation_p50_ms": _percentile(self.reactivation_ms, 50),
+            "reactivation_p99_ms": _percentile(self.reactivation_ms, 99),
         }
 
     # -- turns ------------------------------------------------------------------------------
@@ -214,7 +223,23 @@ class SessionHost:
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
     ) -> TurnReply:
         if self._closing:
-            raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0)
+            raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0,
+                             reason="shutting_down")
+        if self._running >= self._settings.max_inflight:
+            # Admission control, as a Durable Object answers "overloaded": shed before queueing.
+            raise Overloaded(
+                f"this session host is at capacity ({self._running} turns in progress); retry shortly",
+                retry_after=1.0, reason="host_busy",
+            )
+        self._running += 1
+        try:
+            return await self._admitted_turn(tenant_id, session_id, run)
+        finally:
+            self._running -= 1
+
+    async def _admitted_turn(
+        self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
+    ) -> TurnReply:
         key = (tenant_id, session_id)
         entry = await self._entry(key)
         env = await self._tenants.env_for(tenant_id)
@@ -222,7 +247,7 @@ class SessionHost:
         if entry.queued >= self._settings.mailbox:
             raise Overloaded(
                 f"too many messages waiting for session {session_id!r}; wait for the replies, then retry",
-                retry_after=1.0,
+                retry_after=1.0, reason="mailbox",
             )
         entry.queued += 1
         try:
@@ -243,7 +268,7 @@ class SessionHost:
         finally:
             entry.lock.release()
         if evicted:  # passivated or taken over while we waited: activate again
-            return await self._turn(tenant_id, session_id, run)
+            return await self._admitted_turn(tenant_id, session_id, run)
         if durable is not None and self._settings.output_gate:
             try:
                 await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
@@ -251,7 +276,7 @@ class SessionHost:
                 raise Overloaded(
                     "the reply is ready but could not be saved yet (database unavailable); "
                     "retry with the same message_id to get it",
-                    retry_after=2.0,
+                    retry_after=2.0, reason="unsaved",
                 ) from None
             if entry.stale:  # evicted before its delta was taken: the flush that resolved us had none
                 raise _lease_lost(session_id)
@@ -268,6 +293,7 @@ class SessionHost:
             return await asyncio.shield(pending)
         future: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
         self._activating[key] = future
+        started = time.perf_counter()
         try:
             activated = await self._store.activate(key[0], key[1], self.owner)
             state = SessionState(activated)
@@ -276,6 +302,9 @@ class SessionHost:
                 state.load_turns(recent, complete=len(recent) <= core.TURN_CACHE)
             entry = _Entry(state)
             self._sessions[key] = entry
+            self.activations += 1
+            if activated.history:
+                self.reactivation_ms.append((time.perf_counter() - started) * 1000)
             future.set_result(entry)
             log.debug("session_activated", session_id=key[1], epoch=activated.epoch)
             return entry
@@ -410,6 +439,13 @@ class SessionHost:
                     f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
         _resolve(waiters)
+
+
+def _percentile(values: collections.deque[float], p: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))]
 
 
 def _resolve(waiters: dict[Key, list[asyncio.Future[None]]]) -> None:
