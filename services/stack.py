@@ -101,14 +101,15 @@ class Stack:
         return self.placement.mode == "dedicated" or len(stats) >= self.placement.shards
 
     async def stop(self) -> None:
-        """Flush every session and stop everything this stack started."""
+        """Drain and stop everything this stack started: the gateway stops taking requests and
+        lets in-flight ones finish, then every host finishes its turns and flushes its sessions."""
+        if self.gateway is not None:
+            await self.gateway.close()
         if self.placement is not None:
             try:
                 await self.placement.shutdown_hosts()
             except Exception:  # noqa: BLE001 - keep stopping the rest
                 log.exception("host_shutdown_failed")
-        if self.gateway is not None:
-            await self.gateway.close()
         if self.started_ray:
             await asyncio.to_thread(cluster.disconnect)
         if self.demo_store is not None:
