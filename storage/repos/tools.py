@@ -29,6 +29,13 @@ _LIVE_COLUMNS = (
 )
 
 
+_STAMP = (
+    "SELECT md5(coalesce((SELECT string_agg(name || ':' || version || ':' || coalesce(enabled, true) "
+    "|| ':' || updated_at, ',' ORDER BY name) FROM ce_custom_tools WHERE tenant_id = $1), '') "
+    "|| '|' || coalesce((SELECT updated_at::text FROM ce_bot_config WHERE tenant_id = $1), ''))"
+)
+
+
 def _published(row: asyncpg.Record) -> PublishedTool:
     return PublishedTool(
         id=row["id"], tenant_id=row["tenant_id"], name=row["name"], type=row["type"],
@@ -234,6 +241,13 @@ class ToolRepo:
                 if not gone:
                     raise _not_found(name)
                 await conn.execute(_NOTIFY, tenant_id)
+
+    async def catalog_stamp(self, tenant_id: str) -> str:
+        """A fingerprint of everything a tenant's catalog is built from: its live tools (name,
+        version, switch, last change) and its bot config's last change. Any committed write
+        through this module or BotConfigRepo changes it; one indexed read, no definitions."""
+        with translate("checking the tool catalog"):
+            return await self._pool.fetchval(_STAMP, tenant_id)
 
     async def set_enabled(self, tenant_id: str, name: str, enabled: bool) -> PublishedTool:
         """Switch the live tool on or off (column and live definition). Raises NotFound."""

@@ -1,0 +1,242 @@
+"""The gateway's edges that the real stack cannot be made to hit on demand: how router failures
+become problem+json, the reply body's required fields, SSE framing of a failed turn.
+
+A real aiohttp server on loopback and real Postgres repositories (the shared `pool`); only the
+SessionRouter port is a fake (FakeRouter implements the gateway's Protocol).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from actors.placement import HostFailure
+from actors.ray_host import HostError
+from services.errors import InvalidInput, NotFound, Overloaded
+from services.gateway.app import GatewayDeps, build_app, parse_since
+from services.tools.crypto import SecretBox, generate_key
+from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, UsageOut
+from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+
+
+def reply(session_id: str, message_id: str = "m-1", **kw: Any) -> TurnReply:
+    return TurnReply(session_id=session_id, message_id=message_id, reply="hello", rounds=1,
+                     tool_calls=[ToolCallSummary(id="t1", name="check_order", success=True, latency_ms=3)],
+                     usage=UsageOut(input_tokens=1, output_tokens=1), **kw)
+
+
+class FakeRouter:
+    """SessionRouter that answers with a scripted reply or raises a scripted error."""
+
+    def __init__(self) -> None:
+        self.raises: BaseException | None = None
+        self.handoff = False
+        self.calls: list[tuple[str, str]] = []
+
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
+        self.calls.append((tenant_id, session_id))
+        if self.raises is not None:
+            raise self.raises
+        return reply(session_id, message_id or "m-1", handoff=self.handoff)
+
+    async def decide(self, tenant_id, session_id, approval_id, approve, edited=None) -> TurnReply:
+        return await self.send(tenant_id, session_id, "", approval_id)
+
+    async def stream(self, tenant_id, session_id, text, message_id, approval=None) -> AsyncIterator[StreamEvent]:
+        yield StreamEvent(event="text", data="hel")
+        if self.raises is not None:
+            yield StreamEvent(event="error", data={"kind": "overloaded", "message": str(self.raises)})
+            return
+        yield StreamEvent(event="done", data=msgspec.to_builtins(reply(session_id, message_id or "m-1")))
+
+    async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
+        return None
+
+    async def stats(self) -> list[dict[str, Any]]:
+        raise RuntimeError("host down")
+
+
+@pytest_asyncio.fixture
+async def gateway(pool) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
+    router = FakeRouter()
+    deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
+                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
+    _, key = await TenantRepo(pool).create_tenant(f"edges-{id(router)}")
+    async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
+        yield client, router, {"Authorization": f"Bearer {key.api_key}"}
+
+
+async def problem_of(resp) -> dict[str, Any]:
+    assert resp.content_type == "application/problem+json"
+    body = json.loads(await resp.text())
+    assert {"type", "title", "status", "detail"} <= body.keys() and body["status"] == resp.status
+    return body
+
+
+async def test_reply_always_carries_handoff_even_when_false(gateway):
+    client, router, headers = gateway
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    body = await r.json()
+    assert r.status == 200 and body["handoff"] is False and "pending_approval" not in body
+    router.handoff = True
+    body = await (await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})).json()
+    assert body["handoff"] is True
+    r = await client.post("/v1/sessions/s1/approvals/ap-1", headers=headers, json={"approve": True})
+    assert (await r.json())["handoff"] is True
+
+
+async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_event(gateway):
+    client, router, headers = gateway
+    sse = {**headers, "Accept": "text/event-stream"}
+    r = await client.post("/v1/sessions/s1/messages", headers=sse, json={"text": "hi"})
+    text = await r.text()
+    assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+    frames = [f for f in text.split("\n\n") if f]
+    assert frames[0] == 'event: text\ndata: "hel"'
+    assert frames[-1].startswith("event: done\ndata: ")
+    assert json.loads(frames[-1].split("data: ", 1)[1])["handoff"] is False
+
+    router.raises = Overloaded("too many messages waiting for session 's1'", retry_after=2)
+    text = await (await client.post("/v1/sessions/s1/messages", headers=sse, json={"text": "hi"})).text()
+    assert text.rstrip().split("\n\n")[-1].startswith("event: error\n")
+
+
+@pytest.mark.parametrize(("error", "status", "retry_after"), [
+    (Overloaded("too many messages waiting for session 's1'; wait", retry_after=2.4, reason="mailbox"), 429, "3"),
+    (Overloaded("the session host is restarting; retry with the same message_id", retry_after=1,
+                reason="restarting"), 503, "1"),
+    (HostFailure(HostError(kind="not_found", message="no pending approval 'ap-1' in this session")), 404, None),
+    (HostFailure(HostError(kind="internal", message="the session host failed to run this turn; retry shortly")),
+     500, None),
+    (NotFound("tool 'x' does not exist for this tenant", kind="tool", key="x"), 404, None),
+    (InvalidInput("text is empty - at `$.text`", path="$.text"), 422, None),
+])
+async def test_router_errors_become_problem_json(gateway, error, status, retry_after):
+    client, router, headers = gateway
+    router.raises = error
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    body = await problem_of(r)
+    assert r.status == status, body
+    assert body["detail"] == str(error)
+    assert r.headers.get("Retry-After") == retry_after
+
+
+async def test_an_unexpected_crash_is_500_with_the_request_id_and_no_internals(gateway):
+    client, router, headers = gateway
+    router.raises = RuntimeError("password=hunter2 in a stack trace")
+    r = await client.post("/v1/sessions/s1/messages", headers={**headers, "X-Request-Id": "req-42"},
+                          json={"text": "hi"})
+    body = await problem_of(r)
+    assert r.status == 500 and "req-42" in body["detail"] and "hunter2" not in json.dumps(body)
+
+
+async def test_metrics_render_when_the_hosts_are_down(gateway):
+    client, _router, headers = gateway
+    await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    r = await client.get("/metrics")
+    text = await r.text()
+    assert r.status == 200 and 'ce_tool_calls_total{outcome="success",tool="check_order"} 1.0' in text
+
+
+async def test_the_tenant_comes_from_the_key_alone(gateway, pool):
+    client, router, headers = gateway
+    await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    tenant = await TenantRepo(pool).tenant_for_key(headers["Authorization"].split()[1])
+    assert router.calls == [(tenant.id, "s1")]
+
+
+@pytest.mark.parametrize(("raw", "ago"), [
+    (None, timedelta(hours=24)), ("", timedelta(hours=24)), ("30m", timedelta(minutes=30)),
+    ("7d", timedelta(days=7)), ("2h", timedelta(hours=2)),
+])
+def test_since_look_backs(raw, ago):
+    got = parse_since(raw)
+    assert abs((datetime.now(UTC) - ago) - got) < timedelta(seconds=5)
+
+
+@pytest.mark.parametrize("raw", ["2026-12-01T00:00:00Z", "2026-12-01T00:00:00+00:00", "2026-12-01T00:00:00"])
+def test_since_iso_times_are_utc_aware(raw):
+    assert parse_since(raw) == datetime(2026, 12, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("raw", ["yesterday", "5w", "-1h", "2026-13-01"])
+def test_since_rejects_what_it_cannot_read(raw):
+    with pytest.raises(InvalidInput, match="since must be an ISO-8601 time"):
+        parse_since(raw)
+
+
+# -- catalog freshness: the next turn sees a committed change even before its NOTIFY ----------------
+
+
+class NeverCalledBackend:
+    """The catalog compiles webhook tools over a backend; these tests never run one."""
+
+    async def call_webhook(self, *args: Any, **kw: Any) -> Any:
+        raise AssertionError("not called")
+
+    async def call_binding(self, *args: Any, **kw: Any) -> Any:
+        raise AssertionError("not called")
+
+
+def tenant_catalogs(pool, **kw: Any):
+    from services.catalogs import TenantCatalogs
+    from services.tools.registry import HandlerRegistry
+
+    return TenantCatalogs(
+        tools=ToolRepo(pool), configs=BotConfigRepo(pool), registry=HandlerRegistry(),
+        backend_for=lambda config: NeverCalledBackend(), builtins=lambda: (), llm=None, executor=None,
+        main_model="main", cheap_model="cheap", **kw,
+    )
+
+
+async def test_a_change_reaches_the_next_turn_without_any_notification(pool):
+    """No LISTEN here at all (as when a NOTIFY is still in flight): the stamp alone must do it."""
+    from services.gateway.bodies import ToolCreate, definition_from_body
+
+    tenant, _ = await TenantRepo(pool).create_tenant(f"stamp-{secrets.token_hex(3)}")
+    tools = ToolRepo(pool)
+    body = ToolCreate(name="check_order", description="Look up an order.",
+                      parameters={"order_id": {"type": "string"}},
+                      webhook_url="https://shop.example/api/orders/{order_id}")
+    data = msgspec.to_builtins(definition_from_body(body, encrypt=lambda s: s))
+    await tools.create(tenant.id, "check_order", "webhook", data)
+    catalogs = tenant_catalogs(pool)
+
+    env = await catalogs.env_for(tenant.id)
+    assert env.catalog.get("check_order").definition.enabled is True
+    assert await catalogs.env_for(tenant.id) is env, "unchanged: the cached environment is reused"
+    reloads = catalogs.reloads
+
+    await tools.new_version(tenant.id, "check_order", {**data, "enabled": False}, publish=True)
+    env = await catalogs.env_for(tenant.id)
+    assert env.catalog.get("check_order").definition.enabled is False
+    assert catalogs.reloads == reloads + 1
+
+    await tools.publish(tenant.id, "check_order", 1)  # keeps the live switch, changes the version
+    assert (await catalogs.env_for(tenant.id)).catalog.get("check_order").version == 1
+    await BotConfigRepo(pool).put(tenant.id, {"persona": "You are Stamp."})
+    assert (await catalogs.env_for(tenant.id)).config.persona == "You are Stamp."
+    await tools.delete(tenant.id, "check_order")
+    assert (await catalogs.env_for(tenant.id)).catalog.get("check_order") is None
+
+
+async def test_without_a_stamp_source_the_cache_waits_for_the_notification(pool):
+    tenant, _ = await TenantRepo(pool).create_tenant(f"stamp-{secrets.token_hex(3)}")
+    failing = tenant_catalogs(pool, stamp=lambda tenant_id: _raise(ConnectionError("db away")))
+    env = await failing.env_for(tenant.id)
+    await BotConfigRepo(pool).put(tenant.id, {"persona": "You are Later."})
+    assert await failing.env_for(tenant.id) is env, "a failed stamp read serves the cached entry"
+    failing.invalidate(tenant.id)  # what the NOTIFY listener does
+    assert (await failing.env_for(tenant.id)).config.persona == "You are Later."
+
+
+async def _raise(exc: BaseException):
+    raise exc
