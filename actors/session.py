@@ -290,7 +290,7 @@ async def _handle_message(
 ) -> TurnReply:
     message_id = message_id or f"m_{secrets.token_hex(8)}"
     if message_id in state.turns:
-        return msgspec.convert(state.turns[message_id], TurnReply)
+        return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
     turn = _Turn(message_id)
     content: list[ContentBlock] = []
     if state.snapshot.pending is not None:

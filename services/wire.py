@@ -63,6 +63,10 @@ class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     client_actions: list[dict[str, Any]] = []
     #: workflow results delivered into this turn (seed 001's asynchronous workflows)
     deliveries: list[dict[str, Any]] = []
+    #: internal: this is the stored answer to a repeated message_id (nothing ran). The gateway
+    #: strips it from the body (the client gets the first answer, byte for byte) and says so in
+    #: an `X-Replayed: true` header instead.
+    replay: bool = False
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):

@@ -208,8 +208,16 @@ def reply_body(reply: TurnReply | dict[str, Any]) -> dict[str, Any]:
     TurnReply omits default fields on the wire (so `pending_approval` appears only when set),
     which would drop `handoff: false` too; the contract makes it a required field.
     """
-    body = reply if isinstance(reply, dict) else msgspec.to_builtins(reply)
+    body = dict(reply) if isinstance(reply, dict) else msgspec.to_builtins(reply)
+    body.pop("replay", None)
     return body if "handoff" in body else {**body, "handoff": False}
+
+
+def reply_response(reply: TurnReply) -> web.Response:
+    response = json_response(reply_body(reply))
+    if reply.replay:
+        response.headers["X-Replayed"] = "true"
+    return response
 
 
 def _session_id(request: web.Request) -> str:
@@ -248,7 +256,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
             return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
         reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return json_response(reply_body(reply))
+    return reply_response(reply)
 
 
 async def post_approval(request: web.Request) -> web.StreamResponse:
@@ -264,7 +272,7 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
             return await _sse(request, stream, started)
         reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return json_response(reply_body(reply))
+    return reply_response(reply)
 
 
 async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:
@@ -543,4 +551,5 @@ def build_app(deps: GatewayDeps) -> web.Application:
     add_builtin_routes(app)
     from services.gateway.dashboard import add_dashboard_routes  # here: it imports this module
     add_dashboard_routes(app)
+    __import__("services.gateway.mcp_routes", fromlist=["*"]).add_mcp_routes(app)  # late: it imports this module
     return app

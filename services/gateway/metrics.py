@@ -6,9 +6,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from services.wire import TurnReply
 
+MAX_TOOL_LABELS = 500
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._tool_labels: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.messages = Counter("ce_messages_total", "Chat messages handled", ["outcome"], registry=r)
@@ -30,12 +33,26 @@ class GatewayMetrics:
         )
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
+        if reply.replay:  # the stored answer to a repeated message id: nothing ran
+            self.messages.labels("replay").inc()
+            return
         self.messages.labels("pending_approval" if reply.pending_approval else "ok").inc()
         self.rounds.observe(reply.rounds)
         self.turn_latency.observe(seconds)
         for call in reply.tool_calls:
-            self.tool_calls.labels(call.name, "success" if call.success else "failure").inc()
-            self.tool_latency.labels(call.name).observe(call.latency_ms / 1000)
+            tool = self._tool_label(call.name)
+            self.tool_calls.labels(tool, "success" if call.success else "failure").inc()
+            self.tool_latency.labels(tool).observe(call.latency_ms / 1000)
+
+    def _tool_label(self, name: str) -> str:
+        # A contact can make the model name any tool: bound the label set so /metrics cannot grow
+        # without limit (unknown names are refused in-band and land in "other" once it is full).
+        if name in self._tool_labels:
+            return name
+        if len(self._tool_labels) >= MAX_TOOL_LABELS:
+            return "other"
+        self._tool_labels.add(name)
+        return name
 
     def observe_hosts(self, stats: list[dict]) -> None:
         for s in stats:

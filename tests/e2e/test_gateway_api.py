@@ -431,10 +431,6 @@ async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(sta
     assert len(await tool_call_rows(db, tenant[0])) == count + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the gateway counts ce_tool_calls_total from every reply it relays, and a replayed reply "
-    "(repeated message_id) is indistinguishable from a fresh one: TurnReply carries no replay mark. "
-    "Fix in the session core (actors/session.py + services/wire.py), then drop this marker."))
 async def test_replayed_message_id_is_not_counted_again_in_metrics(stack, client, api):
     assert (await api.post("/v1/tools", seed_000_check_order(stack.demo_store.url)))[0] == 201
     session = sid("idem-metrics")

@@ -214,7 +214,8 @@ async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(reg
     env = make_env(llm, registry, [LOOKUP])
     first = await handle_message(state, "x", "m1", env)
     again = await handle_message(state, "x", "m1", env)
-    assert again == first and len(registry.calls) == 1 and len(llm.requests) == 2
+    assert again == msgspec.structs.replace(first, replay=True) and not first.replay
+    assert len(registry.calls) == 1 and len(llm.requests) == 2
 
 
 async def test_stream_emits_tool_call_before_final_text_and_done_last(registry):
