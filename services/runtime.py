@@ -123,6 +123,8 @@ class Runtime:
             await self.listener.close()
         if getattr(self, "workflows", None) is not None:
             await self.workflows.close()
+        if getattr(self, "builtin_services", None) is not None:
+            await self.builtin_services.close()  # notifications in flight get a few seconds
         if self.webhooks is not None:
             await self.webhooks.close()
         if self.pool is not None:

@@ -1,0 +1,91 @@
+"""The built-in tools that ship with the engine (seed 000), each backed by a service over Postgres.
+
+    recall_memory            services.builtins.memory         facts + messages, full-text ranked
+    collect_lead             services.builtins.leads          one lead per session, lead.created
+    book_appointment         services.builtins.appointments   free slots, race-safe booking (write)
+    list_appointment_slots   services.builtins.appointments   free slots (read, no approval)
+    submit_form              services.builtins.forms          JSON-schema forms, validated rows
+    escalate_to_human        services.builtins.handoff        handoff row, handoff.requested
+
+`install(runtime)` is called by the composition root (services.runtime): it builds the services on
+the runtime's pool and webhook client, registers their handlers in `runtime.registry` under
+`builtin.<tool>`, and returns the zero-argument callable that yields the definitions every
+tenant's catalog starts with (built-ins win over tenant tools of the same name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.botconfig import BotConfig
+from services.builtins import appointments, forms, handoff, leads, memory
+from services.builtins.appointments import AppointmentService
+from services.builtins.base import Now, TenantConfigs, utc_now
+from services.builtins.forms import FormService
+from services.builtins.handoff import HandoffService
+from services.builtins.leads import LeadService
+from services.builtins.memory import MemoryService
+from services.builtins.notify import Notifier, WebhookPoster
+from services.tools.model import ToolDefinition
+from services.tools.registry import HandlerRegistry
+from storage.repos.builtins import BuiltinRepos
+
+DEFINITIONS: tuple[ToolDefinition, ...] = (
+    memory.DEFINITION,
+    leads.DEFINITION,
+    appointments.LIST_DEFINITION,
+    appointments.BOOK_DEFINITION,
+    forms.DEFINITION,
+    handoff.DEFINITION,
+)
+
+
+class BuiltinServices:
+    """The services behind the built-in tools, wired to one set of repositories."""
+
+    def __init__(self, repos: BuiltinRepos, configs: TenantConfigs, webhooks: WebhookPoster | None, *,
+                 now: Now = utc_now, notifier: Notifier | None = None) -> None:
+        self.repos = repos
+        self.notifier = notifier or Notifier(webhooks)
+        self.memory = MemoryService(repos.memories, configs)
+        self.leads = LeadService(repos.leads, configs, self.notifier, text_config=repos.memories.text_config)
+        self.appointments = AppointmentService(
+            repos.appointments, configs=configs, notifier=self.notifier, memory=self.memory,
+            leads=repos.leads, now=now,
+        )
+        self.forms = FormService(repos.forms, configs=configs, notifier=self.notifier, memory=self.memory)
+        self.handoff = HandoffService(repos.handoffs, configs=configs, notifier=self.notifier)
+
+    def register(self, registry: HandlerRegistry) -> None:
+        """Register every handler under its `builtin.<tool>` name."""
+        registry.register(memory.HANDLER)(self.memory.recall)
+        registry.register(leads.HANDLER)(self.leads.collect)
+        registry.register(appointments.LIST_HANDLER)(self.appointments.list_slots)
+        registry.register(appointments.BOOK_HANDLER)(self.appointments.book)
+        registry.register(forms.HANDLER)(self.forms.submit)
+        registry.register(handoff.HANDLER)(self.handoff.escalate)
+
+    async def close(self) -> None:
+        await self.notifier.close()
+
+
+class _RuntimeConfigs:
+    """Tenant configs through the runtime's tenant cache (reloaded on NOTIFY like the catalogs).
+    Looked up at call time: the cache is built after the built-ins are installed."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    async def config_for(self, tenant_id: str) -> BotConfig:
+        _catalog, config = await self._runtime.tenants.catalog_for(tenant_id)
+        return config
+
+
+def install(runtime: Any) -> Callable[[], tuple[ToolDefinition, ...]]:
+    """Build the services on `runtime.pool` and `runtime.webhooks`, register their handlers in
+    `runtime.registry`, keep them as `runtime.builtin_services`; returns the definitions' source."""
+    services = BuiltinServices(BuiltinRepos(runtime.pool), _RuntimeConfigs(runtime), runtime.webhooks)
+    services.register(runtime.registry)
+    runtime.builtin_services = services
+    return lambda: DEFINITIONS

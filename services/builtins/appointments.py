@@ -1,0 +1,457 @@
+"""book_appointment and list_appointment_slots: tenant-configured services, free slots, bookings.
+
+A service (ce_appointment_services) has a duration, a time zone and weekly opening hours
+(`{"mon": [["09:00", "17:00"]], ...}`; "24:00" closes at midnight). Slots start at each opening
+time and every `duration` after it while the slot still ends by closing time, in the service's
+local time (days that skip or repeat an hour for daylight saving keep their local slot times; a
+local time that does not exist is no slot). A booking must start exactly on a slot.
+
+Two sessions racing for one slot cannot both win: Postgres refuses the second insert through
+the exclusion constraint on (tenant, service, time range) of ce_appointments, and the loser gets
+an in-band "that slot was just taken" with the next free slots to offer.
+
+book_appointment is a write tool, so the engine's approval flow asks before it runs. Because
+that would also hold a mere listing for approval, listing has its own read tool,
+list_appointment_slots; book_appointment without `start` (or with action "list") lists as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any, Protocol
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from services.builtins.base import Now, TenantConfigs, clip, utc_now
+from services.builtins.memory import MemoryService
+from services.builtins.notify import Notifier
+from services.errors import InvalidInput
+from services.tools.context import TrustedContext
+from services.tools.errors import InvalidArguments, PolicyDenied, ToolError
+from services.tools.model import PythonTool
+from storage.repos.builtins import ServiceRecord, SlotTaken
+
+LIST_HANDLER = "builtin.list_appointment_slots"
+BOOK_HANDLER = "builtin.book_appointment"
+EVENT = "appointment.booked"
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+LIST_DAYS = 14  # how far ahead a listing looks
+MAX_AHEAD_DAYS = 366  # how far ahead a booking may be
+LIST_LIMIT = 12
+OFFER_LIMIT = 5
+_HHMM_RE = re.compile(r"^([01]\d|2[0-4]):([0-5]\d)$")
+_SERVICE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$")
+
+_SERVICE_PROP = {"type": "string", "maxLength": 64,
+                 "description": "the service to book, by name; may be left out when the business offers only one"}
+
+BOOK_DEFINITION = PythonTool(
+    name="book_appointment",
+    description=(
+        "Book an appointment for the customer: give the service and `start` (ISO 8601 date and "
+        "time of one of the free slots, e.g. 2026-07-02T10:00). Without `start` it lists the free "
+        "slots instead. The customer is asked to confirm before it is booked."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "service": _SERVICE_PROP,
+            "start": {"type": "string", "maxLength": 40,
+                      "description": "slot start, ISO 8601 date and time in the service's time zone unless an offset is given; a date alone lists that day"},
+            "action": {"type": "string", "enum": ["book", "list"],
+                       "description": "'list' to see free slots; default: book when start is given"},
+        },
+        "additionalProperties": False,
+    },
+    mutability="write",
+    handler=BOOK_HANDLER,
+)
+
+LIST_DEFINITION = PythonTool(
+    name="list_appointment_slots",
+    description=(
+        "List the free appointment slots of a service for the next days (or of one `day`). Use "
+        "when the customer asks when they can come or what times are available."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "service": _SERVICE_PROP,
+            "day": {"type": "string", "maxLength": 10, "description": "a date (YYYY-MM-DD) to list just that day"},
+        },
+        "additionalProperties": False,
+    },
+    mutability="read",
+    handler=LIST_HANDLER,
+)
+
+
+# ------------------------------------------------------------------------ configuration (pure)
+
+def _minutes(text: Any, path: str) -> int:
+    match = _HHMM_RE.match(text) if isinstance(text, str) else None
+    if match is None or (match.group(1) == "24" and match.group(2) != "00"):
+        raise InvalidInput(f"{text!r} is not a time of day like \"09:00\" - at `{path}`", path=path)
+    return int(match.group(1)) * 60 + int(match.group(2))
+
+
+def normalise_opening_hours(raw: Any, *, path: str = "$.opening_hours") -> dict[str, list[list[str]]]:
+    """`{"mon": ["09:00", "17:00"]}` or `{"mon": [["09:00", "12:00"], ["13:00", "17:00"]]}` (weekday
+    names or three-letter keys) as {"mon": [["09:00", "17:00"], ...]}, ranges sorted.
+
+    Raises InvalidInput naming the weekday and the problem (unknown day, bad time, closing not
+    after opening, overlapping ranges)."""
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"opening hours must be an object of weekday -> [open, close] - at `{path}`", path=path)
+    out: dict[str, list[list[str]]] = {}
+    for key, value in raw.items():
+        day = str(key).strip().lower()[:3]
+        where = f"{path}.{key}"
+        if day not in WEEKDAYS or str(key).strip().lower() not in (day, _full_day(day)):
+            raise InvalidInput(f"{key!r} is not a weekday; use mon, tue, wed, thu, fri, sat or sun - at `{where}`",
+                               path=where)
+        if day in out:
+            raise InvalidInput(f"{key!r} is given twice - at `{where}`", path=where)
+        if not isinstance(value, list):
+            raise InvalidInput(f"opening hours of {day} must be [open, close] or a list of them - at `{where}`",
+                               path=where)
+        ranges = [value] if len(value) == 2 and all(isinstance(v, str) for v in value) else value
+        parsed: list[tuple[int, int]] = []
+        for i, pair in enumerate(ranges):
+            at = f"{where}[{i}]" if ranges is value else where
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise InvalidInput(f"each range must be [open, close] like [\"09:00\", \"17:00\"] - at `{at}`", path=at)
+            start, end = _minutes(pair[0], at + "[0]"), _minutes(pair[1], at + "[1]")
+            if end <= start:
+                raise InvalidInput(f"closing time {pair[1]} is not after opening time {pair[0]} - at `{at}`", path=at)
+            parsed.append((start, end))
+        parsed.sort()
+        for (_, end_a), (start_b, _) in itertools.pairwise(parsed):
+            if start_b < end_a:
+                raise InvalidInput(f"the opening ranges of {day} overlap - at `{where}`", path=where)
+        if parsed:
+            out[day] = [[_hhmm(s), _hhmm(e)] for s, e in parsed]
+    return {d: out[d] for d in WEEKDAYS if d in out}
+
+
+def _full_day(day: str) -> str:
+    return {"mon": "monday", "tue": "tuesday", "wed": "wednesday", "thu": "thursday", "fri": "friday",
+            "sat": "saturday", "sun": "sunday"}[day]
+
+
+def _hhmm(minutes: int) -> str:
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def service_from_body(name: str, body: dict[str, Any]) -> ServiceRecord:
+    """A ServiceRecord from an admin body `{duration_minutes, timezone?, opening_hours}`.
+
+    Raises InvalidInput naming the field: unknown fields, a duration outside 5..1440 minutes,
+    an unknown IANA time zone, malformed opening hours, a name that is not 1-64 letters, digits,
+    spaces or . _ -."""
+    if not _SERVICE_NAME_RE.match(name or ""):
+        raise InvalidInput(f"service name {clip(name, 70)!r} must be 1-64 letters, digits, spaces or . _ - "
+                           "and start with a letter or digit")
+    if not isinstance(body, dict):
+        raise InvalidInput("the body must be a JSON object", path="$")
+    unknown = sorted(set(body) - {"duration_minutes", "timezone", "opening_hours", "name"})
+    if unknown:
+        raise InvalidInput(f"unknown field {unknown[0]!r}; allowed: duration_minutes, timezone, opening_hours - at `$.{unknown[0]}`",
+                           path=f"$.{unknown[0]}")
+    duration = body.get("duration_minutes")
+    if not isinstance(duration, int) or isinstance(duration, bool) or not 5 <= duration <= 1440:
+        raise InvalidInput("duration_minutes must be a whole number of minutes from 5 to 1440 - at `$.duration_minutes`",
+                           path="$.duration_minutes")
+    zone = body.get("timezone", "UTC")
+    if not isinstance(zone, str) or not _zone_ok(zone):
+        raise InvalidInput(f"timezone {clip(str(zone), 60)!r} is not an IANA time zone like Europe/Berlin - at `$.timezone`",
+                           path="$.timezone")
+    if "opening_hours" not in body:
+        raise InvalidInput("opening_hours is required, e.g. {\"mon\": [\"09:00\", \"17:00\"]} - at `$.opening_hours`",
+                           path="$.opening_hours")
+    hours = normalise_opening_hours(body["opening_hours"])
+    return ServiceRecord(name=name, duration_minutes=duration, timezone=zone, opening_hours=hours)
+
+
+def _zone_ok(name: str) -> bool:
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ slots (pure)
+
+class Schedule:
+    """A service's weekly slots in its time zone."""
+
+    def __init__(self, service: ServiceRecord) -> None:
+        self.service = service
+        self.zone = ZoneInfo(service.timezone)
+        self.duration = timedelta(minutes=service.duration_minutes)
+        self._ranges: dict[int, list[tuple[int, int]]] = {
+            WEEKDAYS.index(day): [(_minutes(a, day), _minutes(b, day)) for a, b in ranges]
+            for day, ranges in service.opening_hours.items() if day in WEEKDAYS
+        }
+
+    def slots_on(self, day: date) -> list[datetime]:
+        """The slot starts of one local day, as aware UTC datetimes, in order."""
+        out = []
+        step = self.service.duration_minutes
+        for start, end in self._ranges.get(day.weekday(), ()):
+            m = start
+            while m + step <= end:
+                local = datetime.combine(day, time(0)) + timedelta(minutes=m)
+                aware = local.replace(tzinfo=self.zone)
+                as_utc = aware.astimezone(UTC)
+                if as_utc.astimezone(self.zone).replace(tzinfo=None) == local:  # skip nonexistent times
+                    out.append(as_utc)
+                m += step
+        return out
+
+    def is_slot_start(self, start: datetime) -> bool:
+        """True when `start` (aware) is exactly one of the service's slot starts."""
+        local = start.astimezone(self.zone)
+        if local.second or local.microsecond:
+            return False
+        return start.astimezone(UTC) in self.slots_on(local.date())
+
+    def local_day(self, moment: datetime) -> date:
+        return moment.astimezone(self.zone).date()
+
+    def free_slots(self, busy: Iterable[tuple[datetime, datetime]], *, after: datetime, first_day: date,
+                   days: int, limit: int) -> list[datetime]:
+        """Up to `limit` slot starts later than `after` on `days` local days from `first_day` that
+        overlap no (start, end) in `busy`."""
+        taken = sorted(busy)
+        out: list[datetime] = []
+        for offset in range(days):
+            for slot in self.slots_on(first_day + timedelta(days=offset)):
+                if slot <= after:
+                    continue
+                end = slot + self.duration
+                if any(b0 < end and slot < b1 for b0, b1 in taken):
+                    continue
+                out.append(slot)
+                if len(out) >= limit:
+                    return out
+        return out
+
+    def show(self, slot: datetime) -> str:
+        """A slot as ISO 8601 local time with offset, minutes precision (what `start` accepts)."""
+        return slot.astimezone(self.zone).isoformat(timespec="minutes")
+
+    def describe(self, slots: list[datetime]) -> str:
+        """"Thu 02 Jul: 09:00, 09:30; Fri 03 Jul: 09:00" (local time)."""
+        by_day: dict[str, list[str]] = {}
+        for s in slots:
+            local = s.astimezone(self.zone)
+            by_day.setdefault(local.strftime("%a %d %b"), []).append(local.strftime("%H:%M"))
+        return "; ".join(f"{d}: {', '.join(times)}" for d, times in by_day.items())
+
+
+def parse_start(raw: Any, zone: ZoneInfo) -> datetime | date:
+    """A booking start (aware datetime; naive input is in `zone`) or a day (date alone).
+    Raises InvalidArguments naming `start`."""
+    text = str(raw).strip() if raw is not None else ""
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+        try:
+            return date.fromisoformat(text)
+        except ValueError:
+            pass
+    else:
+        try:
+            value = datetime.fromisoformat(text)
+        except ValueError:
+            value = None
+        if value is not None:
+            return value if value.tzinfo is not None else value.replace(tzinfo=zone)
+    raise InvalidArguments(
+        f"'start' is not a date and time: {clip(text, 40)!r} - use ISO 8601 like 2026-07-02T10:00",
+        advice="Ask the customer which day and time they want, or list the free slots first.",
+    )
+
+
+class SlotUnavailable(ToolError):
+    """The slot was taken (by a concurrent booking or earlier); `reason` says so, advice offers others."""
+
+    kind = "slot_taken"
+    counts_for_breaker = False
+
+
+# ------------------------------------------------------------------------------------ service
+
+class AppointmentStore(Protocol):
+    async def get_service(self, tenant_id: str, name: str) -> ServiceRecord | None: ...
+    async def list_services(self, tenant_id: str) -> list[ServiceRecord]: ...
+    async def busy(self, tenant_id: str, service: str, start: datetime, end: datetime) -> list[tuple[datetime, datetime]]: ...
+    async def book(self, tenant_id: str, service: str, starts_at: datetime, ends_at: datetime, *,
+                   session_id: str | None, contact_name: str | None = None, contact_email: str | None = None,
+                   idempotency_key: str | None = None) -> tuple[Any, bool]: ...
+    async def booked_by(self, tenant_id: str, service: str, starts_at: datetime, session_id: str) -> Any: ...
+
+
+class LeadLookup(Protocol):
+    async def for_session(self, tenant_id: str, session_id: str) -> Any: ...
+
+
+class AppointmentService:
+    def __init__(self, store: AppointmentStore, *, configs: TenantConfigs, notifier: Notifier,
+                 memory: MemoryService | None = None, leads: LeadLookup | None = None, now: Now = utc_now) -> None:
+        self._store = store
+        self._configs = configs
+        self._notifier = notifier
+        self._memory = memory
+        self._leads = leads
+        self._now = now
+
+    async def _service(self, tenant_id: str, name: Any) -> Schedule:
+        wanted = str(name).strip() if isinstance(name, str) and name.strip() else None
+        if wanted is not None:
+            found = await self._store.get_service(tenant_id, wanted)
+            if found is not None:
+                return Schedule(found)
+        services = await self._store.list_services(tenant_id)
+        if not services:
+            raise PolicyDenied(
+                "this business has no bookable services set up",
+                advice="Tell the customer you cannot book appointments here and offer another way to help.",
+            )
+        if wanted is not None:
+            folded = [s for s in services if s.name.lower() == wanted.lower()]
+            if len(folded) == 1:
+                return Schedule(folded[0])
+        if wanted is None and len(services) == 1:
+            return Schedule(services[0])
+        names = ", ".join(s.name for s in services[:20])
+        what = f"there is no service named {clip(wanted, 40)!r}" if wanted else "'service' is required"
+        raise InvalidArguments(
+            f"{what}; the services are: {names}",
+            advice="Ask the customer which of these services they want, then call the tool again with it.",
+        )
+
+    async def _free(self, tenant_id: str, schedule: Schedule, *, first_day: date, days: int, limit: int,
+                    after: datetime | None = None) -> list[datetime]:
+        """Free slots on `days` days from `first_day`, later than now (and than `after`)."""
+        after = max(self._now(), after) if after is not None else self._now()
+        window_start = max(after, datetime.combine(first_day, time(0), tzinfo=schedule.zone) - timedelta(days=1))
+        window_end = datetime.combine(first_day + timedelta(days=days + 1), time(0), tzinfo=schedule.zone)
+        busy = await self._store.busy(tenant_id, schedule.service.name, window_start - schedule.duration, window_end)
+        return schedule.free_slots(busy, after=after, first_day=first_day, days=days, limit=limit)
+
+    async def list_slots(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
+        """The handler of list_appointment_slots: free slots of the next days, or of `day`."""
+        schedule = await self._service(ctx.tenant_id, args.get("service"))
+        day = args.get("day")
+        if day:
+            parsed = parse_start(day, schedule.zone)
+            if isinstance(parsed, datetime):
+                parsed = schedule.local_day(parsed)
+            return await self._listing(ctx, schedule, parsed)
+        return await self._listing(ctx, schedule, None)
+
+    async def _listing(self, ctx: TrustedContext, schedule: Schedule, day: date | None) -> dict[str, Any]:
+        today = schedule.local_day(self._now())
+        result: dict[str, Any] = {"service": schedule.service.name, "timezone": schedule.service.timezone,
+                                  "duration_minutes": schedule.service.duration_minutes}
+        if day is not None and day >= today:
+            slots = await self._free(ctx.tenant_id, schedule, first_day=day, days=1, limit=LIST_LIMIT * 4)
+            result["day"] = day.isoformat()
+            if not slots:
+                later = await self._free(ctx.tenant_id, schedule, first_day=day + timedelta(days=1),
+                                         days=LIST_DAYS, limit=OFFER_LIMIT)
+                result["note"] = "no free slots that day" + ("; offer the next free slots" if later else "")
+                if later:
+                    result["summary"] = "next free: " + schedule.describe(later)
+                result["free_slots"] = []
+                result["next_free_slots"] = [schedule.show(s) for s in later]
+                return result
+        else:
+            if day is not None:
+                result["note"] = f"{day.isoformat()} is in the past; these are the next free slots"
+            slots = await self._free(ctx.tenant_id, schedule, first_day=today, days=LIST_DAYS, limit=LIST_LIMIT)
+            if not slots:
+                result["note"] = f"no free slots in the next {LIST_DAYS} days"
+        if slots:
+            result["summary"] = schedule.describe(slots)
+        result["free_slots"] = [schedule.show(s) for s in slots]
+        return result
+
+    async def book(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
+        """The handler of book_appointment: books `start`, or lists when it is absent or a date.
+
+        Raises InvalidArguments (unknown service, malformed/past/misaligned start),
+        SlotUnavailable (taken, with the next free slots as advice), PolicyDenied (no services)."""
+        schedule = await self._service(ctx.tenant_id, args.get("service"))
+        raw_start = args.get("start")
+        if args.get("action") == "list" or raw_start in (None, ""):
+            day = parse_start(raw_start, schedule.zone) if raw_start else None
+            return await self._listing(ctx, schedule, schedule.local_day(day) if isinstance(day, datetime) else day)
+        start = parse_start(raw_start, schedule.zone)
+        if not isinstance(start, datetime):
+            return await self._listing(ctx, schedule, start)
+        now = self._now()
+        if start <= now:
+            raise InvalidArguments(
+                f"'start' {schedule.show(start)} is in the past",
+                advice=await self._offer(ctx, schedule, "Ask the customer for a later time"),
+            )
+        if start > now + timedelta(days=MAX_AHEAD_DAYS):
+            raise InvalidArguments(f"'start' {schedule.show(start)} is more than {MAX_AHEAD_DAYS} days ahead",
+                                   advice="Ask the customer for a nearer date.")
+        if not schedule.is_slot_start(start):
+            raise InvalidArguments(
+                f"'start' {schedule.show(start)} is not a slot of {schedule.service.name} "
+                f"({schedule.service.duration_minutes}-minute slots within opening hours, {schedule.service.timezone})",
+                advice=await self._offer(ctx, schedule, "Offer the customer a free slot instead", near=start),
+            )
+        lead = await self._leads.for_session(ctx.tenant_id, ctx.session_id) if self._leads else None
+        config = await self._configs.config_for(ctx.tenant_id)
+        try:
+            booking, created = await self._store.book(
+                ctx.tenant_id, schedule.service.name, start, start + schedule.duration,
+                session_id=ctx.session_id, contact_name=getattr(lead, "name", None),
+                contact_email=getattr(lead, "email", None), idempotency_key=ctx.idempotency_key,
+            )
+        except SlotTaken:
+            mine = await self._store.booked_by(ctx.tenant_id, schedule.service.name, start, ctx.session_id)
+            if mine is not None:  # this conversation already holds exactly this slot
+                return {**self._booked(schedule, mine), "status": "already booked in this conversation"}
+            raise SlotUnavailable(
+                "that slot was just taken",
+                advice=await self._offer(ctx, schedule, "Offer the customer the next free slots", near=start),
+            ) from None
+        if created:
+            if self._memory is not None:
+                await self._memory.remember_quietly(ctx, (
+                    f"Booked appointment: {schedule.service.name} on {schedule.show(booking.starts_at)} "
+                    f"({schedule.service.timezone})"
+                ))
+            self._notifier.emit(config, EVENT, {
+                "appointment_id": booking.id, "session_id": ctx.session_id, "service": booking.service,
+                "starts_at": booking.starts_at.isoformat(), "ends_at": booking.ends_at.isoformat(),
+                "timezone": schedule.service.timezone, "contact_name": booking.contact_name,
+                "contact_email": booking.contact_email,
+            }, tenant_id=ctx.tenant_id)
+        return self._booked(schedule, booking)
+
+    @staticmethod
+    def _booked(schedule: Schedule, booking: Any) -> dict[str, Any]:
+        return {
+            "appointment_id": booking.id, "status": "booked", "service": booking.service,
+            "start": schedule.show(booking.starts_at), "end": schedule.show(booking.ends_at),
+            "timezone": schedule.service.timezone,
+        }
+
+    async def _offer(self, ctx: TrustedContext, schedule: Schedule, lead_in: str, *, near: datetime | None = None) -> str:
+        """Advice naming the next free slots after `near` (or after now)."""
+        first = max(schedule.local_day(near or self._now()), schedule.local_day(self._now()))
+        slots = await self._free(ctx.tenant_id, schedule, first_day=first, days=LIST_DAYS, limit=OFFER_LIMIT,
+                                 after=near)
+        if not slots:
+            return f"Tell the customer there are no free slots for {schedule.service.name} in the next {LIST_DAYS} days."
+        shown = ", ".join(schedule.show(s) for s in slots)
+        return f"{lead_in}: {shown} ({schedule.service.timezone}); book the one they choose."

@@ -1,0 +1,140 @@
+"""submit_form: tenant-defined forms (JSON schemas in ce_forms) and validated submissions.
+
+The tenant admin saves a form as a JSON schema of an object (PUT /v1/forms/{name}); the schema is
+checked then, so a broken one is a 422 for the admin, never a failure in a contact's session. A
+submission is validated against it (jsonschema, formats checked) and stored only when valid; the
+in-band error names each wrong field and what is wrong with it. Called without `data`, the tool
+describes the form's fields so the model knows what to ask for.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+from services.builtins.base import TenantConfigs, clip
+from services.builtins.memory import MemoryService
+from services.builtins.notify import Notifier
+from services.errors import InvalidInput
+from services.tools.context import TrustedContext
+from services.tools.errors import InvalidArguments, PolicyDenied
+from services.tools.model import PythonTool
+from services.tools.validation import ArgumentValidator, check_schema
+
+HANDLER = "builtin.submit_form"
+EVENT = "form.submitted"
+FORM_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+MAX_SCHEMA_BYTES = 64 * 1024
+
+DEFINITION = PythonTool(
+    name="submit_form",
+    description=(
+        "Submit one of the business's forms (for example a contact, quote or feedback form) with "
+        "the customer's answers as `data`. Call it without `data` to learn the form's fields first; "
+        "an error names each field that is missing or wrong."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "form": {"type": "string", "maxLength": 64, "description": "the form's name"},
+            "data": {"type": "object", "description": "the answers, field name -> value"},
+        },
+        "required": ["form"],
+        "additionalProperties": False,
+    },
+    mutability="write",
+    requires_approval=False,  # the contact is filling in the form themselves
+    handler=HANDLER,
+)
+
+
+def check_form(name: str, schema: Any) -> dict[str, Any]:
+    """Validate an admin's form definition. Returns the schema; raises InvalidInput naming the
+    problem (a bad name, not an object schema, an invalid JSON schema)."""
+    if not FORM_NAME_RE.match(name or ""):
+        raise InvalidInput(f"form name {clip(name, 70)!r} must be 1-64 letters, digits, _ or - and start with a letter")
+    if not isinstance(schema, dict):
+        raise InvalidInput("the body must be a JSON schema object like {\"type\": \"object\", \"properties\": {...}}",
+                           path="$")
+    check_schema(schema, where="$")
+    return schema
+
+
+def describe_fields(schema: dict[str, Any]) -> dict[str, Any]:
+    """What the model needs to fill a form: each field's type, description, and which are required."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    fields = {}
+    for name, prop in props.items():
+        prop = prop if isinstance(prop, dict) else {}
+        info = {k: prop[k] for k in ("type", "description", "enum", "format", "minimum", "maximum",
+                                     "minLength", "maxLength", "pattern") if k in prop}
+        fields[name] = info
+    return {"fields": fields, "required": [r for r in schema.get("required") or [] if isinstance(r, str)]}
+
+
+class FormStore(Protocol):
+    async def get(self, tenant_id: str, name: str) -> Any: ...
+    async def list(self, tenant_id: str) -> list[Any]: ...
+    async def submit(self, tenant_id: str, session_id: str | None, form_name: str, data: dict[str, Any], *,
+                     idempotency_key: str | None = None) -> tuple[Any, bool]: ...
+
+
+class FormService:
+    def __init__(self, store: FormStore, *, configs: TenantConfigs, notifier: Notifier,
+                 memory: MemoryService | None = None) -> None:
+        self._store = store
+        self._configs = configs
+        self._notifier = notifier
+        self._memory = memory
+        self._validators: dict[str, tuple[Any, ArgumentValidator]] = {}
+
+    def _validator(self, tenant_id: str, form: Any) -> ArgumentValidator:
+        key = f"{tenant_id}\x00{form.name}"
+        cached = self._validators.get(key)
+        if cached is not None and cached[0] == form.updated_at:
+            return cached[1]
+        validator = ArgumentValidator(form.schema)
+        if len(self._validators) > 1000:
+            self._validators.clear()
+        self._validators[key] = (form.updated_at, validator)
+        return validator
+
+    async def submit(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
+        """The handler of submit_form. Returns the stored submission's id, or the form's fields
+        when `data` is absent. Raises InvalidArguments naming the form or the fields at fault."""
+        name = str(args.get("form") or "").strip()
+        form = await self._store.get(ctx.tenant_id, name) if name else None
+        if form is None:
+            forms = await self._store.list(ctx.tenant_id)
+            if not forms:
+                raise PolicyDenied("this business has no forms set up",
+                                   advice="Tell the customer you cannot take this form here and offer another way to help.")
+            names = ", ".join(f.name for f in forms[:20])
+            raise InvalidArguments(
+                f"there is no form named {clip(name, 40)!r}; the forms are: {names}",
+                advice="Call submit_form again with one of these form names.",
+            )
+        data = args.get("data")
+        if data is None:
+            return {"form": form.name, "status": "not submitted: call again with data for these fields",
+                    **describe_fields(form.schema)}
+        problems = self._validator(ctx.tenant_id, form).errors(data)
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise InvalidArguments(
+                f"form '{form.name}' is not valid: {shown}",
+                advice="Ask the customer for the missing or corrected answers, then call submit_form again with all the data.",
+            )
+        config = await self._configs.config_for(ctx.tenant_id)
+        submission, created = await self._store.submit(
+            ctx.tenant_id, ctx.session_id, form.name, data, idempotency_key=ctx.idempotency_key
+        )
+        if created:
+            if self._memory is not None:
+                answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
+                await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
+            self._notifier.emit(config, EVENT, {
+                "submission_id": submission.id, "session_id": ctx.session_id, "form": form.name,
+                "data": data, "created_at": submission.created_at.isoformat(),
+            }, tenant_id=ctx.tenant_id)
+        return {"submission_id": submission.id, "status": "submitted", "form": form.name}

@@ -1,0 +1,149 @@
+"""Admin routes of the built-in tools: forms, appointment services, and what the tools recorded.
+
+    PUT    /v1/forms/{name}                     body: the form's JSON schema (an object schema)
+    GET    /v1/forms                            GET /v1/forms/{name}    DELETE /v1/forms/{name}
+    GET    /v1/forms/{name}/submissions
+    PUT    /v1/appointment-services/{name}      body: {"duration_minutes", "timezone"?, "opening_hours"}
+    GET    /v1/appointment-services             GET/DELETE /v1/appointment-services/{name}
+    GET    /v1/appointments?service=&since=
+    GET    /v1/leads                            GET /v1/handoffs
+
+Tenant-scoped like every /v1 route: the tenant comes from the API key (request[TENANT]). Errors
+are raised as domain errors and become problem+json in services.gateway.app's middleware.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from services.builtins.appointments import service_from_body
+from services.builtins.forms import check_form
+from services.errors import InvalidInput, NotFound
+from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since
+from storage.repos.builtins import BuiltinRepos
+
+_LIMIT_MAX = 1000
+
+
+def _repos(request: web.Request) -> BuiltinRepos:
+    # The gateway's repositories share one pool; GatewayDeps does not expose it by name, so it is
+    # taken from the bot-config repository (same process, same pool).
+    pool = getattr(request.app[DEPS].configs, "_pool", None)
+    if pool is None:
+        raise NotFound("the built-in tool admin routes are not available in this process", kind="route",
+                       key=request.path)
+    return BuiltinRepos(pool)
+
+
+def _limit(request: web.Request, default: int = 100) -> int:
+    raw = request.query.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= _LIMIT_MAX:
+        raise InvalidInput(f"limit must be a whole number from 1 to {_LIMIT_MAX}, got {raw[:20]!r}")
+    return int(raw)
+
+
+def _view(record: Any) -> dict[str, Any]:
+    return msgspec.to_builtins(record)
+
+
+# -- forms --------------------------------------------------------------------------------------
+
+async def put_form(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    schema = check_form(name, await decode_body(request, dict))
+    form = await _repos(request).forms.put(request[TENANT], name, schema)
+    return json_response(_view(form))
+
+
+async def get_form(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    form = await _repos(request).forms.get(request[TENANT], name)
+    if form is None:
+        raise NotFound(f"form {name[:64]!r} does not exist for this tenant; create it with PUT /v1/forms/{{name}}",
+                       kind="form", key=name)
+    return json_response(_view(form))
+
+
+async def list_forms(request: web.Request) -> web.Response:
+    forms = await _repos(request).forms.list(request[TENANT])
+    return json_response({"forms": [_view(f) for f in forms]})
+
+
+async def delete_form(request: web.Request) -> web.Response:
+    await _repos(request).forms.delete(request[TENANT], request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def form_submissions(request: web.Request) -> web.Response:
+    rows = await _repos(request).forms.submissions(request[TENANT], request.match_info["name"], _limit(request))
+    return json_response({"submissions": [_view(r) for r in rows]})
+
+
+# -- appointments -------------------------------------------------------------------------------
+
+async def put_service(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    service = service_from_body(name, await decode_body(request, dict))
+    saved = await _repos(request).appointments.put_service(request[TENANT], service)
+    return json_response(_view(saved))
+
+
+async def get_service(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    service = await _repos(request).appointments.get_service(request[TENANT], name)
+    if service is None:
+        raise NotFound(f"appointment service {name[:64]!r} does not exist for this tenant; create it with "
+                       "PUT /v1/appointment-services/{name}", kind="appointment_service", key=name)
+    return json_response(_view(service))
+
+
+async def list_services(request: web.Request) -> web.Response:
+    services = await _repos(request).appointments.list_services(request[TENANT])
+    return json_response({"services": [_view(s) for s in services]})
+
+
+async def delete_service(request: web.Request) -> web.Response:
+    await _repos(request).appointments.delete_service(request[TENANT], request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def list_appointments(request: web.Request) -> web.Response:
+    since = parse_since(request.query["since"]) if request.query.get("since") else None
+    rows = await _repos(request).appointments.list(
+        request[TENANT], service=request.query.get("service") or None, since=since, limit=_limit(request, 200)
+    )
+    return json_response({"appointments": [_view(r) for r in rows]})
+
+
+# -- leads and handoffs -------------------------------------------------------------------------
+
+async def list_leads(request: web.Request) -> web.Response:
+    rows = await _repos(request).leads.list(request[TENANT], _limit(request))
+    return json_response({"leads": [_view(r) for r in rows]})
+
+
+async def list_handoffs(request: web.Request) -> web.Response:
+    rows = await _repos(request).handoffs.list(request[TENANT], _limit(request))
+    return json_response({"handoffs": [_view(r) for r in rows]})
+
+
+def add_builtin_routes(app: web.Application) -> None:
+    """Register the routes above on the gateway app (called once from build_app)."""
+    r = app.router
+    r.add_get("/v1/forms", list_forms)
+    r.add_put("/v1/forms/{name}", put_form)
+    r.add_get("/v1/forms/{name}", get_form)
+    r.add_delete("/v1/forms/{name}", delete_form)
+    r.add_get("/v1/forms/{name}/submissions", form_submissions)
+    r.add_get("/v1/appointment-services", list_services)
+    r.add_put("/v1/appointment-services/{name}", put_service)
+    r.add_get("/v1/appointment-services/{name}", get_service)
+    r.add_delete("/v1/appointment-services/{name}", delete_service)
+    r.add_get("/v1/appointments", list_appointments)
+    r.add_get("/v1/leads", list_leads)
+    r.add_get("/v1/handoffs", list_handoffs)

@@ -1,0 +1,551 @@
+"""Repositories behind the built-in tools: memories, leads, forms, appointments, handoffs.
+
+Tables from migrations 005/006. In these tables `session_id` is the tenant's own session id (the
+engine's ce_messages and ce_session_variables key sessions by session_uid instead; the memory
+search joins the two through ce_sessions). Every query is scoped by tenant_id.
+
+Postgres decides the races here, not the caller: a second lead in one session is refused by
+UNIQUE (tenant_id, session_id), an overlapping booking by the exclusion constraint of
+ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes of 006.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+import asyncpg
+import msgspec
+
+from services.errors import ChatEngineError, NotFound
+from storage.errors import translate
+from storage.records import session_uid
+
+# ------------------------------------------------------------------------------------ records
+
+
+class MemoryHit(msgspec.Struct, frozen=True, kw_only=True):
+    """One recalled item: a stored fact or a text message of a conversation."""
+
+    kind: Literal["fact", "message"]
+    content: str
+    session_id: str | None
+    created_at: datetime
+    rank: float
+    role: str | None = None  # for messages: "user" (the contact) or "assistant"
+
+
+class LeadRecord(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant_id: str
+    session_id: str
+    name: str | None
+    email: str | None
+    phone: str | None
+    notes: str | None
+    created_at: datetime
+
+
+class FormRecord(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    schema: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+class SubmissionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    form_name: str
+    session_id: str | None
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A bookable service: `opening_hours` maps weekday ("mon".."sun") to [[open, close], ...]."""
+
+    name: str
+    duration_minutes: int
+    timezone: str
+    opening_hours: dict[str, list[list[str]]]
+
+
+class AppointmentRecord(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    service: str
+    starts_at: datetime
+    ends_at: datetime
+    session_id: str | None
+    contact_name: str | None
+    contact_email: str | None
+    created_at: datetime
+
+
+class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    session_id: str
+    reason: str | None
+    created_at: datetime
+
+
+class SlotTaken(ChatEngineError):
+    """Another booking of the service overlaps the requested time (the exclusion constraint)."""
+
+    def __init__(self, message: str, *, service: str, starts_at: datetime) -> None:
+        super().__init__(message)
+        self.service = service
+        self.starts_at = starts_at
+
+
+# ------------------------------------------------------------------------------------- memory
+
+# The contact's query as an OR of its lexemes: a fact matches when it shares any word with the
+# question, and ts_rank orders by how much. The lexemes are made by the tenant's text search
+# configuration, then re-quoted by 'simple' (which does not stem again), and joined as tsquery
+# text that Postgres itself escaped, so no user text is ever parsed as tsquery syntax.
+_QUERY_CTE = """
+q AS (
+  SELECT array_to_string(array_agg('(' || t::text || ')'), ' | ')::tsquery AS tsq
+  FROM (
+    SELECT plainto_tsquery('simple', l) AS t
+    FROM unnest(tsvector_to_array(to_tsvector($2::regconfig, $3::text))) AS l
+  ) terms
+  WHERE t::text <> ''
+)"""
+
+
+def _contact_sessions(tenant: str, key: str, contact: str, variable: str, uid: str) -> str:
+    """CTE `contact_sessions(uid, session_key)`: this session, plus every session of the tenant
+    whose contact variable holds the contact (placeholders are the given $n)."""
+    return f"""
+contact_sessions AS (
+  SELECT s.id AS uid, s.session_key
+  FROM ce_session_variables v JOIN ce_sessions s ON s.id = v.session_id AND s.tenant_id = v.tenant_id
+  WHERE v.tenant_id = {tenant} AND v.key = {variable}::text AND v.value = {contact}::text
+  UNION
+  SELECT {uid}::text, {key}::text
+)"""
+
+
+_OWNED_FACT = (
+    "m.tenant_id = $1 AND m.kind = 'fact' AND (m.session_id IN (SELECT session_key FROM contact_sessions) "
+    "OR (m.contact_id = {contact}::text))"
+)
+
+# $1 tenant, $2 text search config, $3 query, $4 session id, $5 contact id, $6 contact variable,
+# $7 session uid, $8 limit
+_SEARCH_SQL = (
+    "WITH " + _QUERY_CTE + "," + _contact_sessions("$1", "$4", "$5", "$6", "$7") + """,
+facts AS (
+  SELECT 'fact'::text AS kind, m.content, m.session_id, m.created_at, NULL::text AS role,
+         ts_rank(m.tsv, q.tsq) AS rank
+  FROM ce_memories m, q
+  WHERE """ + _OWNED_FACT.format(contact="$5") + """ AND m.tsv @@ q.tsq
+),
+texts AS (
+  SELECT cs.session_key, msg.role, msg.created_at,
+         (SELECT string_agg(b->>'text', ' ') FROM jsonb_array_elements(msg.content) b
+          WHERE b->>'type' = 'text') AS body
+  FROM ce_messages msg JOIN contact_sessions cs ON cs.uid = msg.session_id
+  WHERE msg.tenant_id = $1
+),
+messages AS (
+  SELECT 'message'::text AS kind, t.body AS content, t.session_key AS session_id, t.created_at,
+         t.role, ts_rank(to_tsvector($2::regconfig, t.body), q.tsq) AS rank
+  FROM texts t, q
+  WHERE t.body IS NOT NULL AND to_tsvector($2::regconfig, t.body) @@ q.tsq
+)
+SELECT * FROM facts UNION ALL SELECT * FROM messages
+ORDER BY rank DESC, created_at DESC
+LIMIT $8
+"""
+)
+
+# $1 tenant, $2 session id, $3 contact id, $4 contact variable, $5 session uid, $6 limit
+_RECENT_FACTS_SQL = (
+    "WITH " + _contact_sessions("$1", "$2", "$3", "$4", "$5") + """
+SELECT 'fact'::text AS kind, m.content, m.session_id, m.created_at, NULL::text AS role, 0::real AS rank
+FROM ce_memories m
+WHERE """ + _OWNED_FACT.format(contact="$3") + """
+ORDER BY m.created_at DESC
+LIMIT $6
+"""
+)
+
+
+class MemoryRepo:
+    """Facts written by the tools, and full-text recall over facts and conversation messages."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._configs: dict[str, str] = {}
+
+    async def text_config(self, language: str) -> str:
+        """The text search configuration named `language` if this Postgres has it, else 'simple'."""
+        key = (language or "").strip().lower()
+        cached = self._configs.get(key)
+        if cached is not None:
+            return cached
+        with translate("looking up a text search configuration"):
+            found = await self._pool.fetchval("SELECT cfgname::text FROM pg_ts_config WHERE cfgname = $1", key)
+        self._configs[key] = found or "simple"
+        return self._configs[key]
+
+    async def add_fact(
+        self, tenant_id: str, *, session_id: str | None, contact_id: str | None, content: str, language: str
+    ) -> str:
+        """Store one fact; returns its id."""
+        config = await self.text_config(language)
+        with translate("storing a memory"):
+            return await self._pool.fetchval(
+                "INSERT INTO ce_memories (tenant_id, contact_id, session_id, kind, content, language) "
+                "VALUES ($1, $2, $3, 'fact', $4, $5::regconfig) RETURNING id",
+                tenant_id, contact_id, session_id, content, config,
+            )
+
+    async def search(
+        self, tenant_id: str, *, session_id: str, contact_id: str | None, contact_variable: str,
+        query: str, language: str, limit: int = 8,
+    ) -> list[MemoryHit]:
+        """Facts and text messages of this session and of every session of `contact_id` (the
+        sessions whose `contact_variable` holds it), matching any word of `query`, best first."""
+        config = await self.text_config(language)
+        args = (tenant_id, config, query, session_id, contact_id, contact_variable,
+                session_uid(tenant_id, session_id), limit)
+        with translate("searching memories"):
+            rows = await self._pool.fetch(_SEARCH_SQL, *args)
+        return [_hit(r) for r in rows]
+
+    async def recent_facts(
+        self, tenant_id: str, *, session_id: str, contact_id: str | None, contact_variable: str, limit: int = 5,
+    ) -> list[MemoryHit]:
+        """The newest facts of this session and of the contact's sessions (no text match)."""
+        args = (tenant_id, session_id, contact_id, contact_variable, session_uid(tenant_id, session_id), limit)
+        with translate("reading recent memories"):
+            rows = await self._pool.fetch(_RECENT_FACTS_SQL, *args)
+        return [_hit(r) for r in rows]
+
+
+def _hit(r: asyncpg.Record) -> MemoryHit:
+    return MemoryHit(kind=r["kind"], content=r["content"], session_id=r["session_id"],
+                     created_at=r["created_at"], rank=float(r["rank"] or 0.0), role=r["role"])
+
+
+# -------------------------------------------------------------------------------------- leads
+
+_LEAD_COLUMNS = "id, tenant_id, session_id, name, email, phone, notes, created_at"
+
+
+def _lead(r: asyncpg.Record) -> LeadRecord:
+    return LeadRecord(**{k: r[k] for k in _LEAD_COLUMNS.split(", ")})
+
+
+class LeadRepo:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def create(
+        self, tenant_id: str, session_id: str, *, name: str, email: str, phone: str | None,
+        notes: str | None, fact: str | None = None, contact_id: str | None = None, language: str = "simple",
+    ) -> tuple[LeadRecord, bool]:
+        """Insert the session's lead and, in the same transaction, its memory fact.
+
+        Returns (the session's lead, True) when this call wrote it, or (the lead stored earlier
+        in this session, False): a session has at most one lead.
+        """
+        with translate("saving a lead"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "INSERT INTO ce_leads (tenant_id, session_id, name, email, phone, notes) "
+                    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant_id, session_id) DO NOTHING "
+                    f"RETURNING {_LEAD_COLUMNS}",
+                    tenant_id, session_id, name, email, phone, notes,
+                )
+                if row is None:
+                    row = await conn.fetchrow(
+                        f"SELECT {_LEAD_COLUMNS} FROM ce_leads WHERE tenant_id = $1 AND session_id = $2",
+                        tenant_id, session_id,
+                    )
+                    return _lead(row), False
+                if fact:
+                    await conn.execute(
+                        "INSERT INTO ce_memories (tenant_id, contact_id, session_id, kind, content, language) "
+                        "VALUES ($1, $2, $3, 'fact', $4, $5::regconfig)",
+                        tenant_id, contact_id, session_id, fact, language,
+                    )
+        return _lead(row), True
+
+    async def for_session(self, tenant_id: str, session_id: str) -> LeadRecord | None:
+        with translate("reading a lead"):
+            row = await self._pool.fetchrow(
+                f"SELECT {_LEAD_COLUMNS} FROM ce_leads WHERE tenant_id = $1 AND session_id = $2",
+                tenant_id, session_id,
+            )
+        return None if row is None else _lead(row)
+
+    async def list(self, tenant_id: str, limit: int = 100) -> list[LeadRecord]:
+        """The tenant's leads, newest first."""
+        with translate("listing leads"):
+            rows = await self._pool.fetch(
+                f"SELECT {_LEAD_COLUMNS} FROM ce_leads WHERE tenant_id = $1 ORDER BY created_at DESC, id LIMIT $2",
+                tenant_id, limit,
+            )
+        return [_lead(r) for r in rows]
+
+
+# -------------------------------------------------------------------------------------- forms
+
+
+class FormRepo:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def put(self, tenant_id: str, name: str, schema: dict[str, Any]) -> FormRecord:
+        """Create or replace the form `name` (its JSON schema)."""
+        with translate("saving a form"):
+            row = await self._pool.fetchrow(
+                "INSERT INTO ce_forms (tenant_id, name, schema) VALUES ($1, $2, $3) "
+                "ON CONFLICT (tenant_id, name) DO UPDATE SET schema = EXCLUDED.schema, updated_at = now() "
+                "RETURNING name, schema, created_at, updated_at",
+                tenant_id, name, schema,
+            )
+        return FormRecord(**dict(row))
+
+    async def get(self, tenant_id: str, name: str) -> FormRecord | None:
+        with translate("reading a form"):
+            row = await self._pool.fetchrow(
+                "SELECT name, schema, created_at, updated_at FROM ce_forms WHERE tenant_id = $1 AND name = $2",
+                tenant_id, name,
+            )
+        return None if row is None else FormRecord(**dict(row))
+
+    async def list(self, tenant_id: str) -> list[FormRecord]:
+        with translate("listing forms"):
+            rows = await self._pool.fetch(
+                "SELECT name, schema, created_at, updated_at FROM ce_forms WHERE tenant_id = $1 ORDER BY name",
+                tenant_id,
+            )
+        return [FormRecord(**dict(r)) for r in rows]
+
+    async def delete(self, tenant_id: str, name: str) -> None:
+        """Remove the form (its submissions stay). Raises NotFound."""
+        with translate("deleting a form"):
+            done = await self._pool.fetchval(
+                "DELETE FROM ce_forms WHERE tenant_id = $1 AND name = $2 RETURNING true", tenant_id, name
+            )
+        if not done:
+            raise NotFound(f"form {name!r} does not exist for this tenant", kind="form", key=name)
+
+    async def submit(
+        self, tenant_id: str, session_id: str | None, form_name: str, data: dict[str, Any],
+        *, idempotency_key: str | None = None,
+    ) -> tuple[SubmissionRecord, bool]:
+        """Store a (validated) submission. Returns (row, True), or (the row an earlier call with
+        the same idempotency key in this session stored, False)."""
+        cols = "id, form_name, session_id, data, created_at"
+        with translate("saving a form submission"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "INSERT INTO ce_form_submissions (tenant_id, session_id, form_name, data, idempotency_key) "
+                    "VALUES ($1, $2, $3, $4, $5) "
+                    "ON CONFLICT (tenant_id, session_id, idempotency_key) WHERE idempotency_key IS NOT NULL "
+                    f"DO NOTHING RETURNING {cols}",
+                    tenant_id, session_id, form_name, data, idempotency_key,
+                )
+                if row is not None:
+                    return SubmissionRecord(**dict(row)), True
+                row = await conn.fetchrow(
+                    f"SELECT {cols} FROM ce_form_submissions "
+                    "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
+                    tenant_id, session_id, idempotency_key,
+                )
+        return SubmissionRecord(**dict(row)), False
+
+    async def submissions(self, tenant_id: str, form_name: str, limit: int = 100) -> list[SubmissionRecord]:
+        """The form's submissions, newest first."""
+        with translate("listing form submissions"):
+            rows = await self._pool.fetch(
+                "SELECT id, form_name, session_id, data, created_at FROM ce_form_submissions "
+                "WHERE tenant_id = $1 AND form_name = $2 ORDER BY created_at DESC, id LIMIT $3",
+                tenant_id, form_name, limit,
+            )
+        return [SubmissionRecord(**dict(r)) for r in rows]
+
+
+# ------------------------------------------------------------------------------- appointments
+
+_APPOINTMENT_COLUMNS = "id, service, starts_at, ends_at, session_id, contact_name, contact_email, created_at"
+
+
+class AppointmentRepo:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def put_service(self, tenant_id: str, service: ServiceRecord) -> ServiceRecord:
+        """Create or replace a bookable service."""
+        with translate("saving an appointment service"):
+            await self._pool.execute(
+                "INSERT INTO ce_appointment_services (tenant_id, name, duration_minutes, timezone, opening_hours) "
+                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, name) DO UPDATE SET "
+                "duration_minutes = EXCLUDED.duration_minutes, timezone = EXCLUDED.timezone, "
+                "opening_hours = EXCLUDED.opening_hours, updated_at = now()",
+                tenant_id, service.name, service.duration_minutes, service.timezone, service.opening_hours,
+            )
+        return service
+
+    async def get_service(self, tenant_id: str, name: str) -> ServiceRecord | None:
+        with translate("reading an appointment service"):
+            row = await self._pool.fetchrow(
+                "SELECT name, duration_minutes, timezone, opening_hours FROM ce_appointment_services "
+                "WHERE tenant_id = $1 AND name = $2",
+                tenant_id, name,
+            )
+        return None if row is None else msgspec.convert(dict(row), ServiceRecord)
+
+    async def list_services(self, tenant_id: str) -> list[ServiceRecord]:
+        with translate("listing appointment services"):
+            rows = await self._pool.fetch(
+                "SELECT name, duration_minutes, timezone, opening_hours FROM ce_appointment_services "
+                "WHERE tenant_id = $1 ORDER BY name",
+                tenant_id,
+            )
+        return [msgspec.convert(dict(r), ServiceRecord) for r in rows]
+
+    async def delete_service(self, tenant_id: str, name: str) -> None:
+        """Remove a service (its bookings stay). Raises NotFound."""
+        with translate("deleting an appointment service"):
+            done = await self._pool.fetchval(
+                "DELETE FROM ce_appointment_services WHERE tenant_id = $1 AND name = $2 RETURNING true",
+                tenant_id, name,
+            )
+        if not done:
+            raise NotFound(f"appointment service {name!r} does not exist for this tenant",
+                           kind="appointment_service", key=name)
+
+    async def busy(self, tenant_id: str, service: str, start: datetime, end: datetime) -> list[tuple[datetime, datetime]]:
+        """(starts_at, ends_at) of the service's bookings overlapping [start, end), in order."""
+        with translate("reading booked appointments"):
+            rows = await self._pool.fetch(
+                "SELECT starts_at, ends_at FROM ce_appointments WHERE tenant_id = $1 AND service = $2 "
+                "AND starts_at < $4 AND ends_at > $3 ORDER BY starts_at",
+                tenant_id, service, start, end,
+            )
+        return [(r["starts_at"], r["ends_at"]) for r in rows]
+
+    async def book(
+        self, tenant_id: str, service: str, starts_at: datetime, ends_at: datetime, *,
+        session_id: str | None, contact_name: str | None = None, contact_email: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> tuple[AppointmentRecord, bool]:
+        """Book [starts_at, ends_at). Returns (row, True), or (the row an earlier call with the same
+        idempotency key in this session booked, False). Raises SlotTaken when any booking of the
+        service overlaps: of many concurrent attempts on one slot exactly one succeeds."""
+        with translate("booking an appointment"):
+            async with self._pool.acquire() as conn:
+                if idempotency_key is not None:
+                    row = await conn.fetchrow(
+                        f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
+                        "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
+                        tenant_id, session_id, idempotency_key,
+                    )
+                    if row is not None:
+                        return AppointmentRecord(**dict(row)), False
+                try:
+                    row = await conn.fetchrow(
+                        "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
+                        "contact_name, contact_email, idempotency_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+                        f"RETURNING {_APPOINTMENT_COLUMNS}",
+                        tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
+                        idempotency_key,
+                    )
+                except asyncpg.ExclusionViolationError:
+                    raise SlotTaken(
+                        f"{service} at {starts_at.isoformat()} overlaps an existing booking",
+                        service=service, starts_at=starts_at,
+                    ) from None
+                except asyncpg.UniqueViolationError as exc:
+                    if exc.constraint_name != "ce_appointments_idempotency_idx":
+                        raise
+                    # the same call raced itself (a replay next to the first run): return the winner
+                    row = await conn.fetchrow(
+                        f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
+                        "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
+                        tenant_id, session_id, idempotency_key,
+                    )
+                    return AppointmentRecord(**dict(row)), False
+        return AppointmentRecord(**dict(row)), True
+
+    async def booked_by(self, tenant_id: str, service: str, starts_at: datetime, session_id: str) -> AppointmentRecord | None:
+        """The booking of `service` at exactly `starts_at` made by this session, or None."""
+        with translate("reading a booking"):
+            row = await self._pool.fetchrow(
+                f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
+                "WHERE tenant_id = $1 AND service = $2 AND starts_at = $3 AND session_id = $4",
+                tenant_id, service, starts_at, session_id,
+            )
+        return None if row is None else AppointmentRecord(**dict(row))
+
+    async def list(self, tenant_id: str, *, service: str | None = None, since: datetime | None = None,
+                   limit: int = 200) -> list[AppointmentRecord]:
+        """The tenant's appointments (optionally of one service, starting at or after `since`),
+        by start time."""
+        with translate("listing appointments"):
+            rows = await self._pool.fetch(
+                f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments WHERE tenant_id = $1 "
+                "AND ($2::text IS NULL OR service = $2) AND ($3::timestamptz IS NULL OR starts_at >= $3) "
+                "ORDER BY starts_at, id LIMIT $4",
+                tenant_id, service, since, limit,
+            )
+        return [AppointmentRecord(**dict(r)) for r in rows]
+
+
+# ----------------------------------------------------------------------------------- handoffs
+
+
+class HandoffRepo:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def record(
+        self, tenant_id: str, session_id: str, reason: str | None, *, idempotency_key: str | None = None
+    ) -> tuple[HandoffRecord, bool]:
+        """Store a handoff request. Returns (row, True), or (the row of an earlier call with the
+        same idempotency key in this session, False)."""
+        cols = "id, session_id, reason, created_at"
+        with translate("recording a handoff"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "INSERT INTO ce_handoffs (tenant_id, session_id, reason, idempotency_key) "
+                    "VALUES ($1, $2, $3, $4) "
+                    "ON CONFLICT (tenant_id, session_id, idempotency_key) WHERE idempotency_key IS NOT NULL "
+                    f"DO NOTHING RETURNING {cols}",
+                    tenant_id, session_id, reason, idempotency_key,
+                )
+                if row is not None:
+                    return HandoffRecord(**dict(row)), True
+                row = await conn.fetchrow(
+                    f"SELECT {cols} FROM ce_handoffs WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
+                    tenant_id, session_id, idempotency_key,
+                )
+        return HandoffRecord(**dict(row)), False
+
+    async def list(self, tenant_id: str, limit: int = 100) -> list[HandoffRecord]:
+        """The tenant's handoffs, newest first."""
+        with translate("listing handoffs"):
+            rows = await self._pool.fetch(
+                "SELECT id, session_id, reason, created_at FROM ce_handoffs WHERE tenant_id = $1 "
+                "ORDER BY created_at DESC, id LIMIT $2",
+                tenant_id, limit,
+            )
+        return [HandoffRecord(**dict(r)) for r in rows]
+
+
+class BuiltinRepos:
+    """All of the above on one pool (what services.builtins and the admin routes take)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.memories = MemoryRepo(pool)
+        self.leads = LeadRepo(pool)
+        self.forms = FormRepo(pool)
+        self.appointments = AppointmentRepo(pool)
+        self.handoffs = HandoffRepo(pool)

@@ -1,0 +1,187 @@
+"""The built-in tools through the real stack (gateway + Ray session hosts + Postgres + local model):
+a conversation that collects a lead, books an appointment (approved through the API) and submits a
+form; the rows exist; collect_lead is not offered again in that session; the tenant's webhook
+receives every event with a Standard Webhooks signature it can verify; a later session of the same
+contact recalls the first; escalate_to_human hands the session over."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+import pytest
+
+from services.builtins.notify import verify
+from tests.integration.builtins_support import SECRET, receiver
+
+pytestmark = pytest.mark.e2e
+
+NOTIFY_HOST = "127.0.0.2"  # the stack's webhook allowlist admits this loopback address only
+QUOTE_FORM = {
+    "type": "object",
+    "properties": {"rooms": {"type": "integer", "minimum": 1}, "service": {"type": "string", "enum": ["painting", "cleaning"]}},
+    "required": ["rooms", "service"],
+    "additionalProperties": False,
+}
+LEAD_TEXT = "Please save my details as a lead: my name is Jane Doe, email {email}"
+
+
+class Api:
+    """A tenant's view of the gateway."""
+
+    def __init__(self, client, base: str, headers: dict[str, str]) -> None:
+        self.client, self.base, self.headers = client, base, headers
+
+    async def call(self, method: str, path: str, body=None, expect: int = 200):
+        async with self.client.request(method, self.base + path, headers=self.headers, json=body) as r:
+            data = await r.json() if r.status != 204 else None
+            assert r.status == expect, (r.status, data)
+            return data
+
+    async def say(self, session: str, text: str) -> dict:
+        return await self.call("POST", f"/v1/sessions/{session}/messages", {"text": text})
+
+
+@pytest.fixture
+def api(stack, client, tenant) -> Api:
+    return Api(client, stack.gateway.url, tenant[2])
+
+
+async def test_lead_booking_and_form_in_one_conversation_with_signed_notifications(api):
+    email = f"jane-{secrets.token_hex(3)}@example.com"
+    slot = (datetime.now(UTC) + timedelta(days=1)).replace(hour=10, minute=0, second=0, microsecond=0)
+    async with receiver(NOTIFY_HOST) as rec:
+        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        await api.call("PUT", "/v1/forms/quote", QUOTE_FORM)
+        await api.call("PUT", "/v1/appointment-services/consult", {
+            "duration_minutes": 60, "timezone": "UTC",
+            "opening_hours": {d: ["00:00", "24:00"] for d in ("mon", "tue", "wed", "thu", "fri", "sat", "sun")}})
+        session = f"e2e-builtins-{secrets.token_hex(4)}"
+
+        # 1. the model picks collect_lead from the contact's words while it is offered
+        first = await api.say(session, LEAD_TEXT.format(email=email))
+        assert [(c["name"], c["success"]) for c in first["tool_calls"]] == [("collect_lead", True)], first
+
+        # 2. booking is a write: held for approval, then approved through the API
+        held = await api.say(session, "/call book_appointment " + msgspec.json.encode(
+            {"service": "consult", "start": slot.isoformat()}).decode())
+        pending = held["pending_approval"]
+        assert pending["tools"] == ["book_appointment"] and held["tool_calls"] == []
+        booked = await api.call("POST", f"/v1/sessions/{session}/approvals/{pending['approval_id']}", {"approve": True})
+        assert [(c["name"], c["success"]) for c in booked["tool_calls"]] == [("book_appointment", True)], booked
+
+        # 3. a form: a wrong answer names the field; a right one is stored
+        wrong = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 0, "service": "painting"}}')
+        assert "'rooms': 0 is less than the minimum of 1" in wrong["tool_calls"][0]["error"]
+        submitted = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 3, "service": "painting"}}')
+        assert submitted["tool_calls"][0]["success"], submitted
+
+        # 4. collect_lead is no longer offered: the same words no longer call it ...
+        again = await api.say(session, LEAD_TEXT.format(email=email))
+        assert "collect_lead" not in [c["name"] for c in again["tool_calls"]], again
+        # ... and a forced call is refused by the engine's policy, in-band
+        forced = await api.say(session, "/call collect_lead " + msgspec.json.encode(
+            {"name": "Jane Doe", "email": email}).decode())
+        assert forced["tool_calls"][0]["success"] is False
+        assert "this was already done in this conversation" in forced["tool_calls"][0]["error"]
+
+        view = await api.call("GET", f"/v1/sessions/{session}")
+        assert view["variables"]["lead_collected"] == "true" and view["variables"]["contact_id"] == email
+
+        # the rows exist
+        leads = (await api.call("GET", "/v1/leads"))["leads"]
+        assert [(lead["session_id"], lead["email"], lead["name"]) for lead in leads] == [(session, email, "Jane Doe")]
+        appointments = (await api.call("GET", "/v1/appointments?service=consult"))["appointments"]
+        assert [(a["session_id"], datetime.fromisoformat(a["starts_at"]), a["contact_email"]) for a in appointments] == [
+            (session, slot, email)]
+        submissions = (await api.call("GET", "/v1/forms/quote/submissions"))["submissions"]
+        assert [(s["session_id"], s["data"]) for s in submissions] == [(session, {"rooms": 3, "service": "painting"})]
+
+        await rec.wait(3, timeout=20)
+    events = {}
+    for headers, body in rec.requests:
+        assert verify(SECRET, headers, body), headers  # what the tenant's receiver does
+        event = msgspec.json.decode(body)
+        events[event["type"]] = event["data"]
+    assert set(events) == {"lead.created", "appointment.booked", "form.submitted"}
+    assert events["lead.created"]["email"] == email and events["lead.created"]["session_id"] == session
+    assert datetime.fromisoformat(events["appointment.booked"]["starts_at"]) == slot
+    assert events["form.submitted"]["data"] == {"rooms": 3, "service": "painting"}
+
+
+async def test_a_later_session_of_the_same_contact_recalls_the_first(api):
+    email = f"sam-{secrets.token_hex(3)}@example.com"
+    first, later = f"e2e-mem-a-{secrets.token_hex(3)}", f"e2e-mem-b-{secrets.token_hex(3)}"
+    lead = {"name": "Sam Roe", "email": email, "notes": "loft conversion with skylights"}
+    saved = await api.say(first, "/call collect_lead " + msgspec.json.encode(lead).decode())
+    assert saved["tool_calls"][0]["success"], saved
+    await api.say(first, "Also, the skylights should face south")
+
+    # the new session learns who the contact is, then remembers the first conversation
+    await api.say(later, "/call collect_lead " + msgspec.json.encode({"name": "Sam Roe", "email": email}).decode())
+    recalled = await api.say(later, '/call recall_memory {"query": "skylights"}')
+    assert recalled["tool_calls"][0]["success"], recalled
+    # session one's saved fact and both of its messages that mention skylights (the first was
+    # the /call line itself: a message's text is searched whatever it says), newest first
+    assert "found: 3" in recalled["reply"], recalled["reply"]
+    assert "summary: Also, the skylights should face south |" in recalled["reply"]
+
+
+async def test_escalation_hands_the_session_over_and_notifies_the_tenant(api):
+    session = f"e2e-handoff-{secrets.token_hex(3)}"
+    async with receiver(NOTIFY_HOST) as rec:
+        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        reply = await api.say(session, "I want to talk to a human about my invoice")
+        assert [(c["name"], c["success"]) for c in reply["tool_calls"]] == [("escalate_to_human", True)], reply
+        assert reply["handoff"] is True
+        after = await api.say(session, "hello, anyone?")
+        assert after["tool_calls"] == [] and "member of our team" in after["reply"]
+        handoffs = (await api.call("GET", "/v1/handoffs"))["handoffs"]
+        assert [(h["session_id"], h["reason"]) for h in handoffs] == [
+            (session, "I want to talk to a human about my invoice")]
+        await rec.wait(1, timeout=20)
+    headers, body = rec.requests[0]
+    assert verify(SECRET, headers, body)
+    assert msgspec.json.decode(body)["type"] == "handoff.requested"
+
+
+async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, client, make_tenant_api):
+    problem = await api.call("PUT", "/v1/appointment-services/cut", {
+        "duration_minutes": 30, "opening_hours": {"mon": ["17:00", "09:00"]}}, expect=422)
+    assert "closing time 09:00 is not after opening time 17:00 - at `$.opening_hours.mon`" in problem["detail"]
+    problem = await api.call("PUT", "/v1/appointment-services/cut", {
+        "duration_minutes": 30, "timezone": "Mars/Olympus", "opening_hours": {}}, expect=422)
+    assert "timezone 'Mars/Olympus' is not an IANA time zone" in problem["detail"]
+    problem = await api.call("PUT", "/v1/forms/bad", {"type": "object", "properties": {"a": {"type": "nope"}}},
+                             expect=422)
+    assert "at `$.properties.a.type`" in problem["detail"]
+
+    saved = await api.call("PUT", "/v1/appointment-services/cut", {
+        "duration_minutes": 30, "timezone": "Europe/Paris", "opening_hours": {"Monday": ["09:00", "12:00"]}})
+    assert saved["opening_hours"] == {"mon": [["09:00", "12:00"]]}
+    assert (await api.call("GET", "/v1/appointment-services/cut"))["timezone"] == "Europe/Paris"
+    await api.call("PUT", "/v1/forms/contact", {"type": "object", "properties": {"msg": {"type": "string"}}})
+    assert [f["name"] for f in (await api.call("GET", "/v1/forms"))["forms"]] == ["contact"]
+
+    other = await make_tenant_api()
+    await other.call("GET", "/v1/forms/contact", expect=404)
+    await other.call("GET", "/v1/appointment-services/cut", expect=404)
+    assert (await other.call("GET", "/v1/forms"))["forms"] == []
+    await api.call("DELETE", "/v1/forms/contact", expect=204)
+    await api.call("GET", "/v1/forms/contact", expect=404)
+
+
+@pytest.fixture
+def make_tenant_api(stack, client):
+    async def make() -> Api:
+        from storage.pool import create_pool
+        from storage.repos import TenantRepo
+
+        pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
+        try:
+            _t, key = await TenantRepo(pool).create_tenant(f"e2e-other-{secrets.token_hex(4)}")
+        finally:
+            await pool.close()
+        return Api(client, stack.gateway.url, {"Authorization": f"Bearer {key.api_key}"})
+    return make

@@ -1,0 +1,114 @@
+"""Shared pieces of the built-in tool integration tests: a tenant-config fake, a trusted-context
+factory, the services wired to the real Postgres, and a notification receiver on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from services.botconfig import BotConfig
+from services.builtins import BuiltinServices
+from services.builtins.notify import Notifier
+from services.tools.context import TrustedContext
+from services.tools.ssrf import policy_from_entries
+from services.tools.webhook import WebhookClient
+from storage.repos.builtins import BuiltinRepos
+
+SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # base64 of 24 bytes, Standard Webhooks' example shape
+
+
+class FakeConfigs:
+    """TenantConfigs fake: one BotConfig per tenant (default: none configured)."""
+
+    def __init__(self) -> None:
+        self.configs: dict[str, BotConfig] = {}
+
+    def set(self, tenant_id: str, **fields: Any) -> BotConfig:
+        self.configs[tenant_id] = BotConfig(**fields)
+        return self.configs[tenant_id]
+
+    async def config_for(self, tenant_id: str) -> BotConfig:
+        return self.configs.get(tenant_id, BotConfig())
+
+
+def ctx(tenant_id: str, session_id: str | None = None, *, variables: dict[str, str] | None = None,
+        language: str = "english", key: str | None = None) -> TrustedContext:
+    """The context the engine would build: contact_id from the `contact_id` variable, else the session."""
+    session_id = session_id or f"s-{secrets.token_hex(4)}"
+    variables = variables or {}
+    return TrustedContext(
+        tenant_id=tenant_id, session_id=session_id, message_id="m1",
+        contact_id=variables.get("contact_id") or session_id, variables=variables,
+        idempotency_key=key or f"m-{secrets.token_hex(4)}:call", language=language,
+    )
+
+
+class FixedClock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Receiver:
+    """A tenant's notification endpoint: records every request (headers, raw body)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.delay_s = 0.0
+        self.status = 204
+        self.arrived = asyncio.Event()
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.requests.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        self.arrived.set()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return web.Response(status=self.status)
+
+    async def wait(self, count: int = 1, timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.requests) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@asynccontextmanager
+async def receiver(host: str = "127.0.0.1") -> AsyncIterator[Receiver]:
+    rec = Receiver()
+    app = web.Application()
+    app.router.add_post("/hooks/{tail:.*}", rec.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    rec.url = f"http://{host}:{port}/hooks/ce"
+    try:
+        yield rec
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def services(pool, *, now: datetime | None = None, allow: tuple[str, ...] = ("127.0.0.1/32",),
+                   attempt_timeout_s: float = 2.0) -> AsyncIterator[tuple[BuiltinServices, FakeConfigs]]:
+    """The built-in services on the test pool, a real SSRF-guarded webhook client, fake configs."""
+    configs = FakeConfigs()
+    async with WebhookClient(policy=policy_from_entries(allow)) as client:
+        notifier = Notifier(client, attempt_timeout_s=attempt_timeout_s, backoff_s=(0.05,))
+        clock = FixedClock(now or datetime.now(UTC))
+        svc = BuiltinServices(BuiltinRepos(pool), configs, client, now=clock, notifier=notifier)
+        try:
+            yield svc, configs
+        finally:
+            await notifier.close(timeout_s=5.0)

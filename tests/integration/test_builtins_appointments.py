@@ -1,0 +1,176 @@
+"""book_appointment / list_appointment_slots on the real Postgres: free slots from opening hours in
+the service's time zone, bookings on slot boundaries only, and the race for one slot (100
+concurrent attempts: exactly one booking, the others told the slot was just taken)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from services.builtins.appointments import SlotUnavailable, service_from_body
+from services.tools.errors import InvalidArguments, PolicyDenied
+from tests.integration.builtins_support import SECRET, ctx, receiver, services
+
+NOW = datetime(2026, 7, 1, 8, 0, tzinfo=UTC)  # Wednesday, 10:00 in Berlin
+HAIRCUT = {"duration_minutes": 30, "timezone": "Europe/Berlin",
+           "opening_hours": {"mon": [["09:00", "12:00"], ["13:00", "17:00"]], "tue": ["09:00", "17:00"],
+                             "wed": ["09:00", "17:00"], "thu": ["09:00", "17:00"], "fri": ["09:00", "12:00"]}}
+
+
+async def tenant_with_services(make_tenant, svc, **extra):
+    tenant, _ = await make_tenant("appt")
+    await svc.repos.appointments.put_service(tenant.id, service_from_body("haircut", HAIRCUT))
+    for name, body in extra.items():
+        await svc.repos.appointments.put_service(tenant.id, service_from_body(name, body))
+    return tenant
+
+
+async def test_free_slots_follow_opening_hours_in_the_service_time_zone(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        listing = await svc.appointments.list_slots({}, ctx(tenant.id))  # the only service
+        assert listing["service"] == "haircut" and listing["timezone"] == "Europe/Berlin"
+        # now is 10:00 local: the 10:00 slot has started, 10:30 is the first free one
+        assert listing["free_slots"][:3] == ["2026-07-01T10:30+02:00", "2026-07-01T11:00+02:00",
+                                             "2026-07-01T11:30+02:00"]
+        assert len(listing["free_slots"]) == 12
+        assert listing["summary"].startswith("Wed 01 Jul: 10:30, 11:00")
+
+        friday = await svc.appointments.list_slots({"service": "haircut", "day": "2026-07-03"}, ctx(tenant.id))
+        assert friday["free_slots"] == [f"2026-07-03T{h}+02:00" for h in
+                                        ("09:00", "09:30", "10:00", "10:30", "11:00", "11:30")]
+        saturday = await svc.appointments.list_slots({"day": "2026-07-04"}, ctx(tenant.id))
+        assert saturday["free_slots"] == [] and saturday["note"].startswith("no free slots that day")
+        assert saturday["next_free_slots"][0] == "2026-07-06T09:00+02:00"  # Monday
+
+        # book_appointment lists too: without start, with action "list", with a date alone
+        for args in ({"service": "haircut"}, {"service": "haircut", "action": "list"}):
+            assert (await svc.appointments.book(args, ctx(tenant.id)))["free_slots"] == listing["free_slots"]
+        by_date = await svc.appointments.book({"service": "haircut", "start": "2026-07-03"}, ctx(tenant.id))
+        assert by_date["free_slots"] == friday["free_slots"]
+
+
+async def test_booking_a_free_slot_stores_it_and_removes_it_from_the_listing(pool, make_tenant):
+    async with receiver() as rec, services(pool, now=NOW) as (svc, configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        c = ctx(tenant.id)
+        await svc.leads.collect({"name": "Jane Doe", "email": "jane@example.com"}, c)
+        booked = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T09:00"}, c)
+        assert booked["status"] == "booked"
+        assert (booked["start"], booked["end"]) == ("2026-07-02T09:00+02:00", "2026-07-02T09:30+02:00")
+
+        rows = await svc.repos.appointments.list(tenant.id)
+        assert [(r.starts_at, r.session_id, r.contact_name, r.contact_email) for r in rows] == [
+            (datetime(2026, 7, 2, 7, 0, tzinfo=UTC), c.session_id, "Jane Doe", "jane@example.com")]
+        thursday = await svc.appointments.list_slots({"day": "2026-07-02"}, ctx(tenant.id))
+        assert "2026-07-02T09:00+02:00" not in thursday["free_slots"]
+        assert thursday["free_slots"][0] == "2026-07-02T09:30+02:00"
+
+        # an offset in `start` is honoured: 07:30Z is 09:30 in Berlin
+        utc = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T07:30:00Z"}, ctx(tenant.id))
+        assert utc["start"] == "2026-07-02T09:30+02:00"
+
+        await rec.wait(3)  # lead.created + two appointment.booked
+    events = [msgspec.json.decode(body) for _h, body in rec.requests]
+    booked_events = [e for e in events if e["type"] == "appointment.booked"]
+    assert {e["data"]["starts_at"] for e in booked_events} == {"2026-07-02T07:00:00+00:00", "2026-07-02T07:30:00+00:00"}
+    assert any(e["data"]["contact_email"] == "jane@example.com" for e in booked_events)
+
+
+@pytest.mark.parametrize(("start", "message"), [
+    ("2026-07-02T09:10", r"'start' 2026-07-02T09:10\+02:00 is not a slot of haircut \(30-minute slots"),
+    ("2026-07-06T12:00", r"is not a slot of haircut"),  # Monday's lunch break
+    ("2026-07-04T10:00", r"is not a slot of haircut"),  # Saturday: closed
+    ("2026-07-02T16:45", r"is not a slot of haircut"),  # would end after closing
+    ("2026-07-01T09:00", r"'start' 2026-07-01T09:00\+02:00 is in the past"),
+    ("2028-01-03T09:00", r"more than 366 days ahead"),
+    ("next tuesday", r"'start' is not a date and time: 'next tuesday'"),
+])
+async def test_a_start_that_is_no_free_slot_is_refused_in_band(pool, make_tenant, start, message):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        with pytest.raises(InvalidArguments, match=message):
+            await svc.appointments.book({"service": "haircut", "start": start}, ctx(tenant.id))
+        assert await svc.repos.appointments.list(tenant.id) == []
+
+
+async def test_unknown_or_missing_services_are_named_in_band(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        bare, _ = await make_tenant("appt")
+        with pytest.raises(PolicyDenied, match="this business has no bookable services set up"):
+            await svc.appointments.list_slots({}, ctx(bare.id))
+        tenant = await tenant_with_services(make_tenant, svc, massage={**HAIRCUT, "duration_minutes": 60})
+        with pytest.raises(InvalidArguments, match="there is no service named 'nails'; the services are: haircut, massage"):
+            await svc.appointments.book({"service": "nails", "start": "2026-07-02T09:00"}, ctx(tenant.id))
+        with pytest.raises(InvalidArguments, match="'service' is required; the services are: haircut, massage"):
+            await svc.appointments.list_slots({}, ctx(tenant.id))
+        assert (await svc.appointments.list_slots({"service": "Massage"}, ctx(tenant.id)))["service"] == "massage"
+
+
+async def test_one_hundred_concurrent_bookings_of_one_slot_make_exactly_one_booking(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        attempts = [
+            svc.appointments.book({"service": "haircut", "start": "2026-07-02T10:00"}, ctx(tenant.id, f"race-{i}"))
+            for i in range(100)
+        ]
+        results = await asyncio.gather(*attempts, return_exceptions=True)
+
+    wins = [r for r in results if isinstance(r, dict)]
+    losses = [r for r in results if isinstance(r, SlotUnavailable)]
+    assert len(wins) == 1 and len(losses) == 99, [type(r).__name__ for r in results if not isinstance(r, (dict, SlotUnavailable))]
+    assert all(loss.reason == "that slot was just taken" for loss in losses)
+    assert all(loss.advice.startswith("Offer the customer the next free slots: 2026-07-02T10:30+02:00") for loss in losses)
+    assert all("2026-07-02T10:00+02:00" not in loss.advice for loss in losses)
+    assert not any(loss.counts_for_breaker for loss in losses)
+    count = await pool.fetchval(
+        "SELECT count(*) FROM ce_appointments WHERE tenant_id = $1 AND service = 'haircut'", tenant.id)
+    assert count == 1
+
+
+async def test_overlapping_bookings_are_refused_even_when_a_service_changes_its_duration(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        await svc.appointments.book({"service": "haircut", "start": "2026-07-02T10:30"}, ctx(tenant.id))
+        await svc.repos.appointments.put_service(tenant.id, service_from_body("haircut", {**HAIRCUT, "duration_minutes": 60}))
+        with pytest.raises(SlotUnavailable, match="that slot was just taken"):  # 10:00-11:00 overlaps 10:30-11:00
+            await svc.appointments.book({"service": "haircut", "start": "2026-07-02T10:00"}, ctx(tenant.id))
+
+
+async def test_a_replayed_booking_call_returns_the_first_booking(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        c = ctx(tenant.id, key="m-7:toolu_1")
+        first = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:00"}, c)
+        again = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:00"}, c)
+        assert again == first
+        assert len(await svc.repos.appointments.list(tenant.id)) == 1
+
+
+async def test_booking_a_slot_this_conversation_already_holds_says_so(pool, make_tenant):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        first = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:30"}, ctx(tenant.id, "s-mine"))
+        # a new call (another idempotency key) of the same session for the same slot
+        again = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:30"}, ctx(tenant.id, "s-mine"))
+        assert again["appointment_id"] == first["appointment_id"]
+        assert again["status"] == "already booked in this conversation"
+
+
+async def test_a_booking_stands_when_its_memory_fact_cannot_be_written(pool, make_tenant):
+    class BrokenMemories:
+        async def add_fact(self, *args, **kwargs):
+            raise RuntimeError("memory store down")
+
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        svc.memory._store = BrokenMemories()  # noqa: SLF001 - a failing dependency, injected
+        with capture_logs() as logs:
+            booked = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T12:30"}, ctx(tenant.id))
+    assert booked["status"] == "booked"
+    assert any(e["event"] == "memory_fact_not_stored" for e in logs)
