@@ -4,7 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-unit bench loadtest lint clean
+CHROMIUM := /usr/bin/chromium
+SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -n )
+
+.PHONY: setup browser run test test-unit bench loadtest lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,10 +16,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Debian's chromium for the dashboard browser tests (Playwright drives it; it never downloads
+# a browser). Nothing to do when it is there; if it cannot be installed those tests skip, saying why.
+browser:
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser tests..."; \
+	  ( $(SUDO)apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO)apt-get install -y -q chromium ) >/dev/null \
+	  || echo "warning: could not install chromium; the dashboard browser tests will be skipped"; }
+
 run: setup
 	$(BIN)/chat-engine run
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-unit: setup
