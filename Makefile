@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHROMIUM := /usr/bin/chromium
 SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -n )
 
-.PHONY: setup browser run test test-unit bench loadtest lint clean
+.PHONY: setup browser run test test-unit bench loadtest soak lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: setup
 
 loadtest: setup
 	$(BIN)/python -m services.loadtest
+
+# 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json
+SOAK_SECONDS ?= 900
+soak: setup
+	$(BIN)/python -m services.soak --seconds $(SOAK_SECONDS)
 
 lint: setup
 	$(BIN)/ruff check actors services storage tests

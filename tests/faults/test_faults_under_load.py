@@ -8,122 +8,47 @@ sessions keep answering, breakers trip as specified. Loopback only; bounded in c
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from services.soak import Contacts, StackProcess, lost_records, order_call
 from storage.pool import create_pool
-from storage.records import session_uid
 
 SESSIONS = 100
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Stack:
-    def __init__(self, data: Path, port: int, proc: subprocess.Popen) -> None:
-        self.data, self.port, self.proc = data, port, proc
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(line.split("=", 1) for line in (data / "demo.env").read_text().split())
-        self.headers = {"Authorization": f"Bearer {env['CE_API_KEY']}"}
-        from storage.embedded import start_embedded
-
-        self.pg = start_embedded(data)  # attaches to the running cluster
-
-
 @pytest_asyncio.fixture(scope="module")
 async def faulty():
-    data = Path(tempfile.mkdtemp(prefix="ce-faults-"))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CE_", "DATABASE_URL", "RAY_ADDRESS"))}
-    env.update({"CE_DATA_DIR": str(data), "CE_PORT": str(port), "CE_SHARDS": "2", "CE_LOG_FORMAT": "json",
-                "CE_LOG_LEVEL": "warning", "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0"})
-    log = open(data / "stack.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
+    stack = StackProcess()
+    await stack.start()
     try:
-        async with aiohttp.ClientSession() as client:
-            for _ in range(240):
-                if proc.poll() is not None:
-                    pytest.fail(f"the stack exited: {(data / 'stack.log').read_text()[-3000:]}")
-                try:
-                    async with client.get(f"http://127.0.0.1:{port}/readyz") as r:
-                        if r.status == 200 and (data / "demo.env").exists():
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-            else:
-                pytest.fail("the stack did not become ready in 120 s")
-        yield Stack(data, port, proc)
+        yield stack
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stack.stop()
 
 
-class Load:
-    """Contacts that retry (same message_id) until acknowledged, as a careful client does."""
-
-    def __init__(self, stack: Stack, client: aiohttp.ClientSession) -> None:
-        self.stack, self.client = stack, client
-        self.acked: dict[str, dict] = {}  # message_id -> reply
-        self.statuses: list[int] = []
-
-    async def send(self, session: str, text: str, message_id: str, *, deadline_s: float = 90) -> dict:
-        end = time.monotonic() + deadline_s
-        while True:
-            try:
-                async with self.client.post(f"{self.stack.url}/v1/sessions/{session}/messages",
-                                            headers=self.stack.headers,
-                                            json={"text": text, "message_id": message_id}) as r:
-                    self.statuses.append(r.status)
-                    body = await r.json(content_type=None)
-                    if r.status == 200:
-                        self.acked[message_id] = body
-                        return body
-                    assert r.status in (429, 503), (r.status, body)
-                    pause = float(r.headers.get("Retry-After", "1"))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pause = 0.5
-            if time.monotonic() > end:
-                raise AssertionError(f"{message_id} was never acknowledged")
-            await asyncio.sleep(min(pause, 2.0))
+def Load(stack, client) -> Contacts:  # noqa: N802 - reads as the load it drives
+    return Contacts(stack, client)
 
 
-def order_call(n: int) -> str:
-    return f'/call check_order {{"order_id": "{n}"}}'
+async def db_facts(stack, message_ids):
+    acked = {m: {"tool_calls": []} for m in message_ids}
+    missing, _ = await lost_records(stack, acked)
+    from storage.pool import create_pool
 
-
-async def db_facts(stack: Stack, message_ids: list[str]) -> tuple[set[str], dict[str, int]]:
-    pool = await create_pool(stack.pg.url, max_size=2)
+    pool = await create_pool(stack.pg.url, max_size=1)
     try:
-        turns = {r["message_id"] for r in await pool.fetch(
-            "SELECT message_id FROM ce_turns WHERE message_id = ANY($1)", message_ids)}
         calls = {r["message_id"]: r["n"] for r in await pool.fetch(
             "SELECT message_id, count(*) AS n FROM ce_tool_calls WHERE message_id = ANY($1) GROUP BY message_id",
             message_ids)}
     finally:
         await pool.close()
-    return turns, calls
+    return set(message_ids) - set(missing), calls
 
 
 async def test_postgres_down_for_10_s_under_load_loses_nothing_acknowledged(faulty):
@@ -137,13 +62,11 @@ async def test_postgres_down_for_10_s_under_load_loses_nothing_acknowledged(faul
 
         running = asyncio.gather(*(traffic(i) for i in range(SESSIONS)))
         await asyncio.sleep(0.5)
-        await asyncio.to_thread(faulty.pg.stop)  # Postgres refuses every connection from now on
+        await faulty.stop_postgres()  # Postgres refuses every connection from now on
         with pytest.raises(Exception):  # noqa: B017 - the fault is real: nothing can connect
             await create_pool(faulty.pg.url, max_size=1, timeout=2)
         await asyncio.sleep(10)
-        from storage.embedded import start_embedded
-
-        faulty.pg = await asyncio.to_thread(start_embedded, faulty.data)
+        await faulty.start_postgres()
         await asyncio.wait_for(running, 180)
     ids = list(load.acked)
     assert len(ids) == SESSIONS * 4
@@ -241,9 +164,7 @@ async def test_kill_9_a_host_under_load_loses_nothing_acknowledged(faulty):
 
         running = asyncio.gather(*(traffic(i) for i in range(SESSIONS)))
         await asyncio.sleep(1.0)
-        pids = [int(p) for p in subprocess.run(["pgrep", "-f", "SessionHostActor"], capture_output=True,
-                                               text=True).stdout.split()]
-        mine = [p for p in pids if _descends_from(p, faulty.proc.pid)]
+        mine = faulty.host_pids()
         assert mine, "no session host process of this stack found"
         os.kill(mine[0], signal.SIGKILL)
         await asyncio.wait_for(running, 180)
@@ -252,15 +173,3 @@ async def test_kill_9_a_host_under_load_loses_nothing_acknowledged(faulty):
     turns, calls = await db_facts(faulty, ids)
     assert turns == set(ids)
     assert all(calls.get(m, 0) == len(r["tool_calls"]) for m, r in load.acked.items())
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
-    return False
