@@ -20,6 +20,7 @@ import structlog
 
 from actors.session import TurnEnv
 from services.botconfig import BotConfig, botconfig_from_dict
+from services.tools.mcp import with_mcp_tools
 from services.tools.model import ToolDefinition
 from services.tools.registry import Catalog, HandlerRegistry, ToolBackend, build_catalog
 
@@ -27,6 +28,8 @@ log = structlog.get_logger(__name__)
 
 
 class TenantCatalogs:
+    _mcp: Any = None  # services.tools.mcp.McpCatalogSource, set by attach_mcp
+
     def __init__(
         self,
         *,
@@ -117,10 +120,33 @@ class TenantCatalogs:
         env = await self.env_for(tenant_id)
         return env.catalog, env.config
 
+    def attach_mcp(self, source: Any) -> None:
+        """Add the tools of the tenant's MCP servers (services.tools.mcp.McpCatalogSource) to
+        every catalog loaded from now on; their registrations join the catalog stamp."""
+        self._mcp = source
+        base = self._stamp
+        if base is not None:
+
+            async def stamp(tenant_id: str) -> str:
+                tools, servers = await asyncio.gather(base(tenant_id), source.stamp(tenant_id))
+                return f"{tools}|{servers}"
+
+            self._stamp = stamp
+
+    async def _load_mcp(self, tenant_id: str) -> Any:
+        return None if self._mcp is None else await self._mcp.load(tenant_id)
+
+    def _with_mcp(self, tenant_id: str, catalog: Catalog, loaded: Any) -> Catalog:
+        if loaded is None:
+            return catalog
+        if not loaded.complete:  # a server could not be listed: try again soon, not after the TTL
+            asyncio.get_running_loop().call_later(self._mcp.retry_after_s, self.invalidate, tenant_id)
+        return with_mcp_tools(catalog, loaded.tools, loaded.problems)
+
     async def _load(self, tenant_id: str) -> TurnEnv:
         self.reloads += 1
-        config_data, rows = await asyncio.gather(
-            self._configs.get(tenant_id), self._tools.list_published(tenant_id)
+        config_data, rows, mcp = await asyncio.gather(
+            self._configs.get(tenant_id), self._tools.list_published(tenant_id), self._load_mcp(tenant_id)
         )
         config = botconfig_from_dict(config_data)
         definitions = []
@@ -133,6 +159,7 @@ class TenantCatalogs:
             self._builtins(), definitions, registry=self._registry, backend=self._backend_for(config),
             workflows=self._workflows,
         )
+        catalog = self._with_mcp(tenant_id, catalog, mcp)
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,
             main_model=config.main_model or self._main, cheap_model=config.cheap_model or self._cheap,

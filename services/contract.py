@@ -89,6 +89,7 @@ def build_report(
     for compiled in catalog:
         if compiled.name not in seen and compiled.origin == "builtin":
             tools.append(_tool(compiled.definition, None, catalog, config, openapi))
+    tools += _mcp_tools(catalog, config, openapi, seen)
     known = {t.name for t in tools}
     intent_findings: dict[str, list[Finding]] = {}
     for intent_name, intent in config.intents.items():
@@ -159,6 +160,27 @@ def _tool(
         name=name, type=_type(definition), version=version, origin=origin, runs=runs,
         enabled=definition.enabled, offered=offered, fields=fields, findings=findings,
     )
+
+
+def _mcp_tools(catalog: Catalog, config: BotConfig, openapi: dict | None, seen: set[str]) -> list[ToolContract]:
+    """Tools listed from the tenant's MCP servers, and what of them could not be loaded (a server
+    that could not be listed is one entry named `<server>__*`)."""
+    out: list[ToolContract] = []
+    for compiled in catalog:
+        if compiled.name not in seen and compiled.origin == "mcp":
+            entry = _tool(compiled.definition, None, catalog, config, openapi)
+            allowlisted = config.allowlist is None or compiled.name in config.allowlist
+            out.append(msgspec.structs.replace(entry, origin="mcp", offered=allowlisted))
+    for name, problem in sorted(catalog.problems.items()):
+        if name not in seen and catalog.get(name) is None:
+            out.append(ToolContract(
+                name=name, type="mcp", version=None, origin="mcp", runs=None, enabled=True, offered=False,
+                fields=[], findings=[Finding(
+                    kind="handler_not_loaded", severity="error", message=problem,
+                    fix="check the server's registration (GET /v1/mcp-servers/{name}) and that it answers",
+                )],
+            ))
+    return out
 
 
 def _type(definition: ToolDefinition) -> str:

@@ -72,9 +72,20 @@ class Runtime:
             approval_keys=approval_keys(settings.secret_keys), approval_ttl_s=settings.approval_ttl_s,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
         )
+        rt._install_mcp()
         if listen:
             rt.listener = await listen_catalog(rt.pool, rt.tenants.invalidate, on_lost=rt._listener_lost)
         return rt
+
+    def _install_mcp(self) -> None:
+        """MCP servers as a tool source: the same SSRF policy as webhooks (CE_WEBHOOK_ALLOW)."""
+        from services.tools.mcp import McpCatalogSource
+        from services.tools.mcp_client import McpHttpClient
+        from storage.repos.mcp_servers import McpServerRepo
+
+        client = McpHttpClient(policy=policy_from_entries(self.settings.webhook_allow))
+        self.mcp = McpCatalogSource(McpServerRepo(self.pool), client, secret_box=self.secret_box)
+        self.tenants.attach_mcp(self.mcp)
 
     def _install_builtins(self):
         try:

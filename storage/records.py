@@ -192,3 +192,19 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+
+
+class McpServerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A row of ce_mcp_servers: a remote MCP server a tenant registered as a tool source."""
+
+    tenant_id: str
+    name: str  # prefixes its tools' catalog names: <name>__<tool>
+    url: str  # the streamable-HTTP endpoint
+    auth_header_enc: str | None = None  # ciphertext (services.tools.crypto); never leaves the server
+    enabled: bool = True
+    read_only_tools: tuple[str, ...] = ()  # remote tool names the TENANT declares read-only
+    include_tools: tuple[str, ...] | None = None  # None: every listed tool
+    intents: tuple[str, ...] = ()  # intents every tool of this server belongs to
+    timeout_ms: int = 10_000
+    created_at: datetime | None = None
+    updated_at: datetime | None = None

@@ -1,0 +1,189 @@
+"""MCP as a tool source, end to end: a real MCP server (the official SDK's MCPServer over
+streamable HTTP, on 127.0.0.2, which the stack's SSRF allowlist admits) registered by a tenant
+through the gateway; its tools listed in the catalog, gated, called with `/call`, broken (the
+breaker trips), and its destructive tool held for approval, all through the real stack (gateway +
+Ray session hosts + Postgres + the local model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.mcp_support import ShopMcpServer
+
+TOKEN = "Bearer mcp-test-token"
+
+
+@pytest.fixture(scope="module")
+def shop():
+    try:
+        server = ShopMcpServer(token=TOKEN).start()
+    except OSError:
+        pytest.skip("127.0.0.2 cannot be bound here")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Api:
+    def __init__(self, client, gateway_url: str, headers: dict) -> None:
+        self.client = client
+        self.url = gateway_url
+        self.headers = headers
+
+    async def request(self, method: str, path: str, body=None) -> tuple[int, dict]:
+        async with self.client.request(method, f"{self.url}{path}", headers=self.headers, json=body) as r:
+            text = await r.text()
+            return r.status, (json.loads(text) if text else {})
+
+    async def chat(self, session: str, text: str) -> dict:
+        status, body = await self.request("POST", f"/v1/sessions/{session}/messages", {"text": text})
+        assert status == 200, body
+        return body
+
+    async def register(self, shop: ShopMcpServer, **extra) -> dict:
+        body = {"name": "shop", "url": shop.url, "auth_header": TOKEN,
+                "read_only_tools": ["lookup_order", "check_stock"], **extra}
+        status, created = await self.request("POST", "/v1/mcp-servers", body)
+        assert status == 201, created
+        return created
+
+
+@pytest.fixture
+def api(stack, client, tenant):
+    return Api(client, stack.gateway.url, tenant[2])
+
+
+def call(name: str, args: dict) -> str:
+    return f"/call {name} {json.dumps(args)}"
+
+
+def calls(reply: dict) -> list[tuple[str, bool]]:
+    return [(c["name"], c["success"]) for c in reply["tool_calls"]]
+
+
+async def test_its_tools_are_listed_called_and_gated_like_any_other_tool(api, shop):
+    created = await api.register(shop)
+    assert created["auth_header_set"] is True and "auth_header" not in created
+    assert TOKEN not in json.dumps(created)
+
+    status, view = await api.request("GET", "/v1/mcp-servers/shop")
+    assert status == 200 and TOKEN not in json.dumps(view)
+    tools = {t["name"]: t for t in view["tools"]}
+    assert set(tools) == {"shop__lookup_order", "shop__check_stock", "shop__delete_customer",
+                          "shop__archive_order"}, view
+    assert all(t["origin"] == "mcp" and t["type"] == "mcp" and t["offered"] for t in tools.values())
+    assert "(read)" in tools["shop__lookup_order"]["runs"]
+    assert "held for approval" in tools["shop__delete_customer"]["runs"]
+    assert "held for approval" in tools["shop__archive_order"]["runs"]  # its read-only hint is not trusted
+    _, report = await api.request("GET", "/v1/tools/contract")
+    assert {"shop__lookup_order", "shop__delete_customer"} <= {t["name"] for t in report["tools"]}
+
+    # called through the gateway, with the tenant's credentials, structured content as the result
+    reply = await api.chat("mcp-1", call("shop__lookup_order", {"order_id": "A-100"}))
+    assert calls(reply) == [("shop__lookup_order", True)], reply
+    assert "shipped" in reply["reply"]
+    assert shop.called("lookup_order") == [{"order_id": "A-100"}]
+    assert {r["authorization"] for r in shop.requests} == {TOKEN}
+    # the model picks it from the contact's words while it is offered ...
+    reply = await api.chat("mcp-1", "please lookup order 4411")
+    assert calls(reply) == [("shop__lookup_order", True)], reply
+    assert {"order_id": "4411"} in shop.called("lookup_order")
+
+    # ... a disabled server is not contacted and offers nothing; a call to its tool is unknown
+    status, patched = await api.request("PATCH", "/v1/mcp-servers/shop", {"enabled": False})
+    assert status == 200 and patched["enabled"] is False and patched["auth_header_set"] is True
+    before = len(shop.calls)
+    reply = await api.chat("mcp-1", "please lookup order 4411")
+    assert reply["tool_calls"] == [], reply
+    reply = await api.chat("mcp-1", call("shop__lookup_order", {"order_id": "A-100"}))
+    [refused] = reply["tool_calls"]
+    assert not refused["success"] and "there is no tool named 'shop__lookup_order'" in refused["error"]
+    assert len(shop.calls) == before
+    _, view = await api.request("GET", "/v1/mcp-servers/shop")
+    assert view["tools"] == []
+
+    # analytics count MCP calls like any other
+    _, analytics = await api.request("GET", "/v1/analytics/tools?since=1h")
+    used = {t["name"]: t for t in analytics["tools"]}
+    assert used["shop__lookup_order"]["calls"] >= 2, analytics
+
+
+async def test_a_failing_tool_trips_the_breaker_after_three_failures(api, shop):
+    await api.register(shop)
+    session = "mcp-breaker"
+    first = await api.chat(session, "check stock please, sku: 12345")
+    assert calls(first) == [("shop__check_stock", False)], first
+    assert "the tool reported an error" in first["tool_calls"][0]["error"]
+    for _ in range(2):
+        reply = await api.chat(session, call("shop__check_stock", {"sku": "12345"}))
+        assert calls(reply) == [("shop__check_stock", False)], reply
+    ran = len(shop.called("check_stock"))
+    assert ran >= 3
+
+    fourth = await api.chat(session, call("shop__check_stock", {"sku": "12345"}))
+    [refused] = fourth["tool_calls"]
+    assert not refused["success"] and "failed too often" in refused["error"], fourth
+    assert len(shop.called("check_stock")) == ran  # refused in-band: nothing reached the server
+    status, state = await api.request("GET", f"/v1/sessions/{session}")
+    assert status == 200 and "shop__check_stock" in state["open_breakers"]
+    not_offered = await api.chat(session, "check stock please, sku: 12345")
+    assert not_offered["tool_calls"] == [], not_offered
+    # the rest of the server's tools still work in that session
+    reply = await api.chat(session, call("shop__lookup_order", {"order_id": "B-2"}))
+    assert calls(reply) == [("shop__lookup_order", True)]
+
+
+async def test_destructive_and_unvouched_tools_are_held_for_approval(api, shop):
+    # the tenant even lists delete_customer as read-only: the server's destructive hint still wins
+    await api.register(shop, read_only_tools=["lookup_order", "delete_customer"])
+    held = await api.chat("mcp-approve", call("shop__delete_customer", {"ref": "C-9"}))
+    pending = held.get("pending_approval")
+    assert pending and pending["tools"] == ["shop__delete_customer"], held
+    assert shop.called("delete_customer") == []  # nothing irreversible before approval
+    status, done = await api.request(
+        "POST", f"/v1/sessions/mcp-approve/approvals/{pending['approval_id']}", {"approve": True})
+    assert status == 200 and calls(done) == [("shop__delete_customer", True)], done
+    assert shop.called("delete_customer") == [{"ref": "C-9"}]
+    keys = [r["idempotency_key"] for r in shop.requests if r["idempotency_key"]]
+    assert keys, "a write to an mcp server carries an Idempotency-Key"
+
+    # a read-only hint alone never skips the approval
+    held = await api.chat("mcp-approve", call("shop__archive_order", {"order_id": "A-1"}))
+    pending = held.get("pending_approval")
+    assert pending and pending["tools"] == ["shop__archive_order"], held
+    status, denied = await api.request(
+        "POST", f"/v1/sessions/mcp-approve/approvals/{pending['approval_id']}", {"approve": False})
+    assert status == 200 and calls(denied) == [("shop__archive_order", False)]
+    assert shop.called("archive_order") == []
+
+
+async def test_a_server_at_the_metadata_address_is_refused_and_reported(api, shop):
+    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "meta", "url": "http://169.254.169.254/mcp"})
+    assert status == 201
+    status, view = await api.request("GET", "/v1/mcp-servers/meta")
+    [entry] = view["tools"]
+    assert entry["name"] == "meta__*" and not entry["offered"]
+    assert "destination not allowed" in entry["findings"][0]["message"], entry
+    status, listed = await api.request("GET", "/v1/mcp-servers")
+    assert [s["name"] for s in listed["mcp_servers"]] == ["meta"]
+    assert (await api.request("DELETE", "/v1/mcp-servers/meta"))[0] == 204
+    assert (await api.request("GET", "/v1/mcp-servers/meta"))[0] == 404
+
+
+async def test_registrations_are_validated(api, shop):
+    bad = [
+        {"name": "a__b", "url": shop.url},
+        {"name": "shop", "url": "ftp://example.com/mcp"},
+        {"name": "shop", "url": "http://user:pw@example.com/mcp"},
+        {"name": "shop", "url": shop.url, "timeout_ms": 5},
+        {"name": "shop", "url": shop.url, "surprise": 1},
+    ]
+    for body in bad:
+        status, problem = await api.request("POST", "/v1/mcp-servers", body)
+        assert status == 422, (body, problem)
+    await api.register(shop)
+    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "shop", "url": shop.url})
+    assert status == 409

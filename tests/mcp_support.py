@@ -1,0 +1,113 @@
+"""A real MCP server for tests: the official SDK's `MCPServer` over streamable HTTP, served by
+uvicorn in a thread on a loopback address (127.0.0.2 is the one the e2e stack allowlists).
+
+Its tools, as a shop's server would have them:
+- `lookup_order` (annotated read-only; structured result),
+- `check_stock` (always fails: the result has `isError`),
+- `delete_customer` (annotated destructive),
+- `archive_order` (annotated read-only although it changes data: a lying hint).
+Every HTTP request is checked against `token` (401 without it) and recorded with its headers;
+every tool run is recorded in `calls`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, TypedDict
+
+import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types import ToolAnnotations
+
+
+class Order(TypedDict):
+    order_id: str
+    status: str
+
+
+class ShopMcpServer:
+    def __init__(self, *, host: str = "127.0.0.2", token: str | None = "Bearer mcp-test-token",
+                 allowed_hosts: list[str] | None = None) -> None:
+        self.host = host
+        self.token = token
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.requests: list[dict[str, str | None]] = []
+        self.url = ""
+        self._allowed_hosts = allowed_hosts or [f"{host}:*"]
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def _app(self):
+        mcp = MCPServer("shop", log_level="WARNING")
+
+        @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+        def lookup_order(order_id: str) -> Order:
+            """Look up a customer order by its order number and tell its status."""
+            self.calls.append(("lookup_order", {"order_id": order_id}))
+            return {"order_id": order_id, "status": "shipped"}
+
+        @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+        def check_stock(sku: str) -> str:
+            """Check how many items of a product are in stock."""
+            self.calls.append(("check_stock", {"sku": sku}))
+            raise RuntimeError("stock service is down")
+
+        @mcp.tool(annotations=ToolAnnotations(destructiveHint=True))
+        def delete_customer(ref: str) -> str:
+            """Delete a customer record for good."""
+            self.calls.append(("delete_customer", {"ref": ref}))
+            return f"customer {ref} deleted"
+
+        @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+        def archive_order(order_id: str) -> str:
+            """Archive an order (changes data, whatever its annotation says)."""
+            self.calls.append(("archive_order", {"order_id": order_id}))
+            return f"order {order_id} archived"
+
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True, allowed_hosts=self._allowed_hosts,
+        )
+        app = mcp.streamable_http_app(host=self.host, transport_security=security)
+        return self._guard(app)
+
+    def _guard(self, app):
+        async def guarded(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+            self.requests.append({"method": scope["method"], "authorization": headers.get("authorization"),
+                                  "idempotency_key": headers.get("idempotency-key"), "host": headers.get("host")})
+            if self.token is not None and headers.get("authorization") != self.token:
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": b'{"error": "unauthorized"}'})
+                return None
+            return await app(scope, receive, send)
+
+        return guarded
+
+    def start(self) -> ShopMcpServer:
+        config = uvicorn.Config(self._app(), host=self.host, port=0, log_level="critical", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="mcp-test-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test MCP server did not start")
+            time.sleep(0.02)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.port = port
+        self.url = f"http://{self.host}:{port}/mcp"
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def called(self, tool: str) -> list[dict[str, Any]]:
+        return [args for name, args in self.calls if name == tool]
