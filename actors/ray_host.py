@@ -37,6 +37,9 @@ class HostResult(msgspec.Struct, frozen=True, kw_only=True):
     error: HostError | None = None
 
 
+SHARD_POOL_SIZE = 10  # Postgres connections of a shard host (thousands of sessions)
+DEDICATED_POOL_SIZE = 2  # of a dedicated actor (one session: the listener and one working)
+
 result_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(HostResult)
 event_decoder = msgspec.json.Decoder(StreamEvent)
@@ -83,7 +86,11 @@ class SessionHostActor:
                 from services.tracing import configure_tracing
 
                 self._tracing = configure_tracing(self._settings.otlp_endpoint, service_name=f"chat-engine.{self._name}")
-                self._runtime = await Runtime.open(self._settings)
+                # A dedicated actor runs one session, one turn at a time: the catalog listener and
+                # one working connection. Ten each, as a shard host has, and a few dozen live
+                # dedicated sessions use up Postgres's max_connections (TooManyConnectionsError).
+                pool_size = DEDICATED_POOL_SIZE if self._dedicated else SHARD_POOL_SIZE
+                self._runtime = await Runtime.open(self._settings, pool_size=pool_size)
                 host = SessionHost(
                     name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
                     jobs=self._runtime.jobs,
