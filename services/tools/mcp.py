@@ -38,7 +38,7 @@ import structlog
 from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.errors import ToolError
-from services.tools.model import Mutability, _ToolBase
+from services.tools.model import Mutability, ToolBase
 from services.tools.registry import Catalog, CompiledTool
 from services.tools.validation import check_schema
 from storage.records import McpServerRecord
@@ -62,7 +62,7 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
 _FAILED_ADVICE = "Tell the customer you cannot complete this right now and offer another way to help."
 
 
-class McpTool(_ToolBase, tag="mcp"):
+class McpTool(ToolBase, tag="mcp"):
     """A tool listed by a tenant's MCP server, as the catalog holds it (never stored as a row)."""
 
     server: str  # the registration's name (the catalog name's prefix)

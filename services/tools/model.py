@@ -21,7 +21,9 @@ TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
 _TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
 
 
-class _ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """What every tool family shares: the model-facing contract and the policy around it."""
+
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON-schema object, normalised by `normalise_parameters`
@@ -59,7 +61,7 @@ class _ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
         return PROTECTED_KEYS | frozenset(self.protected)
 
 
-class WebhookTool(_ToolBase, tag="webhook"):
+class WebhookTool(ToolBase, tag="webhook"):
     """Seed 000's tenant tool: a URL template with `{param}` holes, called over HTTP."""
 
     webhook_url: str
@@ -67,7 +69,7 @@ class WebhookTool(_ToolBase, tag="webhook"):
     auth_header_enc: str | None = None  # ciphertext (services.tools.crypto); never leaves the server
 
 
-class BackendBindingTool(_ToolBase, tag="backend_binding"):
+class BackendBindingTool(ToolBase, tag="backend_binding"):
     """Seed 001's declarative binding against the tenant's configured backend."""
 
     path: str
@@ -76,13 +78,13 @@ class BackendBindingTool(_ToolBase, tag="backend_binding"):
     scope: tuple[str, ...] = ()  # backend keys filled from trusted context, never from the model
 
 
-class PythonTool(_ToolBase, tag="python"):
+class PythonTool(ToolBase, tag="python"):
     """Binds to a handler registered in code under `handler`; nothing else."""
 
     handler: str
 
 
-class WorkflowTool(_ToolBase, tag="workflow"):
+class WorkflowTool(ToolBase, tag="workflow"):
     """Starts a long-running job now (returns a reference); the result reaches the session later.
 
     Either `handler` (a workflow registered in code, run in the background by the engine) or
@@ -94,7 +96,7 @@ class WorkflowTool(_ToolBase, tag="workflow"):
     start_url: str | None = None
 
 
-class ClientTool(_ToolBase, tag="client"):
+class ClientTool(ToolBase, tag="client"):
     """Presentation: the call becomes a `client_action` event for the UI; nothing runs here."""
 
 
