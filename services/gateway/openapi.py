@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Any
 
@@ -13,8 +14,32 @@ from services.wire import DecideApproval, SendMessage, SessionView, TurnReply
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
 
+def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str, Any]:
+    """The document: the typed core below, plus every other route the app serves (`routes`:
+    (method, path, summary)) with its parameters, so nothing the gateway answers is missing."""
+    doc = _core_document()
+    if not routes:
+        return doc
+    paths = {k: dict(v) for k, v in doc["paths"].items()}
+    for method, path, summary in routes:
+        m = method.lower()
+        if m == "head" or path in ("/", "/openapi.json") or path.startswith("/static") or m in paths.get(path, {}):
+            continue
+        params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for n in re.findall(r"{([^}:]+)", path)]
+        op: dict[str, Any] = {"summary": summary or f"{method} {path}", "parameters": params,
+                              "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {}}}},
+                                            "401": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}},
+                                            "404": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}},
+                                            "422": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}}}
+        if m in ("post", "put", "patch"):
+            op["requestBody"] = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
+        paths.setdefault(path, {})[m] = op
+    return {**doc, "paths": paths}
+
+
 @cache
-def openapi_document() -> dict[str, Any]:
+def _core_document() -> dict[str, Any]:
     from services.gateway.app import BotConfigIn
 
     types = [SendMessage, DecideApproval, TurnReply, SessionView, ToolCreate, ToolPatch, BotConfigIn]
