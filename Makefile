@@ -32,11 +32,19 @@ test: setup browser
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
-bench: setup
-	$(BIN)/python -m services.bench
+# The benchmark's tools (locust, py-spy, pyinstrument, psutil): the `bench` extra, installed
+# here only, so `make test` installs what it always did. ARGS passes flags: make bench ARGS=--growth
+BENCH_STAMP := $(VENV)/.bench-stamp
 
-loadtest: setup
-	$(BIN)/python -m services.loadtest
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m services.bench $(ARGS)
+
+loadtest: $(BENCH_STAMP)
+	$(BIN)/python -m services.loadtest $(ARGS)
 
 # 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json
 SOAK_SECONDS ?= 900

@@ -1,0 +1,1005 @@
+"""`make bench`: the actor design's cost, measured side by side in one run (issue 8).
+
+One workload, three ways, the same concurrency:
+  (a) inprocess  Runtime + SessionHost driven directly in one process: no Ray, no gateway;
+  (b) sharded    HTTP through the gateway to the sharded session hosts (Ray actors);
+  (c) dedicated  HTTP through the gateway to one Ray actor per session.
+Every message takes one tool round: "where is my order N?" -> model -> `check_order` webhook on
+the demo store -> model -> text, with the output gate on; then all again with the gate off (the
+gate is fixed when a host is created, so those hosts have their own names: Placement `prefix`).
+Then (a) and (b) again, open loop at half the measured peak, for the latency the gateway + Ray
+hop adds. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
+
+Processes: this one runs the stack (embedded Postgres, local Ray, session hosts, gateways); the
+local model and the demo store run in two helper processes (they stand for the model API and the
+tenant's backend, so no way shares an event loop with them); the load comes from a worker process
+(way a: the worker *is* the engine). CPU per message is the CPU time the engine's processes and
+Postgres used during the timed phase (from /proc, so other work on the machine is not counted),
+over the messages done; the helpers' CPU is reported beside it. Peak RSS is the largest sum of the
+resident memory of the processes a way runs on (a: the worker; b, c: gateway process, Ray's own
+daemons, and the session-host actors that way used), sampled every 0.25 s.
+
+    python -m services.bench [--messages N] [--concurrency C] [--sessions S]
+                             [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
+
+Writes .data/bench.json in the shape of CONTRACT.md (gate on), with "gate_off", "half_load",
+"detail" and, with --growth, "growth" beside it. A program that reports numbers, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+WAYS = ("inprocess", "sharded", "dedicated")
+ORDER_TEXT = "where is my order {n}?"
+HELLO_TEXT = "hello, who are you?"
+
+
+# =============================================================================================
+# load: closed and open loops (run inside the worker process)
+# =============================================================================================
+
+Send = Callable[[str, str], Awaitable[bool]]
+
+
+def order_text() -> str:
+    return ORDER_TEXT.format(n=random.randint(10000, 99999))
+
+
+def reply_ok(body: dict[str, Any], *, tool_round: bool) -> bool:
+    """The workload's shape held: one successful check_order call, two rounds, a reply."""
+    if not body.get("reply"):
+        return False
+    if not tool_round:
+        return True
+    calls = body.get("tool_calls") or []
+    return len(calls) == 1 and bool(calls[0].get("success")) and body.get("rounds") == 2
+
+
+async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: int, text: Callable[[], str]
+                      ) -> dict[str, Any]:
+    """`concurrency` clients, each waiting for its reply before sending the next message.
+
+    Client i uses sessions i, i+C, i+2C, ... in turn, so no two clients share a session unless
+    there are fewer sessions than clients.
+    """
+    latencies: list[float] = []
+    errors = 0
+    issued = 0
+
+    async def client(i: int) -> None:
+        nonlocal issued, errors
+        mine = sessions[i::concurrency] or [sessions[i % len(sessions)]]
+        k = 0
+        while issued < total:
+            issued += 1
+            sid = mine[k % len(mine)]
+            k += 1
+            started = time.perf_counter()
+            ok = await send(sid, text())
+            if ok:
+                latencies.append((time.perf_counter() - started) * 1000)
+            else:
+                errors += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return _summary(latencies, errors, time.perf_counter() - started)
+
+
+async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str]
+                    ) -> dict[str, Any]:
+    """Messages sent at a fixed rate whatever the replies do; latency counted from the
+    scheduled send time (no coordinated omission)."""
+    latencies: list[float] = []
+    errors = 0
+
+    async def one(sid: str, due: float) -> None:
+        nonlocal errors
+        ok = await send(sid, text())
+        if ok:
+            latencies.append((time.perf_counter() - due) * 1000)
+        else:
+            errors += 1
+
+    started = time.perf_counter()
+    tasks = []
+    for k in range(total):
+        due = started + k / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(sessions[k % len(sessions)], due)))
+    await asyncio.gather(*tasks)
+    return _summary(latencies, errors, time.perf_counter() - started)
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))]
+
+
+def _summary(latencies: list[float], errors: int, elapsed: float) -> dict[str, Any]:
+    return {
+        "messages": len(latencies), "errors": errors, "elapsed_s": elapsed,
+        "msgs_per_s": len(latencies) / elapsed if elapsed else 0.0,
+        "p50_ms": percentile(latencies, 50), "p95_ms": percentile(latencies, 95),
+        "p99_ms": percentile(latencies, 99), "max_ms": max(latencies, default=0.0),
+    }
+
+
+# =============================================================================================
+# the worker process: one way's client (and, for way a, the engine itself)
+# =============================================================================================
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    mode: str  # "inprocess" | "http"
+    sessions: list[str]
+    concurrency: int
+    messages: int
+    rate: float | None = None  # open loop at this rate; None: closed loop
+    warm_rounds: int = 1  # messages per session before timing (activation + caches)
+    text: str = "order"  # "order" (one tool round) | "hello" (one model round)
+    url: str | None = None
+    api_key: str | None = None
+    tenant_id: str | None = None
+    settings: bytes | None = None  # services.settings.Settings as JSON (way a)
+    profile: str | None = None  # pyinstrument HTML report of the timed phase here (way a)
+
+
+async def _worker(spec: WorkerSpec) -> None:
+    text = order_text if spec.text == "order" else (lambda: HELLO_TEXT)
+    tool_round = spec.text == "order"
+    close: Callable[[], Awaitable[None]]
+    stats: Callable[[], dict[str, Any]] = dict
+    if spec.mode == "inprocess":
+        send, close, stats = await _inprocess_sender(spec, tool_round)
+    else:
+        send, close = await _http_sender(spec, tool_round)
+    try:
+        await _warm(send, spec, text)
+        _say({"event": "ready", "pid": os.getpid()})
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+        before = stats()
+        profiler = _start_profiler(spec.profile)
+        if spec.rate:
+            result = await open_loop(send, spec.sessions, spec.rate, spec.messages, text)
+        else:
+            result = await closed_loop(send, spec.sessions, spec.concurrency, spec.messages, text)
+        _stop_profiler(profiler, spec.profile)
+        after = stats()
+        result["host"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("flushes", "flushed_sessions")}
+        _say({"event": "done", **result})
+    finally:
+        await close()
+
+
+async def _warm(send: Send, spec: WorkerSpec, text: Callable[[], str]) -> None:
+    """Every session activated and used `warm_rounds` times, never more than `concurrency` at once."""
+    gate = asyncio.Semaphore(max(spec.concurrency, 1))
+    failures = 0
+
+    async def one(sid: str) -> None:
+        nonlocal failures
+        async with gate:
+            for _ in range(spec.warm_rounds):
+                for _attempt in range(5):
+                    if await send(sid, text()):
+                        break
+                    failures += 1
+                    await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one(s) for s in spec.sessions))
+    if failures:
+        _say({"event": "warn", "detail": f"{failures} warm-up messages failed and were retried"})
+
+
+async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
+    from actors.host import HostSettings, SessionHost
+    from services.errors import ChatEngineError
+    from services.logging import configure_logging
+    from services.runtime import Runtime
+    from services.settings import Settings
+
+    settings = msgspec.json.decode(spec.settings or b"", type=Settings)
+    configure_logging(fmt=settings.log_format, level=settings.log_level)
+    runtime = await Runtime.open(settings)
+    host = SessionHost(
+        name="bench-inprocess", store=runtime.sessions, tenants=runtime.tenants, jobs=runtime.jobs,
+        settings=HostSettings(idle_seconds=settings.idle_seconds, output_gate=settings.output_gate,
+                              flush_interval_s=settings.flush_interval_ms / 1000),
+    )
+    await host.start()
+    tenant_id = spec.tenant_id or ""
+
+    async def send(sid: str, text: str) -> bool:
+        try:
+            reply = await host.send(tenant_id, sid, text, None)
+        except ChatEngineError:
+            return False
+        return reply_ok(msgspec.to_builtins(reply), tool_round=tool_round)
+
+    async def close() -> None:
+        await host.stop()
+        await runtime.close()
+
+    return send, close, host.stats
+
+
+async def _http_sender(spec: WorkerSpec, tool_round: bool):
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0 if spec.rate else max(spec.concurrency, 1) * 2,
+                                     force_close=False)
+    client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
+    headers = {"Authorization": f"Bearer {spec.api_key}", "Content-Type": "application/json"}
+    base = spec.url
+    encode = msgspec.json.encode
+    decode = msgspec.json.decode
+
+    async def send(sid: str, text: str) -> bool:
+        try:
+            async with client.post(f"{base}/v1/sessions/{sid}/messages", data=encode({"text": text}),
+                                   headers=headers) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    return False
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+        return reply_ok(decode(raw), tool_round=tool_round)
+
+    async def close() -> None:
+        await client.close()
+
+    return send, close
+
+
+def _start_profiler(path: str | None):
+    if not path:
+        return None
+    from pyinstrument import Profiler
+
+    profiler = Profiler(async_mode="disabled", interval=0.0005)
+    profiler.start()
+    return profiler
+
+
+def _stop_profiler(profiler, path: str | None) -> None:
+    if profiler is None or not path:
+        return
+    profiler.stop()
+    Path(path).write_text(profiler.output_html())
+    Path(path).with_suffix(".txt").write_text(profiler.output_text(unicode=False, color=False))
+
+
+def _say(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+# =============================================================================================
+# helper backends: the local model and the demo store, each in its own process
+# =============================================================================================
+
+async def _backend(kind: str) -> None:
+    from services.logging import configure_logging
+
+    configure_logging(fmt="json", level="warning")  # a log line per request would cost the helper CPU
+    if kind == "model":
+        from services.llm.local_model import start_local_model
+
+        server = await start_local_model("127.0.0.1", 0)
+        url = server.url
+    else:
+        from services.demo_store import start_demo_store
+        from services.stack import DEMO_STORE_HOST
+
+        server = await start_demo_store(DEMO_STORE_HOST, 0)
+        url = server.url
+    _say({"event": "ready", "url": url, "pid": os.getpid()})
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # EOF: stop
+    await server.stop()
+
+
+# =============================================================================================
+# process accounting: CPU time and resident memory, from /proc through psutil
+# =============================================================================================
+
+class Meter:
+    """CPU time and peak RSS of chosen processes over a timed phase, sampled in a thread."""
+
+    def __init__(self, cpu_pids: Callable[[], set[int]], rss_pids: Callable[[], set[int]],
+                 extra_cpu_pids: Callable[[], set[int]] = set, interval: float = 0.25) -> None:
+        self._cpu_pids = cpu_pids
+        self._rss_pids = rss_pids
+        self._extra_pids = extra_cpu_pids
+        self._interval = interval
+        self._start: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._xstart: dict[int, float] = {}
+        self._xlast: dict[int, float] = {}
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _cpu(pids: set[int]) -> dict[int, float]:
+        import psutil
+
+        out = {}
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                out[pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        return out
+
+    def _sample(self) -> None:
+        import psutil
+
+        self._last.update(self._cpu(self._cpu_pids()))
+        self._xlast.update(self._cpu(self._extra_pids()))
+        total = 0
+        for pid in self._rss_pids():
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                continue
+        self.peak_rss = max(self.peak_rss, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with contextlib.suppress(Exception):  # a sample lost is not worth failing the run
+                self._sample()
+
+    def start(self) -> None:
+        self._start = self._cpu(self._cpu_pids())
+        self._xstart = self._cpu(self._extra_pids())
+        self._last = dict(self._start)
+        self._xlast = dict(self._xstart)
+        self._sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[float, float, float]:
+        """(engine CPU seconds, helper CPU seconds, peak RSS MB) since start."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        cpu = sum(v - self._start.get(pid, 0.0) for pid, v in self._last.items())
+        extra = sum(v - self._xstart.get(pid, 0.0) for pid, v in self._xlast.items())
+        return cpu, extra, self.peak_rss / 2**20
+
+
+def rss_mb(pids: set[int]) -> float:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+# =============================================================================================
+# the orchestrator
+# =============================================================================================
+
+class Child:
+    """A helper or worker process speaking JSON lines on stdout."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    @classmethod
+    async def start(cls, *argv: str, stdin_line: bytes | None = None) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.bench", *argv,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        child = cls(proc)
+        if stdin_line is not None:
+            child.write(stdin_line)
+        return child
+
+    def drain(self) -> None:
+        """Read and drop what the process still prints: a full pipe would block it."""
+
+        async def drain() -> None:
+            assert self.proc.stdout is not None
+            while await self.proc.stdout.readline():
+                pass
+
+        self._drain = asyncio.create_task(drain())
+
+    def write(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.rstrip(b"\n") + b"\n")
+
+    async def expect(self, event: str, timeout: float = 600.0) -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(self._expect(event), timeout)
+        except TimeoutError:
+            raise RuntimeError(f"benchmark helper {self.pid} sent no {event!r} within {timeout:.0f}s") from None
+
+    async def _expect(self, event: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            raw = await self.proc.stdout.readline()
+            if not raw:
+                code = await self.proc.wait()
+                raise RuntimeError(f"benchmark helper {self.pid} exited with {code} before {event!r}")
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                continue
+            if message.get("event") == "warn":
+                print(f"  note: {message['detail']}", file=sys.stderr)
+                continue
+            if message.get("event") == event:
+                return message
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(Exception):  # already gone
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stack: Any = None
+        self.model: Child | None = None
+        self.store: Child | None = None
+        self.key = ""
+        self.tenant_id = ""
+        self.settings: Any = None
+        self.run_no = 0
+        self.gateways: list[Any] = []
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def pg_pids(self) -> set[int]:
+        import psutil
+
+        if self.stack is None or self.stack.pg is None:
+            return set()
+        try:
+            first = (Path(self.stack.pg.pgdata) / "postmaster.pid").read_text().split()[0]
+            master = psutil.Process(int(first))
+            return {master.pid, *(c.pid for c in master.children(recursive=True))}
+        except (OSError, ValueError, psutil.Error):
+            return set()
+
+    def helper_pids(self) -> set[int]:
+        return {c.pid for c in (self.model, self.store) if c is not None}
+
+    def ray_daemon_pids(self, exclude: set[int]) -> set[int]:
+        """Processes under this one that are not workers/actors, helpers or Postgres: the Ray
+        daemons (gcs, raylet, agents) the actor design brings along."""
+        import psutil
+
+        out = set()
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid in exclude or p.name().startswith("ray::") or " ray::" in " ".join(p.cmdline()[:1]):
+                    continue
+                if p.name() in ("postgres", "postmaster"):
+                    continue
+            except psutil.Error:
+                continue
+            out.add(p.pid)
+        return out
+
+    def engine_cpu_pids(self, exclude: set[int]) -> set[int]:
+        import psutil
+
+        out = set(self.pg_pids()) | {os.getpid()}
+        for p in psutil.Process().children(recursive=True):
+            out.add(p.pid)
+        return out - exclude - self.helper_pids()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from services.logging import configure_logging
+        from services.settings import Settings
+        from services.stack import DEMO_STORE_HOST, Stack, seed_demo_tenant
+        from storage.pool import create_pool
+        from storage.repos import TenantRepo
+
+        a = self.args
+        configure_logging(fmt="console", level="warning")
+        self.model = await Child.start("backend", "model")
+        self.store = await Child.start("backend", "store")
+        model_url = (await self.model.expect("ready"))["url"]
+        store_url = (await self.store.expect("ready"))["url"]
+        self.model.drain()
+        self.store.drain()
+        env = {k: v for k, v in os.environ.items() if k.startswith(("CE_", "DATABASE_URL", "RAY_"))}
+        env.update({"CE_DATA_DIR": a.data_dir, "CE_SHARDS": str(a.shards), "CE_LOG_LEVEL": "warning",
+                    "CE_LOG_FORMAT": "json", "CE_OUTPUT_GATE": "on"})
+        settings = Settings.from_env(env)
+        settings = msgspec.structs.replace(
+            settings, anthropic_base_url=model_url, anthropic_api_key=None,
+            webhook_allow=(*settings.webhook_allow, f"{DEMO_STORE_HOST}/32"),
+        )
+        started = time.perf_counter()
+        self.stack = await Stack.start(settings, port=0, seed_demo=False)
+        self.settings = self.stack.settings
+        pool = await create_pool(self.settings.database_url, min_size=1, max_size=2)
+        try:
+            self.key = await seed_demo_tenant(pool, self.settings, store_url, Path(a.data_dir))
+            tenant = await TenantRepo(pool).tenant_for_key(self.key)
+            self.tenant_id = tenant.id
+        finally:
+            await pool.close()
+        print(f"stack up in {time.perf_counter() - started:.1f}s: gateway {self.stack.gateway.url}, "
+              f"{a.shards} session hosts, model {model_url}, store {store_url}", file=sys.stderr)
+
+    async def stop(self) -> None:
+        for g in self.gateways:
+            with contextlib.suppress(Exception):
+                await g.close()
+        if self.stack is not None:
+            await self.stack.stop()
+        for child in (self.model, self.store):
+            if child is not None:
+                await child.close()
+
+    async def gateway_for(self, settings: Any, prefix: str):
+        from actors.placement import Placement
+        from services.gateway.server import open_gateway
+
+        placement = Placement(settings, prefix=prefix)
+        await placement.start_hosts()
+        gateway = await open_gateway(settings, placement, port=0)
+        self.gateways.append(gateway)
+        return placement, gateway
+
+    # -- one measured run ----------------------------------------------------------------------
+
+    async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None
+                      ) -> dict[str, Any]:
+        a = self.args
+        self.run_no += 1
+        tag = f"b{os.getpid()}-{self.run_no}-{way[:3]}-{'on' if gate else 'off'}"
+        n_sessions = a.dedicated_sessions if way == "dedicated" else a.sessions
+        sessions = [f"{tag}-{i}" for i in range(n_sessions)]
+        spec = WorkerSpec(mode="inprocess" if way == "inprocess" else "http", sessions=sessions,
+                          concurrency=a.concurrency, messages=messages or a.messages, rate=rate,
+                          warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key)
+        settings = msgspec.structs.replace(self.settings, output_gate=gate)
+        placement = None
+        prefix = "" if gate else "gateoff-"
+        if way == "inprocess":
+            spec.settings = msgspec.json.encode(settings)
+            if a.profile:
+                spec.profile = str(Path(a.profile) / f"inprocess-{'on' if gate else 'off'}.html")
+        elif way == "sharded":
+            if gate:
+                placement, url = self.stack.placement, self.stack.gateway.url
+            else:
+                placement, gateway = await self.gateway_for(settings, prefix)
+                url = gateway.url
+            spec.url = url
+        else:
+            dedicated = msgspec.structs.replace(settings, placement="dedicated", idle_seconds=600.0)
+            placement, gateway = await self.gateway_for(dedicated, prefix)
+            spec.url = gateway.url
+        worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
+        try:
+            await worker.expect("ready")
+            if placement is not None:
+                stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
+                actor_pids = {s["pid"] for s in stats if s.get("live_sessions")} if way == "dedicated" else {
+                    s["pid"] for s in stats}
+                before = {s["host"]: s for s in stats}
+                rss_set = {os.getpid(), *actor_pids}
+                daemons = self.ray_daemon_pids({worker.pid, *self.helper_pids()})
+                rss_set |= daemons
+                cpu_exclude = {worker.pid}
+            else:
+                rss_set = {worker.pid}
+                cpu_exclude = set()
+                before = {}
+            meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids)
+            profiler = self._profile_start(way, gate, placement)
+            meter.start()
+            worker.write(b"go")
+            watch = asyncio.create_task(self._watch(placement))
+            try:
+                done = await worker.expect("done")
+            finally:
+                watch.cancel()
+            cpu, helper_cpu, peak = meter.stop()
+            await self._profile_stop(profiler)
+        finally:
+            await worker.close()
+        flushes = flushed = 0
+        if placement is not None:
+            stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
+            for s in stats:
+                b = before.get(s["host"], {})
+                flushes += s["flushes"] - b.get("flushes", 0)
+                flushed += s["flushed_sessions"] - b.get("flushed_sessions", 0)
+        else:
+            flushes, flushed = done["host"]["flushes"], done["host"]["flushed_sessions"]
+        if way == "dedicated" or (way == "sharded" and not gate):
+            await placement.shutdown_hosts()
+        n = max(done["messages"], 1)
+        result = {
+            "msgs_per_s": done["msgs_per_s"], "p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"],
+            "p99_ms": done["p99_ms"], "cpu_s_per_msg": cpu / n, "peak_rss_mb": peak,
+            "errors": done["errors"], "messages": done["messages"], "elapsed_s": done["elapsed_s"],
+            "helper_cpu_s_per_msg": helper_cpu / n, "flushes": flushes,
+            "msgs_per_flush": done["messages"] / flushes if flushes else 0.0,
+            "sessions_per_flush": flushed / flushes if flushes else 0.0,
+        }
+        label = f"{way:<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
+        print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
+              f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
+              f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}",
+              file=sys.stderr)
+        return result
+
+    async def _watch(self, placement: Any) -> None:
+        """Say what the hosts are doing when a run takes far longer than it should."""
+        while True:
+            await asyncio.sleep(30)
+            try:
+                stats = await asyncio.wait_for(placement.actor_stats(), 10) if placement else []
+            except Exception as exc:  # noqa: BLE001
+                stats = [repr(exc)]
+            print(f"  still running; hosts: {json.dumps(stats, default=str)[:2000]}", file=sys.stderr)
+
+    # py-spy on the gateway process and on one session host, when --profile is given
+    def _profile_start(self, way: str, gate: bool, placement: Any):
+        if not self.args.profile or way == "inprocess":
+            return None
+        return asyncio.create_task(self._pyspy(way, gate, placement))
+
+    async def _pyspy(self, way: str, gate: bool, placement: Any) -> list[asyncio.subprocess.Process]:
+        import shutil
+
+        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
+        targets = {"gateway": os.getpid()}
+        if stats:
+            targets["host"] = stats[0]["pid"]
+        procs = []
+        out = Path(self.args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, pid in targets.items():
+            path = out / f"{way}-{'on' if gate else 'off'}-{name}.txt"
+            procs.append(await asyncio.create_subprocess_exec(
+                exe, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking",
+                "--output", str(path), "--duration", str(int(self.args.profile_seconds)),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            ))
+        return procs
+
+    async def _profile_stop(self, task) -> None:
+        if task is None:
+            return
+        for proc in await task:
+            try:
+                await asyncio.wait_for(proc.wait(), self.args.profile_seconds + 10)
+            except TimeoutError:
+                proc.kill()
+
+    # -- the whole comparison ----------------------------------------------------------------------
+
+    async def compare(self) -> dict[str, Any]:
+        a = self.args
+        ways = [w for w in WAYS if w in a.ways]
+        gates = [True] if a.no_gate_off else [True, False]
+        runs: dict[bool, dict[str, list[dict[str, Any]]]] = {g: {w: [] for w in ways} for g in gates}
+        for r in range(a.repeat):
+            print(f"round {r + 1}/{a.repeat}", file=sys.stderr)
+            for gate in gates:
+                for way in ways:
+                    runs[gate][way].append(await self.run_way(way, gate))
+        out: dict[str, Any] = {}
+        for gate in gates:
+            out[gate] = _aggregate(runs[gate])
+        half = {}
+        if "inprocess" in ways and "sharded" in ways and not a.no_half_load:
+            peak = min(out[True]["ways"]["inprocess"]["msgs_per_s"], out[True]["ways"]["sharded"]["msgs_per_s"])
+            rate = max(1.0, peak / 2)
+            n = max(200, int(rate * a.half_load_seconds))
+            hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": []}
+            for _r in range(a.repeat):
+                for way in ("inprocess", "sharded"):
+                    hruns[way].append(await self.run_way(way, True, rate=rate, messages=n))
+            hal = {w: _median_ways(v) for w, v in hruns.items()}
+            half = {
+                "rate_msgs_per_s": rate, "ways": hal,
+                "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
+                "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
+            }
+        return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "runs": {
+            "gate_on": runs[True], "gate_off": runs.get(False)}}
+
+    # -- growth ---------------------------------------------------------------------------------------
+
+    async def growth(self) -> dict[str, Any]:
+        a = self.args
+        settings = msgspec.structs.replace(self.settings, idle_seconds=3600.0, shards=a.growth_shards)
+        placement, gateway = await self.gateway_for(settings, "growth-")
+        url = gateway.url
+
+        async def host_stats() -> list[dict[str, Any]]:
+            return await placement.stats()
+
+        async def drive(sessions: list[str], messages: int, text: str, concurrency: int, warm: int = 0
+                        ) -> dict[str, Any]:
+            spec = WorkerSpec(mode="http", sessions=sessions, concurrency=concurrency, messages=messages,
+                              warm_rounds=warm, text=text, url=url, api_key=self.key)
+            worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
+            try:
+                await worker.expect("ready")
+                before = await host_stats()
+                host_pids = {s["pid"] for s in before}
+                meter = Meter(lambda: self.engine_cpu_pids({worker.pid}), lambda: host_pids)
+                meter.start()
+                worker.write(b"go")
+                done = await worker.expect("done")
+                cpu, _, peak = meter.stop()
+                after = await host_stats()
+            finally:
+                await worker.close()
+            fl = sum(s["flushes"] for s in after) - sum(s["flushes"] for s in before)
+            fs = sum(s["flushed_sessions"] for s in after) - sum(s["flushed_sessions"] for s in before)
+            done.update(flushes_per_s=fl / done["elapsed_s"], msgs_per_flush=done["messages"] / fl if fl else 0.0,
+                        sessions_per_flush=fs / fl if fl else 0.0, cpu_s_per_msg=cpu / max(done["messages"], 1),
+                        host_peak_rss_mb=peak)
+            return done
+
+        tag = f"g{os.getpid()}"
+        # the empty host: runtime open, the tenant's catalog loaded, one session
+        await drive([f"{tag}-probe"], 5, "order", 1)
+        stats = await host_stats()
+        pids = {s["pid"] for s in stats}
+        empty = rss_mb(pids)
+        print(f"growth: {len(pids)} host(s), empty {empty:.0f} MB", file=sys.stderr)
+        levels = []
+        live: list[str] = []
+        for level in a.growth_levels:
+            new = [f"{tag}-{i}" for i in range(len(live), level)]
+            started = time.perf_counter()
+            if new:
+                # one short message activates each new session (one model round, no tool)
+                await drive(new, len(new), "hello", a.growth_concurrency)
+            live += new
+            create_s = time.perf_counter() - started
+            await asyncio.sleep(1.0)
+            rss_idle = rss_mb(pids)
+            load = await drive(random.sample(live, len(live)), a.growth_messages, "order", a.growth_concurrency)
+            rss_after = rss_mb(pids)
+            stats = await host_stats()
+            entry = {
+                "live_sessions": sum(s["live_sessions"] for s in stats),
+                "msgs_per_s": load["msgs_per_s"], "p50_ms": load["p50_ms"], "p99_ms": load["p99_ms"],
+                "errors": load["errors"], "cpu_s_per_msg": load["cpu_s_per_msg"],
+                "host_rss_mb": rss_idle, "host_rss_after_load_mb": rss_after,
+                "rss_per_idle_session_kb": (rss_idle - empty) * 1024 / level,
+                "flushes_per_s": load["flushes_per_s"], "msgs_per_flush": load["msgs_per_flush"],
+                "sessions_per_flush": load["sessions_per_flush"], "activate_s": create_s,
+            }
+            levels.append(entry)
+            print(f"  {entry['live_sessions']:>6} live: {entry['msgs_per_s']:6.1f} msg/s  p99 {entry['p99_ms']:6.1f} ms  "
+                  f"hosts {rss_idle:6.0f} MB ({entry['rss_per_idle_session_kb']:.1f} KB/session)  "
+                  f"{entry['flushes_per_s']:.0f} flush/s, {entry['msgs_per_flush']:.1f} msgs/flush  "
+                  f"errors {entry['errors']}", file=sys.stderr)
+        # passivate some sessions that have a past, then bring them back: activation from Postgres
+        sample = random.sample(live, min(a.reactivate, len(live)))
+        await asyncio.gather(*(placement.passivate(self.tenant_id, s) for s in sample))
+        back = await drive(sample, len(sample), "order", a.growth_concurrency)
+        stats = await host_stats()
+        react = {
+            "sessions": len(sample), "errors": back["errors"],
+            "p50_ms": statistics.median([s["reactivation_p50_ms"] for s in stats]),
+            "p99_ms": max(s["reactivation_p99_ms"] for s in stats),
+            "first_message_p50_ms": back["p50_ms"], "first_message_p99_ms": back["p99_ms"],
+        }
+        print(f"  reactivation of {len(sample)} passivated sessions: p50 {react['p50_ms']:.1f} ms, "
+              f"p99 {react['p99_ms']:.1f} ms (first message p50 {back['p50_ms']:.1f} ms)", file=sys.stderr)
+        await placement.shutdown_hosts()
+        last = levels[-1]
+        return {"shards": a.growth_shards, "empty_host_rss_mb": empty, "levels": levels, "reactivation": react,
+                "rss_beyond_empty_mb": last["host_rss_mb"] - empty, "at_sessions": last["live_sessions"]}
+
+
+def _median_ways(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = rows[0].keys()
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
+
+
+def _aggregate(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    med = {w: _median_ways(rows) for w, rows in ways.items() if rows}
+    base = med.get("inprocess", {}).get("msgs_per_s") or 0.0
+    return {
+        "ways": med,
+        "ratio_sharded": med["sharded"]["msgs_per_s"] / base if base and "sharded" in med else None,
+        "ratio_dedicated": med["dedicated"]["msgs_per_s"] / base if base and "dedicated" in med else None,
+    }
+
+
+CONTRACT_KEYS = ("msgs_per_s", "p50_ms", "p95_ms", "p99_ms", "cpu_s_per_msg", "peak_rss_mb")
+
+
+def machine() -> str:
+    import psutil
+
+    mem = psutil.virtual_memory().total / 2**30
+    return (f"{platform.node()}: {os.cpu_count()} cpu ({platform.processor() or platform.machine()}), "
+            f"{mem:.0f} GiB, {platform.system()} {platform.release()}, Python {platform.python_version()}")
+
+
+def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, Any] | None) -> dict[str, Any]:
+    on = result["gate_on"]
+    doc: dict[str, Any] = {
+        "ways": {w: {k: round(v[k], 6) for k in CONTRACT_KEYS} for w, v in on["ways"].items()},
+        "ratio_sharded": on["ratio_sharded"], "ratio_dedicated": on["ratio_dedicated"],
+        "gate": True, "machine": machine(),
+    }
+    if result["gate_off"]:
+        off = result["gate_off"]
+        doc["gate_off"] = {
+            "ways": {w: {k: round(v[k], 6) for k in CONTRACT_KEYS} for w, v in off["ways"].items()},
+            "ratio_sharded": off["ratio_sharded"], "ratio_dedicated": off["ratio_dedicated"], "gate": False,
+            "machine": doc["machine"],
+        }
+    doc["half_load"] = result["half_load"]
+    doc["detail"] = {
+        "command": "python -m services.bench " + " ".join(sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "gate_on": on["ways"], "gate_off": result["gate_off"]["ways"] if result["gate_off"] else None,
+        "runs": result["runs"],
+        "notes": "medians over --repeat rounds; cpu = engine processes + Postgres (helpers apart); "
+                 "rss = way's processes (a: the worker; b/c: gateway process, Ray daemons, its session actors)",
+    }
+    if growth is not None:
+        doc["growth"] = growth
+    return doc
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    def block(title: str, part: dict[str, Any]) -> None:
+        print(f"\n{title}")
+        print(f"  {'way':<10} {'msgs/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'cpu ms/msg':>11} "
+              f"{'peak RSS MB':>12} {'ratio':>6}")
+        base = part["ways"].get("inprocess", {}).get("msgs_per_s") or 0
+        for w, v in part["ways"].items():
+            ratio = v["msgs_per_s"] / base if base else float("nan")
+            print(f"  {w:<10} {v['msgs_per_s']:>8.1f} {v['p50_ms']:>8.1f} {v['p95_ms']:>8.1f} {v['p99_ms']:>8.1f} "
+                  f"{v['cpu_s_per_msg'] * 1000:>11.2f} {v['peak_rss_mb']:>12.0f} {ratio:>6.2f}")
+
+    block("gate on (one tool round per message)", doc)
+    if "gate_off" in doc:
+        block("gate off (lossy; benchmark only)", doc["gate_off"])
+    half = doc.get("half_load")
+    if half:
+        print(f"\nhalf peak load ({half['rate_msgs_per_s']:.0f} msg/s, open loop): gateway + Ray add "
+              f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
+              f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
+              f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
+    det = doc["detail"]["gate_on"]
+    if "sharded" in det:
+        print(f"group commit at peak (sharded, gate on): {det['sharded']['msgs_per_flush']:.1f} messages per "
+              f"flush transaction ({det['sharded']['sessions_per_flush']:.1f} sessions)")
+    g = doc.get("growth")
+    if g:
+        print(f"\ngrowth on {g['shards']} host(s), empty host set {g['empty_host_rss_mb']:.0f} MB")
+        print(f"  {'live':>7} {'msgs/s':>8} {'p99 ms':>8} {'host MB':>8} {'KB/session':>11} {'flush/s':>8} "
+              f"{'msgs/flush':>10} {'errors':>7}")
+        for lv in g["levels"]:
+            print(f"  {lv['live_sessions']:>7} {lv['msgs_per_s']:>8.1f} {lv['p99_ms']:>8.1f} {lv['host_rss_mb']:>8.0f} "
+                  f"{lv['rss_per_idle_session_kb']:>11.1f} {lv['flushes_per_s']:>8.1f} {lv['msgs_per_flush']:>10.1f} "
+                  f"{lv['errors']:>7}")
+        r = g["reactivation"]
+        print(f"  activation of a passivated session from Postgres: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
+              f"({r['sessions']} sessions)")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    bench = Bench(args)
+    started = time.perf_counter()
+    try:
+        await bench.start()
+        result = await bench.compare()
+        growth = await bench.growth() if args.growth else None
+    finally:
+        await bench.stop()
+    doc = report(result, args, growth)
+    out = Path(args.data_dir).parent / "bench.json" if args.output is None else Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print_table(doc)
+    print(f"\nwrote {out} in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--messages", type=int, default=1200, help="timed messages per way and round")
+    p.add_argument("--concurrency", type=int, default=16, help="clients sending at once, every way")
+    p.add_argument("--sessions", type=int, default=64, help="sessions for ways a and b")
+    p.add_argument("--dedicated-sessions", type=int, default=16, help="sessions (= actors) for way c")
+    p.add_argument("--shards", type=int, default=2, help="session hosts for way b")
+    p.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
+    p.add_argument("--warm-rounds", type=int, default=1, help="messages per session before timing")
+    p.add_argument("--ways", default=",".join(WAYS), help="subset of inprocess,sharded,dedicated")
+    p.add_argument("--no-gate-off", action="store_true", help="skip the gate-off runs")
+    p.add_argument("--no-half-load", action="store_true", help="skip the half-peak latency runs")
+    p.add_argument("--half-load-seconds", type=float, default=8.0)
+    p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
+    p.add_argument("--growth-levels", default="100,1000,10000")
+    p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")
+    p.add_argument("--growth-messages", type=int, default=800, help="timed order messages per level")
+    p.add_argument("--growth-concurrency", type=int, default=32)
+    p.add_argument("--reactivate", type=int, default=500, help="sessions passivated and brought back")
+    p.add_argument("--profile", default=None, help="directory: pyinstrument (way a) and py-spy (b, c) profiles")
+    p.add_argument("--profile-seconds", type=float, default=8.0)
+    p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
+    p.add_argument("--output", default=None, help="default: .data/bench.json")
+    args = p.parse_args(argv)
+    args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    args.growth_levels = [int(x) for x in args.growth_levels.split(",")]
+    if not args.ways or any(w not in WAYS for w in args.ways):
+        p.error(f"--ways takes a subset of {','.join(WAYS)}")
+    return args
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _use_uvloop()
+    if argv[:1] == ["worker"]:
+        spec = msgspec.json.decode(sys.stdin.readline().encode(), type=WorkerSpec)
+        asyncio.run(_worker(spec))
+        return 0
+    if argv[:1] == ["backend"]:
+        asyncio.run(_backend(argv[1]))
+        return 0
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
