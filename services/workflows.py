@@ -17,7 +17,7 @@ import structlog
 
 from services.tools.context import TrustedContext
 from services.tools.errors import ToolError
-from services.tools.model import WorkflowTool
+from services.tools.model import ClientTool, WorkflowTool
 from services.tools.registry import Handler, JobStarted
 
 log = structlog.get_logger(__name__)
@@ -54,6 +54,12 @@ class WorkflowRunner:
             await self._jobs.finish(ctx.tenant_id, job_id, succeeded=False, error=exc.reason)
             raise
         return JobStarted(job_id=job_id)
+
+    async def await_client(self, tool: ClientTool, args: dict[str, Any], ctx: TrustedContext) -> str:
+        """A client tool's call as a job the client's UI finishes with its answer."""
+        job_id = f"job_{uuid.uuid4().hex}"
+        await self._jobs.create(ctx.tenant_id, ctx.session_id, job_id, tool.name, args)
+        return job_id
 
     async def _run(self, job_id: str, handler: Handler, args: dict[str, Any], ctx: TrustedContext) -> None:
         try:

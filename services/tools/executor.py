@@ -176,12 +176,15 @@ class Executor:
                 ),
             )
         d = tool.definition
-        args = scoped_args(
-            call.arguments if isinstance(call.arguments, dict) else {},
-            {k: v for k, v in scope.items() if k in d.parameters.get("properties", {})},
-            protected=d.protected_keys,
-        )
-        problems = tool.validator.errors(args)
+        try:
+            args = scoped_args(
+                call.arguments if isinstance(call.arguments, dict) else {},
+                {k: v for k, v in scope.items() if k in d.parameters.get("properties", {})},
+                protected=d.protected_keys,
+            )
+            problems = tool.validator.errors(args)
+        except RecursionError:
+            args, problems = {}, ["the arguments nest too deeply"]
         if problems:
             return PreparedCall(call=call, tool=tool, arguments=args, error=InvalidArguments(
                 "invalid arguments: " + "; ".join(problems[:3]),
@@ -355,7 +358,7 @@ class Executor:
             call_id=p.call.id, name=d.name, success=True, content=content,
             latency_ms=run_ms, queue_ms=queue_ms, client_action=client_action,
             completes_variable=d.completes_variable, variables=variables,
-            job_id=value.job_id if isinstance(value, JobStarted) else None,
+            job_id=value.job_id if isinstance(value, (JobStarted, ClientAction)) else None,
             record=self._record(p, ctx, success=True, result=data, error=None, latency_ms=run_ms, queue_ms=queue_ms),
         )
 
@@ -426,9 +429,20 @@ def _check_output(tool: CompiledTool, value: Any) -> None:
 
 
 def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, protected: frozenset[str]) -> dict[str, Any]:
-    """Seed 001's overwrite semantics: protected keys never come from the model; trusted wins."""
-    clean = {k: v for k, v in model_args.items() if k not in protected}
+    """Seed 001's overwrite semantics: protected keys never come from the model; trusted wins.
+
+    Stripped at every depth: a nested `{"filter": {"account_id": ...}}` would otherwise reach a
+    JSON body, and a backend may read it there. Raises RecursionError for absurdly deep input."""
+    clean = _without_keys(model_args, protected)
     return {**clean, **trusted_scope}
+
+
+def _without_keys(value: Any, keys: frozenset[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_keys(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_without_keys(v, keys) for v in value]
+    return value
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -53,6 +53,10 @@ class WorkflowStarter(Protocol):
         self, tool: WorkflowTool, handler: Handler | None, args: dict[str, Any], ctx: TrustedContext
     ) -> JobStarted: ...
 
+    async def await_client(self, tool: ClientTool, args: dict[str, Any], ctx: TrustedContext) -> str:
+        """Open a job the client UI answers; returns its id."""
+        ...
+
 
 class JobStarted(msgspec.Struct, frozen=True, kw_only=True):
     """What a workflow tool returns at once: a reference to the job that finishes later."""
@@ -65,11 +69,16 @@ class JobStarted(msgspec.Struct, frozen=True, kw_only=True):
     )
 
 
-class ClientAction(msgspec.Struct, frozen=True, kw_only=True):
-    """What a `client` tool produces: an event for the UI; nothing runs server-side."""
+class ClientAction(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a `client` tool produces: an event for the UI; nothing runs server-side.
+
+    With `job_id`, the client may answer: `POST /v1/jobs/{job_id}/result` delivers its answer
+    into the session on the next turn, like a workflow's result.
+    """
 
     name: str
     arguments: dict[str, Any]
+    job_id: str | None = None
 
 
 class SetVariables(msgspec.Struct, frozen=True, kw_only=True):
@@ -194,8 +203,9 @@ def compile_tool(
         )
     if isinstance(definition, ClientTool):
 
-        async def to_client(args: dict[str, Any], ctx: TrustedContext, _n=name) -> Any:
-            return ClientAction(name=_n, arguments=args)
+        async def to_client(args: dict[str, Any], ctx: TrustedContext, _d=definition) -> Any:
+            job_id = await workflows.await_client(_d, args, ctx) if workflows is not None else None
+            return ClientAction(name=_d.name, arguments=args, job_id=job_id)
 
         return CompiledTool(definition, to_client, origin=origin, version=version, runs="client event")
     raise CompileError(f"unknown tool family {type(definition).__name__}", tool_name=name)

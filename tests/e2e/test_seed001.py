@@ -222,3 +222,24 @@ async def test_catalog_binding_sends_q_and_the_contract_report_flags_one_that_wo
     assert by_name["example_catalog_search"]["findings"] == []
     kinds = {f["kind"] for f in by_name["broken_search"]["findings"]}
     assert {"ignored_argument", "missing_required_parameter"} <= kinds and not report["ok"]
+
+
+async def test_a_client_tool_becomes_a_client_action_and_the_clients_answer_comes_back(stack, client, tenant):
+    _, _, headers = tenant
+    gw = stack.gateway.url
+    await register(client, gw, headers, {
+        "name": "show_product_card", "type": "client", "description": "Show a product card in the app.",
+        "parameters": {"sku": {"type": "string"}},
+    })
+    status, events = await post(client, f"{gw}/v1/sessions/cl-1/messages", headers,
+                                {"text": call("show_product_card", {"sku": "MUG-01"})}, sse=True)
+    actions = [d for e, d in events if e == "client_action"]
+    assert status == 200 and actions and actions[0]["name"] == "show_product_card"
+    assert actions[0]["arguments"] == {"sku": "MUG-01"} and actions[0]["job_id"]
+    assert events[-1][1]["tool_calls"][0]["success"]  # nothing ran server-side; the UI shows it
+    job_id = actions[0]["job_id"]
+    status, _ = await post(client, f"{gw}/v1/jobs/{job_id}/result", headers,
+                           {"status": "succeeded", "result": {"clicked": "add_to_cart"}})
+    assert status == 200
+    status, reply = await post(client, f"{gw}/v1/sessions/cl-1/messages", headers, {"text": "done"})
+    assert reply["deliveries"][0]["job_id"] == job_id and reply["deliveries"][0]["result"] == {"clicked": "add_to_cart"}
