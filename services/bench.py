@@ -175,6 +175,7 @@ async def _worker(spec: WorkerSpec) -> None:
         send, close = await _http_sender(spec, tool_round)
     try:
         await _warm(send, spec, text)
+        _ERRORS.clear()
         _say({"event": "ready", "pid": os.getpid()})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
         before = stats()
@@ -186,6 +187,7 @@ async def _worker(spec: WorkerSpec) -> None:
         _stop_profiler(profiler, spec.profile)
         after = stats()
         result["host"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("flushes", "flushed_sessions")}
+        result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
         _say({"event": "done", **result})
     finally:
         await close()
@@ -232,9 +234,14 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     async def send(sid: str, text: str) -> bool:
         try:
             reply = await host.send(tenant_id, sid, text, None)
-        except ChatEngineError:
+        except ChatEngineError as exc:
+            _error_sample(f"{type(exc).__name__}: {exc}")
             return False
-        return reply_ok(msgspec.to_builtins(reply), tool_round=tool_round)
+        body = msgspec.to_builtins(reply)
+        if not reply_ok(body, tool_round=tool_round):
+            _error_sample(f"unexpected reply: {str(body)[:300]}")
+            return False
+        return True
 
     async def close() -> None:
         await host.stop()
@@ -287,6 +294,15 @@ def _stop_profiler(profiler, path: str | None) -> None:
     profiler.stop()
     Path(path).write_text(profiler.output_html())
     Path(path).with_suffix(".txt").write_text(profiler.output_text(unicode=False, color=False))
+
+
+_ERRORS: dict[str, int] = {}
+
+
+def _error_sample(text: str) -> None:
+    """Count errors by kind (first 80 characters), so a run says why messages failed."""
+    key = text[:80]
+    _ERRORS[key] = _ERRORS.get(key, 0) + 1
 
 
 def _say(event: dict[str, Any]) -> None:
@@ -546,7 +562,9 @@ class Bench:
         self.store.drain()
         env = {k: v for k, v in os.environ.items() if k.startswith(("CE_", "DATABASE_URL", "RAY_"))}
         env.update({"CE_DATA_DIR": a.data_dir, "CE_SHARDS": str(a.shards), "CE_LOG_LEVEL": "warning",
-                    "CE_LOG_FORMAT": "json", "CE_OUTPUT_GATE": "on"})
+                    "CE_LOG_FORMAT": "json", "CE_OUTPUT_GATE": "on",
+                    # one tenant carries the whole load here: its fair-share limits would cap it
+                    "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0"})
         settings = Settings.from_env(env)
         settings = msgspec.structs.replace(
             settings, anthropic_base_url=model_url, anthropic_api_key=None,
@@ -664,6 +682,8 @@ class Bench:
             "msgs_per_flush": done["messages"] / flushes if flushes else 0.0,
             "sessions_per_flush": flushed / flushes if flushes else 0.0,
         }
+        if done.get("error_kinds"):
+            print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
         label = f"{way:<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
@@ -777,6 +797,8 @@ class Bench:
                 after = await host_stats()
             finally:
                 await worker.close()
+            if done.get("error_kinds"):
+                print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
             fl = sum(s["flushes"] for s in after) - sum(s["flushes"] for s in before)
             fs = sum(s["flushed_sessions"] for s in after) - sum(s["flushed_sessions"] for s in before)
             done.update(flushes_per_s=fl / done["elapsed_s"], msgs_per_flush=done["messages"] / fl if fl else 0.0,
@@ -820,6 +842,15 @@ class Bench:
                   f"hosts {rss_idle:6.0f} MB ({entry['rss_per_idle_session_kb']:.1f} KB/session)  "
                   f"{entry['flushes_per_s']:.0f} flush/s, {entry['msgs_per_flush']:.1f} msgs/flush  "
                   f"errors {entry['errors']}", file=sys.stderr)
+        burst = None
+        if len(live) >= a.burst:
+            # that many sessions with a message in flight at once, through the gateway
+            burst_run = await drive(random.sample(live, a.burst), a.burst * 2, "order", a.burst)
+            burst = {"concurrent_sessions": a.burst, "messages": burst_run["messages"],
+                     "errors": burst_run["errors"], "msgs_per_s": burst_run["msgs_per_s"],
+                     "p50_ms": burst_run["p50_ms"], "p99_ms": burst_run["p99_ms"]}
+            print(f"  {a.burst} concurrent sessions: {burst['messages']} messages, {burst['errors']} errors, "
+                  f"p50 {burst['p50_ms']:.0f} ms, p99 {burst['p99_ms']:.0f} ms", file=sys.stderr)
         # passivate some sessions that have a past, then bring them back: activation from Postgres
         sample = random.sample(live, min(a.reactivate, len(live)))
         await asyncio.gather(*(placement.passivate(self.tenant_id, s) for s in sample))
@@ -836,6 +867,7 @@ class Bench:
         await placement.shutdown_hosts()
         last = levels[-1]
         return {"shards": a.growth_shards, "empty_host_rss_mb": empty, "levels": levels, "reactivation": react,
+                "burst": burst,
                 "rss_beyond_empty_mb": last["host_rss_mb"] - empty, "at_sessions": last["live_sessions"]}
 
 
@@ -926,6 +958,10 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"  {lv['live_sessions']:>7} {lv['msgs_per_s']:>8.1f} {lv['p99_ms']:>8.1f} {lv['host_rss_mb']:>8.0f} "
                   f"{lv['rss_per_idle_session_kb']:>11.1f} {lv['flushes_per_s']:>8.1f} {lv['msgs_per_flush']:>10.1f} "
                   f"{lv['errors']:>7}")
+        if g.get("burst"):
+            b = g["burst"]
+            print(f"  {b['concurrent_sessions']} concurrent sessions through the gateway: {b['messages']} messages, "
+                  f"{b['errors']} errors, p99 {b['p99_ms']:.0f} ms")
         r = g["reactivation"]
         print(f"  activation of a passivated session from Postgres: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
               f"({r['sessions']} sessions)")
@@ -968,6 +1004,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--growth-messages", type=int, default=800, help="timed order messages per level")
     p.add_argument("--growth-concurrency", type=int, default=32)
     p.add_argument("--reactivate", type=int, default=500, help="sessions passivated and brought back")
+    p.add_argument("--burst", type=int, default=1000, help="concurrent sessions in the growth burst")
     p.add_argument("--profile", default=None, help="directory: pyinstrument (way a) and py-spy (b, c) profiles")
     p.add_argument("--profile-seconds", type=float, default=8.0)
     p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
