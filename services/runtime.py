@@ -6,6 +6,7 @@ benchmark and tests). Nothing here is a module-level singleton.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
@@ -43,6 +44,7 @@ class Runtime:
         self.pool: Any = None
         self.listener: Any = None
         self.webhooks: WebhookClient | None = None
+        self._closing = False
 
     @classmethod
     async def open(cls, settings: Settings, *, listen: bool = True, pool_size: int = 10) -> Runtime:
@@ -126,10 +128,31 @@ class Runtime:
         return msgspec.to_builtins(build_report(tenant_id, published, env.catalog, env.config, broken))
 
     def _listener_lost(self) -> None:
+        # Notifications sent while the connection was down are lost: forget every cached
+        # catalog, then subscribe again (Postgres may be restarting: back off until it is back).
         log.warning("catalog_listener_lost")
         self.tenants.invalidate()
+        if not self._closing:
+            self._resubscribe = asyncio.get_running_loop().create_task(self._listen_again())
+
+    async def _listen_again(self) -> None:
+        delay = 0.2
+        while not self._closing:
+            await asyncio.sleep(delay)
+            try:
+                old, self.listener = self.listener, None
+                if old is not None:
+                    await old.close()
+                self.listener = await listen_catalog(self.pool, self.tenants.invalidate, on_lost=self._listener_lost)
+                self.tenants.invalidate()  # anything changed while we were deaf
+                log.info("catalog_listener_restored")
+                return
+            except Exception as exc:  # noqa: BLE001 - Postgres still away: try again later
+                log.info("catalog_listener_retry", error=type(exc).__name__, retry_in_s=delay)
+                delay = min(delay * 2, 5.0)
 
     async def close(self) -> None:
+        self._closing = True
         if self.listener is not None:
             await self.listener.close()
         if getattr(self, "workflows", None) is not None:
