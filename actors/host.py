@@ -58,6 +58,17 @@ class LeaseLost(ChatEngineError):
     """Another activation of this session took over; this copy's writes were refused."""
 
 
+class SessionMoved(Overloaded):
+    """This host does not own the session under its shard view (a rescale moved it, or the
+    caller routed by an older count); nothing ran. The caller routes again and retries."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} is moving to another session host; retry in a moment",
+            retry_after=0.05, reason="moved",
+        )
+
+
 class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     idle_seconds: float = 300.0
     output_gate: bool = True
@@ -101,6 +112,9 @@ class SessionHost:
         self._closing = False
         self._on_flush = on_flush
         self._running = 0
+        #: which sessions this host may hold (sharded hosts: its shard under the current view);
+        #: None: every session (dedicated actors, the in-process router)
+        self._owns: Callable[[str, str], bool] | None = None
         self.flushes = 0
         self.flushed_sessions = 0
         self.last_flush_ms = 0.0
@@ -133,6 +147,41 @@ class SessionHost:
     @property
     def live_sessions(self) -> int:
         return len(self._sessions)
+
+    # -- ownership (sharded hosts across a change of shard count) ------------------------------
+
+    def set_ownership(self, owns: Callable[[str, str], bool] | None) -> None:
+        """From now on hold and serve only sessions for which `owns(tenant_id, session_id)`;
+        call `release_unowned()` next to drop the ones already cached."""
+        self._owns = owns
+
+    def owns(self, tenant_id: str, session_id: str) -> bool:
+        return self._owns is None or self._owns(tenant_id, session_id)
+
+    async def release_unowned(self) -> int:
+        """Flush and drop every cached session this host no longer owns; returns how many.
+
+        Waits for a session's running turn (it finishes here and is flushed with the rest);
+        turns queued behind it find the session gone and are refused with SessionMoved. Once
+        this returns, no state of a moved session is left in this host's memory, so its new
+        host may activate it, and if it ever moves back it is activated again from Postgres.
+        """
+        released = 0
+        for key, entry in list(self._sessions.items()):
+            if self.owns(*key):
+                continue
+            async with entry.lock:
+                await self._release(key, entry)
+            released += 1
+        return released
+
+    async def _release(self, key: Key, entry: _Entry) -> None:
+        # Called with entry.lock held. In flight counts as unsaved, as in passivate().
+        if entry.state.dirty or key in self._inflight:
+            with contextlib.suppress(LeaseLost):  # refused: a newer activation owns it; already evicted
+                await self._mark_dirty(key)
+        if self._sessions.get(key) is entry:
+            del self._sessions[key]
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -241,6 +290,8 @@ class SessionHost:
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
     ) -> TurnReply:
         key = (tenant_id, session_id)
+        if not self.owns(tenant_id, session_id):
+            raise SessionMoved(session_id)
         entry = await self._entry(key)
         env = await self._tenants.env_for(tenant_id)
         # Checked and counted with no await in between, or a flood passes the check all at once.
@@ -256,6 +307,11 @@ class SessionHost:
             entry.queued -= 1
         try:
             evicted = self._sessions.get(key) is not entry
+            if not evicted and not self.owns(tenant_id, session_id):
+                # The shard view changed while this turn waited (or while the session was being
+                # activated): run nothing here; hand the session over flushed.
+                await self._release(key, entry)
+                raise SessionMoved(session_id)
             if not evicted:
                 structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
                 reply = await run(entry, env)
@@ -463,4 +519,5 @@ def _error_data(exc: ChatEngineError) -> dict[str, Any]:
     data: dict[str, Any] = {"title": type(exc).__name__, "detail": str(exc)}
     if isinstance(exc, Overloaded):
         data["retry_after"] = exc.retry_after
+        data["reason"] = exc.reason
     return data

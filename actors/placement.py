@@ -4,14 +4,22 @@
 hashing of `tenant_id:session_id` (changing the shard count moves only the sessions whose winner
 changed; their new host re-activates them under a newer lease epoch). `dedicated`: one named actor
 per session (`get_if_exists`), one process each. Both run the same SessionHost code.
+
+The shard count in force is a `ShardState` kept in Postgres (ce_cluster): gateways read it at
+start and follow it on NOTIFY, hosts read it when they start. `rescale(n)` changes it while
+traffic flows, in two steps every host acknowledges: pending (a moving session has no owner; its
+old host flushes and drops it) then commit (its new host may activate it, under a new lease
+epoch). A host refuses a turn for a session it does not own (SessionMoved, nothing run) with its
+state attached, so a gateway that routed by an older count routes again and retries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 import msgspec
 import ray
@@ -19,16 +27,32 @@ import structlog
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.ray_host import HostError, HostResult, SessionHostActor, event_decoder, result_decoder
-from services.errors import ChatEngineError, Overloaded
+from actors.sharding import HOST_PREFIX, host_name, parse_host_name, rendezvous_index, route
+from services.errors import ChatEngineError, ConfigError, Overloaded
 from services.settings import Settings
 from services.wire import SessionView, StreamEvent, TurnReply
 from storage.records import session_uid
+from storage.repos.cluster import ShardState
 
 log = structlog.get_logger(__name__)
 
 NAMESPACE = "chat-engine"
-HOST_PREFIX = "ce-host-"
 SESSION_PREFIX = "ce-session-"
+__all__ = ["HOST_PREFIX", "NAMESPACE", "SESSION_PREFIX", "Placement", "host_name", "rendezvous_index"]
+
+#: CPU reserved by a shard host. Not for the CPU (a host is I/O bound): Ray's SPREAD strategy
+#: spreads only actors that demand a resource. With num_cpus=0 all four hosts of a two-node test
+#: cluster landed on one node (measured, Ray 2.60); with 0.001 they alternated between the nodes.
+HOST_CPUS = 0.001
+#: how long a gateway keeps re-routing a turn for a session that is moving between hosts
+MOVED_RETRY_S = 15.0
+#: a host beyond the new count stays up after the commit, answering "moved" with the new state to
+#: gateways whose notification is late, until no turn reached it for RETIRE_QUIET_S (at most
+#: RETIRE_DRAIN_S); killed at once, such a gateway's retry would create it again (get_if_exists)
+RETIRE_QUIET_S = 1.0
+RETIRE_DRAIN_S = 15.0
+#: a shard host a turn finds missing is created by the gateway only after this long (see _routed_handle)
+MISSING_HOST_GRACE_S = 10.0
 
 RemoteHost = ray.remote(SessionHostActor)
 
@@ -41,18 +65,27 @@ class HostFailure(ChatEngineError):
         self.error = error
 
 
-def rendezvous_index(key: str, shards: int) -> int:
-    """The shard that wins `key` by highest-random-weight hashing (stable across processes)."""
-    best, best_score = 0, b""
-    for i in range(shards):
-        score = hashlib.blake2b(f"{i}\x00{key}".encode(), digest_size=8).digest()
-        if score > best_score:
-            best, best_score = i, score
-    return best
+class ShardStore(Protocol):
+    """Where the shard state is kept and changed (storage.repos.cluster.ClusterRepo)."""
+
+    async def ensure(self, host_group: str, shards: int) -> ShardState: ...
+    async def begin(self, host_group: str, target: int) -> ShardState: ...
+    async def commit(self, host_group: str, target: int) -> ShardState: ...
+    def exclusive(self, host_group: str) -> AbstractAsyncContextManager[None]: ...
 
 
-def host_name(index: int) -> str:
-    return f"{HOST_PREFIX}{index}"
+class RescaleFailed(ChatEngineError):
+    """A host did not acknowledge a new shard state; the old count was put back in force."""
+
+
+class RescaleReport(msgspec.Struct, frozen=True, kw_only=True):
+    before: int
+    after: int
+    generation: int
+    released: int  # sessions flushed and dropped by hosts that no longer own them
+    started: list[str]  # hosts created for the new count
+    retired: list[str]  # hosts beyond the new count, flushed and stopped
+    seconds: float
 
 
 class Placement:
@@ -63,10 +96,12 @@ class Placement:
         benchmark's gate-off hosts, say) live beside the default ones under their own names."""
         self._settings = settings
         self._prefix = prefix
-        self._encoded = msgspec.json.encode(settings)
         self._mode = settings.placement
-        self._shards = shards or settings.shards
+        self._state = ShardState(shards=shards or settings.shards, host_group=prefix)
+        # the count goes with the settings: a host with no stored state falls back to it
+        self._encoded = msgspec.json.encode(msgspec.structs.replace(settings, shards=self._state.shards))
         self._handles: dict[str, Any] = {}
+        self._missing: dict[str, float] = {}  # shard host name -> when a turn first found it missing
 
     @property
     def mode(self) -> str:
@@ -74,42 +109,84 @@ class Placement:
 
     @property
     def shards(self) -> int:
-        return self._shards
+        return self._state.shards
+
+    @property
+    def host_group(self) -> str:
+        return self._prefix
+
+    @property
+    def shard_state(self) -> ShardState:
+        return self._state
 
     def set_shards(self, shards: int) -> None:
         """Route by a new shard count from now on (moved sessions re-activate on their new host)."""
-        self._shards = shards
+        self._state = msgspec.structs.replace(self._state, shards=shards, pending=None)
+
+    def apply_shard_state(self, state: ShardState) -> bool:
+        """Route by `state` if it is newer than the one held; True when it changed anything."""
+        if state.generation < self._state.generation or state == self._state:
+            return False
+        if state.shards != self._state.shards:
+            log.info("shard_count_changed", shards=state.shards, before=self._state.shards,
+                     generation=state.generation)
+        self._state = state
+        return True
 
     def actor_name(self, tenant_id: str, session_id: str) -> str:
         if self._mode == "dedicated":
             return self._prefix + SESSION_PREFIX + session_uid(tenant_id, session_id)
-        return self._prefix + host_name(rendezvous_index(f"{tenant_id}:{session_id}", self._shards))
+        return self._prefix + host_name(route(self._state, tenant_id, session_id))
 
-    def _handle(self, name: str) -> Any:
+    def _handle(self, name: str, settings: bytes | None = None) -> Any:
         handle = self._handles.get(name)
         if handle is None:
+            sharded = self._mode == "sharded"
             handle = RemoteHost.options(
                 name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=10_000,
-                scheduling_strategy="SPREAD" if self._mode == "sharded" else "DEFAULT",
-            ).remote(name, self._encoded, self._mode == "dedicated")
+                num_cpus=HOST_CPUS if sharded else 0, max_restarts=-1, max_task_retries=0,
+                max_concurrency=10_000, scheduling_strategy="SPREAD" if sharded else "DEFAULT",
+            ).remote(name, settings or self._encoded, self._mode == "dedicated")
             self._handles[name] = handle
         return handle
 
     def _forget(self, name: str) -> None:
         self._handles.pop(name, None)
 
+    def _routed_handle(self, name: str) -> Any:
+        """The handle a turn goes to. A shard host that does not exist is not created here at
+        once: hosts are created by `start_hosts` and by the operator's `rescale`/`restart_hosts`,
+        and one that is missing is being replaced (restart-hosts) or was retired while this
+        gateway's shard state was behind. Until it has been missing for MISSING_HOST_GRACE_S the
+        turn is refused as "restarting" (503 + Retry-After, nothing ran); after that the host is
+        created, so a host killed by hand comes back."""
+        if self._mode != "sharded" or name in self._handles:
+            return self._handle(name)
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            first = self._missing.setdefault(name, time.monotonic())
+            if time.monotonic() - first < MISSING_HOST_GRACE_S:
+                raise Overloaded("the session host is restarting; retry with the same message_id",
+                                 retry_after=1.0, reason="restarting") from None
+            log.warning("session_host_recreated", host=name)
+            return self._handle(name)
+        self._missing.pop(name, None)
+        self._handles[name] = handle
+        return handle
+
     async def start_hosts(self) -> list[str]:
         """Create (or find) the shard hosts and wait until each is ready."""
         if self._mode != "sharded":
             return []
-        names = [self._prefix + host_name(i) for i in range(self._shards)]
+        names = [self._prefix + host_name(i) for i in range(self._state.shards)]
         return list(await asyncio.gather(*(self._handle(n).ready.remote() for n in names)))
 
     async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any) -> Any:
-        name = self.actor_name(tenant_id, session_id)
         for attempt in (0, 1):
-            handle = self._handle(name)
+            # routed again on the retry: the host may have died because a rescale retired it
+            name = self.actor_name(tenant_id, session_id)
+            handle = self._routed_handle(name)
             try:
                 return await getattr(handle, method).remote(*args)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
@@ -123,29 +200,60 @@ class Placement:
                 await asyncio.sleep(0.2)
         raise AssertionError("unreachable")
 
+    async def _turn_call(self, tenant_id: str, session_id: str, method: str, *args: Any) -> TurnReply:
+        """A turn on the session's host; while the session moves between hosts (the host answers
+        "moved", having run nothing) route again by the newest shard state and retry."""
+        deadline = time.monotonic() + MOVED_RETRY_S
+        delay = 0.02
+        while True:
+            raw = await self._call(tenant_id, session_id, method, *args)
+            result = result_decoder.decode(raw)
+            error = result.error
+            if error is None or error.reason != "moved" or time.monotonic() > deadline:
+                return _unwrap(result)
+            if error.shard_state is not None and self.apply_shard_state(error.shard_state):
+                continue  # a newer count: the session's host is known now
+            await asyncio.sleep(delay)  # a rescale between its two steps: the commit is near
+            delay = min(delay * 2, 0.25)
+
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
-        raw = await self._call(tenant_id, session_id, "send", tenant_id, session_id, text, message_id)
-        return _unwrap(result_decoder.decode(raw))
+        return await self._turn_call(tenant_id, session_id, "send", tenant_id, session_id, text, message_id)
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None
     ) -> TurnReply:
-        raw = await self._call(tenant_id, session_id, "decide", tenant_id, session_id, approval_id, approve, edited)
-        return _unwrap(result_decoder.decode(raw))
+        return await self._turn_call(
+            tenant_id, session_id, "decide", tenant_id, session_id, approval_id, approve, edited
+        )
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         name = self.actor_name(tenant_id, session_id)
-        handle = self._handle(name)
         try:
-            gen = handle.stream.options(num_returns="streaming").remote(
-                tenant_id, session_id, text, message_id, approval
-            )
-            async for ref in gen:
-                yield event_decoder.decode(await ref)
-        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            deadline = time.monotonic() + MOVED_RETRY_S
+            delay = 0.02
+            while True:
+                name = self.actor_name(tenant_id, session_id)
+                gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
+                    tenant_id, session_id, text, message_id, approval
+                )
+                moved: ShardState | bool | None = None
+                async for ref in gen:
+                    event = event_decoder.decode(await ref)
+                    if moved is None and _is_moved(event) and time.monotonic() < deadline:
+                        raw = event.data.get("shard_state")  # the first event: nothing ran
+                        moved = msgspec.convert(raw, ShardState) if raw else True
+                        continue
+                    moved = False
+                    yield event
+                if not moved:
+                    return
+                if not (isinstance(moved, ShardState) and self.apply_shard_state(moved)):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+        except (ActorDiedError, ActorUnavailableError, RayActorError, Overloaded):
             self._forget(name)
             yield StreamEvent(event="error", data={
                 "kind": "overloaded", "message": "the session host is restarting; retry with the same message_id",
@@ -171,7 +279,7 @@ class Placement:
 
     async def contract(self, tenant_id: str) -> dict[str, Any]:
         """The tool-contract report, computed by a session host (its registry is what runs)."""
-        index = rendezvous_index(tenant_id, self._shards)
+        index = rendezvous_index(tenant_id, self._state.shards)
         return await self._handle(self._prefix + host_name(index)).contract.remote(tenant_id)
 
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
@@ -182,7 +290,7 @@ class Placement:
     def host_handles(self, shards: int | None = None) -> list[Any]:
         """Handles of the shard hosts that exist (named lookups; missing ones skipped)."""
         handles = []
-        for i in range(shards or self._shards):
+        for i in range(shards or self._state.shards):
             try:
                 handles.append(ray.get_actor(self._prefix + host_name(i), namespace=NAMESPACE))
             except ValueError:
@@ -211,6 +319,162 @@ class Placement:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._handles.clear()
+
+
+    # -- rescaling (the operator's path: `chat-engine scale N`) ---------------------------------
+
+    def existing_hosts(self) -> dict[int, str]:
+        """Index -> actor name of every shard host of this placement's group alive in Ray now."""
+        found: dict[int, str] = {}
+        for name in ray.util.list_named_actors():
+            parsed = parse_host_name(name)
+            if parsed is not None and parsed[0] == self._prefix:
+                found[parsed[1]] = name
+        return found
+
+    async def rescale(self, target: int, store: ShardStore, *, ack_timeout_s: float = 60.0) -> RescaleReport:
+        """Change the number of shard hosts to `target` while traffic flows.
+
+        1. the hosts 0..target-1 exist and are ready (new ones run the settings of the running
+           hosts, not this process's); 2. pending: every host adopts (shards=old, pending=target)
+           and flushes and drops the sessions it no longer owns; a moving session is owned by no
+           host now, its turns are answered "moved" and the gateways retry; 3. commit: every host
+           adopts (shards=target): the new owners activate moved sessions from Postgres under a
+           new lease epoch; 4. hosts beyond `target` flush, stop and are killed.
+        If a host does not acknowledge step 2 within `ack_timeout_s`, the old count is committed
+        again and RescaleFailed raised (nothing moved); run it again once the host is back.
+        Raises Conflict when another rescale of this group is running.
+        """
+        if self._mode != "sharded":
+            raise ConfigError("CE_PLACEMENT=dedicated has no shard count to scale", variable="CE_PLACEMENT")
+        if target < 1:
+            raise ConfigError(f"the shard count must be >= 1, got {target}", variable="CE_SHARDS")
+        started_at = time.monotonic()
+        group = self._prefix
+        async with store.exclusive(group):
+            before = await store.ensure(group, self._state.shards)
+            self.apply_shard_state(before)
+            existing = self.existing_hosts()
+            blob = await self._running_settings(existing)
+            wanted = {i: self._prefix + host_name(i) for i in range(target)}
+            started = [n for i, n in wanted.items() if i not in existing]
+            await asyncio.gather(*(self._handle(n, blob).ready.remote() for n in wanted.values()))
+            everyone = sorted({*existing.values(), *wanted.values()})
+
+            pending = await store.begin(group, target)
+            try:
+                released = sum(await self._announce(everyone, pending, ack_timeout_s))
+            except RescaleFailed:
+                back = await store.commit(group, before.shards)  # nothing moved yet: undo
+                await self._announce(everyone, back, 5.0, best_effort=True)
+                self.apply_shard_state(back)
+                raise
+            committed = await store.commit(group, target)
+            await self._announce(everyone, committed, ack_timeout_s, best_effort=True)
+            self.apply_shard_state(committed)
+
+            retired = [n for i, n in sorted(existing.items()) if i >= target]
+            await self._drain(retired)
+            await self._retire(retired)
+        report = RescaleReport(
+            before=before.shards, after=target, generation=committed.generation, released=released,
+            started=started, retired=retired, seconds=round(time.monotonic() - started_at, 3),
+        )
+        log.info("rescaled", **msgspec.to_builtins(report))
+        return report
+
+    async def restart_hosts(self, *, timeout_s: float = 60.0) -> list[str]:
+        """Re-create every shard host, one at a time, from this placement's settings.
+
+        A host keeps the settings it was created with for its whole life (Ray restarts it with
+        the same arguments), so a setting the hosts use (a rotated CE_SECRET_KEY or
+        ANTHROPIC_API_KEY, another model) reaches them only through this. Each host flushes and
+        stops first; its sessions answer 503 + Retry-After until the new process is ready
+        (about a second), then re-activate from Postgres. Returns the names restarted.
+        """
+        if self._mode != "sharded":
+            raise ConfigError("CE_PLACEMENT=dedicated has no shard hosts to restart", variable="CE_PLACEMENT")
+        restarted = []
+        for _, name in sorted(self.existing_hosts().items()):
+            await self._retire([name])
+            deadline = time.monotonic() + timeout_s
+            while True:  # the name is free once Ray has the old actor dead
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                if time.monotonic() > deadline:
+                    raise RescaleFailed(f"session host {name} did not stop within {timeout_s:.0f} s; run it again")
+                await asyncio.sleep(0.1)
+            await asyncio.wait_for(self._handle(name).ready.remote(), timeout_s)
+            restarted.append(name)
+            log.info("session_host_restarted", host=name)
+        return restarted
+
+    async def _running_settings(self, existing: dict[int, str]) -> bytes:
+        for index in sorted(existing):
+            try:
+                return await ray.get_actor(existing[index], namespace=NAMESPACE).encoded_settings.remote()
+            except Exception as exc:  # noqa: BLE001 - try the next host; none answers: our own settings
+                log.warning("host_settings_unavailable", host=existing[index], error=type(exc).__name__)
+        return self._encoded
+
+    async def _announce(self, names: list[str], state: ShardState, timeout_s: float,
+                        *, best_effort: bool = False) -> list[int]:
+        """Push `state` to every host and wait for each to release what it no longer owns.
+
+        A host that Ray is restarting reads the state from Postgres when it comes back; it is
+        asked again until it answers or `timeout_s` passes. Returns what each host released.
+        """
+        raw = msgspec.json.encode(state)
+
+        async def one(name: str) -> int:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    handle = ray.get_actor(name, namespace=NAMESPACE)
+                    return await asyncio.wait_for(handle.set_shard_state.remote(raw), timeout_s)
+                except Exception as exc:  # restarting, or looked up during a restart
+                    if time.monotonic() > deadline:
+                        if best_effort:
+                            log.warning("shard_state_not_acknowledged", host=name, error=type(exc).__name__)
+                            return 0
+                        raise RescaleFailed(
+                            f"session host {name} did not acknowledge shard state generation "
+                            f"{state.generation} within {timeout_s:.0f} s ({type(exc).__name__}); the previous "
+                            "count stays in force: check the host (ray list actors), then run the scale again"
+                        ) from exc
+                    await asyncio.sleep(0.5)
+
+        return list(await asyncio.gather(*(one(n) for n in names)))
+
+    async def _drain(self, names: list[str]) -> None:
+        deadline = time.monotonic() + RETIRE_DRAIN_S
+        pending = list(names)
+        while pending and time.monotonic() < deadline:
+            await asyncio.sleep(RETIRE_QUIET_S)
+            stats = await asyncio.gather(
+                *(ray.get_actor(n, namespace=NAMESPACE).stats.remote() for n in pending), return_exceptions=True
+            )
+            pending = [n for n, st in zip(pending, stats, strict=True)
+                       if isinstance(st, dict) and st.get("idle_s", RETIRE_QUIET_S) < RETIRE_QUIET_S]
+
+    async def _retire(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                continue
+            try:
+                await asyncio.wait_for(handle.shutdown.remote(), 30.0)
+            except Exception:  # noqa: BLE001 - it owns nothing any more; stop it anyway
+                log.warning("retired_host_shutdown_failed", host=name)
+            ray.kill(handle, no_restart=True)
+            self._forget(name)
+
+
+def _is_moved(event: StreamEvent) -> bool:
+    return event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved"
 
 
 def _unwrap(result: HostResult) -> TurnReply:

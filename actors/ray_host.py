@@ -9,18 +9,22 @@ pickling structs, and errors travel as data (`HostError`) rather than as pickled
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import time
 from typing import Any
 
 import msgspec
 import ray
 import structlog
 
-from actors.host import HostSettings, LeaseLost, SessionHost
+from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved
 from actors.session import SessionError
+from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
 from services.settings import Settings
 from services.wire import StreamEvent, TurnReply
+from storage.repos.cluster import ClusterRepo, ShardState
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +34,7 @@ class HostError(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     retry_after: float | None = None
     reason: str | None = None  # Overloaded.reason
+    shard_state: ShardState | None = None  # reason "moved": the host's view, for the caller to route by
 
 
 class HostResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,10 +76,20 @@ class SessionHostActor:
         self._init_lock: asyncio.Lock | None = None
         self._watchdog: asyncio.Task | None = None
         self._turns = 0  # turns (send/decide/stream) running in this actor now
+        # A shard host owns the sessions its index wins under the shard state in force (read from
+        # Postgres when it starts, then pushed by every rescale); a dedicated actor owns its one.
+        parsed = None if dedicated else parse_host_name(name)
+        self._group, self._index = parsed if parsed is not None else ("", -1)
+        self._shard_state: ShardState | None = None
+        self._stopping = False  # shutdown() began: never build a new SessionHost in this process again
+        self._last_call = time.monotonic()  # of a turn (send, decide, stream): how long it has been idle
 
     async def _ensure(self) -> SessionHost:
         if self._host is not None:
             return self._host
+        if self._stopping:  # between shutdown() and the caller's kill: a turn here would be lost
+            raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0,
+                             reason="shutting_down")
         if self._init_lock is None:
             self._init_lock = asyncio.Lock()
         async with self._init_lock:
@@ -101,6 +116,10 @@ class SessionHostActor:
                     ),
                 )
                 await host.start()
+                gc.freeze()  # EXPERIMENT
+                if not self._dedicated and self._index >= 0:
+                    self._shard_state = await self._stored_shard_state()
+                    host.set_ownership(self._owns)
                 self._host = host
                 if self._dedicated:
                     self._watchdog = asyncio.create_task(self._exit_when_idle())
@@ -110,8 +129,44 @@ class SessionHostActor:
         await self._ensure()
         return self._name
 
+    # -- shard ownership ------------------------------------------------------------------------
+
+    async def _stored_shard_state(self) -> ShardState:
+        stored = await ClusterRepo(self._runtime.pool).get(self._group)
+        # None: no gateway stored a count yet; the count this host was created for is in force.
+        return stored or ShardState(shards=self._settings.shards, generation=0, host_group=self._group)
+
+    def _owns(self, tenant_id: str, session_id: str) -> bool:
+        assert self._shard_state is not None
+        return owns(self._shard_state, self._index, tenant_id, session_id)
+
+    async def set_shard_state(self, raw: bytes) -> int:
+        """Adopt a newer shard state (an older one is ignored), then flush and drop every session
+        this host no longer owns. Returns how many it dropped. Idempotent: a rescale may retry."""
+        state = msgspec.json.decode(raw, type=ShardState)
+        host = await self._ensure()
+        current = self._shard_state
+        if current is not None and state.generation >= current.generation:
+            self._shard_state = state
+        released = await host.release_unowned()
+        if released:
+            log.info("sessions_released_on_rescale", host=self._name, released=released,
+                     shards=state.shards, pending=state.pending)
+        return released
+
+    async def shard_state(self) -> bytes:
+        """The shard state this host routes by (encoded ShardState), after starting if needed."""
+        await self._ensure()
+        return msgspec.json.encode(self._shard_state)
+
+    async def encoded_settings(self) -> bytes:
+        """The Settings this host was created with: a rescale creates new hosts from them, so they
+        run with the same database, model and secrets whatever the operator's shell holds."""
+        return msgspec.json.encode(self._settings)
+
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
         self._turns += 1
+        self._last_call = time.monotonic()
         try:
             host = await self._ensure()
             reply = await host.send(tenant_id, session_id, text, message_id)
@@ -125,6 +180,7 @@ class SessionHostActor:
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
     ) -> bytes:
         self._turns += 1
+        self._last_call = time.monotonic()
         try:
             host = await self._ensure()
             reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
@@ -140,6 +196,7 @@ class SessionHostActor:
     ):
         """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
         self._turns += 1
+        self._last_call = time.monotonic()
         try:
             try:
                 host = await self._ensure()
@@ -148,6 +205,10 @@ class SessionHostActor:
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
                 return
             async for event in host.stream(tenant_id, session_id, text, message_id, approval):
+                if event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved":
+                    # nothing ran: the gateway routes again by this host's shard state and retries
+                    event = StreamEvent(event="error", data={
+                        **event.data, "shard_state": msgspec.to_builtins(self._shard_state)})
                 yield result_encoder.encode(event)
         finally:
             self._turns -= 1
@@ -175,10 +236,14 @@ class SessionHostActor:
             return {"host": self._name, "live_sessions": 0, "flushes": 0, "flushed_sessions": 0,
                     "last_flush_ms": 0.0, "dirty": 0, "pid": os.getpid(),
                     "node_id": ray.get_runtime_context().get_node_id()}
-        return {**self._host.stats(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        state = self._shard_state
+        return {**self._host.stats(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "idle_s": round(time.monotonic() - self._last_call, 3),
+                **({"shards": state.shards, "shard_generation": state.generation} if state is not None else {})}
 
     async def shutdown(self) -> bool:
         """Drain and flush; the caller kills the actor afterwards."""
+        self._stopping = True
         if self._host is not None:
             await self._host.stop()
             await self._runtime.close()
@@ -189,6 +254,8 @@ class SessionHostActor:
 
     def _error(self, exc: BaseException) -> bytes:
         err = to_host_error(exc)
+        if isinstance(exc, SessionMoved):
+            err = msgspec.structs.replace(err, shard_state=self._shard_state)
         if err.kind == "internal":
             log.error("host_call_failed", host=self._name, error=type(exc).__name__, exc_info=exc)
         return result_encoder.encode(HostResult(error=err))

@@ -1,4 +1,4 @@
-"""`chat-engine`: run | serve | migrate | tenant create NAME | chat [--session ID] | contract.
+"""`chat-engine`: run | serve | scale N | restart-hosts | migrate | tenant create NAME | chat | contract.
 
 The entrypoint reads Settings from the environment once and configures logging once. Bad
 configuration ends with one sentence saying what to set or install, and exit status 2.
@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> None:
     p_run = sub.add_parser("run", help="everything on embedded defaults (Postgres, Ray, local model, demo)")
     p_run.add_argument("--port", type=int, default=None)
     sub.add_parser("serve", help="the gateway only, against DATABASE_URL and RAY_ADDRESS")
+    p_scale = sub.add_parser(
+        "scale", help="change the number of session hosts of a running cluster (RAY_ADDRESS, DATABASE_URL)"
+    )
+    p_scale.add_argument("shards", type=int, help="the new number of session hosts (>= 1)")
+    sub.add_parser(
+        "restart-hosts", help="re-create the session hosts one at a time with this environment's settings"
+    )
     sub.add_parser("migrate", help="apply database migrations")
     p_tenant = sub.add_parser("tenant", help="tenant administration")
     tsub = p_tenant.add_subparsers(dest="tenant_command", required=True)
@@ -48,6 +55,16 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "serve":
             _install_uvloop()
             asyncio.run(_serve(settings))
+        elif args.command == "scale":
+            from services.shards import scale
+
+            report = asyncio.run(scale(settings, args.shards))
+            print(msgspec.json.encode(report).decode(), flush=True)
+        elif args.command == "restart-hosts":
+            from services.shards import restart_hosts
+
+            restarted = asyncio.run(restart_hosts(settings))
+            print(msgspec.json.encode({"restarted": restarted}).decode(), flush=True)
         elif args.command == "migrate":
             asyncio.run(_migrate(settings))
         elif args.command == "tenant":
@@ -134,15 +151,26 @@ async def _serve(settings: Settings) -> None:
     if not settings.database_url:
         raise ChatEngineError("DATABASE_URL is not set; 'chat-engine serve' needs an existing Postgres "
                               "(or use 'chat-engine run' for the embedded one)")
+    from services.shards import follow_shards
+
     await asyncio.to_thread(cluster.connect, settings)
     placement = Placement(settings)
-    await placement.start_hosts()
-    gateway = await open_gateway(settings, placement, contract=placement.contract)
-    print(f"chat-engine gateway on {gateway.url}", flush=True)
+    shards = await follow_shards(settings, placement)  # the stored count, kept current on NOTIFY
     try:
-        await _wait_for_signal()
+        await placement.start_hosts()
+
+        async def hosts_ready() -> bool:
+            return placement.mode == "dedicated" or len(await placement.stats()) >= placement.shards
+
+        gateway = await open_gateway(settings, placement, contract=placement.contract, ready_check=hosts_ready)
+        print(f"chat-engine gateway on {gateway.url}", flush=True)
+        try:
+            await _wait_for_signal()
+        finally:
+            await gateway.close()
     finally:
-        await gateway.close()
+        if shards is not None:
+            await shards.close()
 
 
 async def _open_pool(settings: Settings):

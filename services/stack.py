@@ -40,6 +40,7 @@ class Stack:
         self.gateway: Gateway | None = None
         self.demo_key: str | None = None
         self.started_ray = False
+        self.shards: Any = None  # services.shards.ShardFollower: the stored shard count, followed
 
     @classmethod
     async def start(cls, settings: Settings, *, port: int | None = None, seed_demo: bool = True) -> Stack:
@@ -90,6 +91,9 @@ class Stack:
         self.started_ray = not settings.ray_address
         await asyncio.to_thread(cluster.connect, settings)
         self.placement = Placement(settings)
+        from services.shards import follow_shards
+
+        self.shards = await follow_shards(settings, self.placement)
         await self.placement.start_hosts()
         self.gateway = await open_gateway(
             settings, self.placement, port=port, ready_check=self._hosts_ready, contract=self.placement.contract
@@ -110,6 +114,8 @@ class Stack:
                 await self.placement.shutdown_hosts()
             except Exception:  # noqa: BLE001 - keep stopping the rest
                 log.exception("host_shutdown_failed")
+        if self.shards is not None:
+            await self.shards.close()
         if self.started_ray:
             await asyncio.to_thread(cluster.disconnect)
         if self.demo_store is not None:

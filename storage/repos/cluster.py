@@ -1,0 +1,163 @@
+"""ClusterRepo: the shard count of the session hosts, agreed through Postgres (table ce_cluster).
+
+A gateway reads it at start (`ensure` inserts CE_SHARDS the first time) and follows changes on
+`LISTEN ce_cluster`; a session host reads it when it starts, so a host that Ray restarted comes
+back with the count in force, not the one it was created with. A rescale (`chat-engine scale N`)
+moves it in two steps under an advisory lock: `begin` (pending = N: sessions that move have no
+owner while their old host flushes them) then `commit` (shards = N). Each step bumps
+`generation` and sends `NOTIFY ce_cluster, '<host_group>'` in the same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from services.errors import Conflict
+from storage.errors import translate
+
+CLUSTER_CHANNEL = "ce_cluster"
+
+#: pg_try_advisory_lock namespace for rescales ("ce-scale"); the host group is the second key
+_RESCALE_LOCK = 0x63652D73
+
+
+class ShardState(msgspec.Struct, frozen=True, kw_only=True):
+    """The shard count in force for a host group; `pending` is the target of a rescale under way."""
+
+    shards: int
+    pending: int | None = None
+    generation: int = 0
+    host_group: str = ""
+
+
+_COLUMNS = "host_group, shards, pending, generation"
+_NOTIFY = "SELECT pg_notify('ce_cluster', $1)"
+
+
+def _state(row: asyncpg.Record) -> ShardState:
+    return ShardState(shards=row["shards"], pending=row["pending"], generation=row["generation"],
+                      host_group=row["host_group"])
+
+
+class ClusterRepo:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def get(self, host_group: str = "") -> ShardState | None:
+        """The group's shard state, or None before any gateway stored one."""
+        with translate("reading the shard count"):
+            row = await self._pool.fetchrow(f"SELECT {_COLUMNS} FROM ce_cluster WHERE host_group = $1", host_group)
+        return None if row is None else _state(row)
+
+    async def ensure(self, host_group: str, shards: int) -> ShardState:
+        """The group's shard state; stores `shards` (generation 1) when there is none yet."""
+        with translate("storing the initial shard count"):
+            await self._pool.execute(
+                "INSERT INTO ce_cluster (host_group, shards) VALUES ($1, $2) ON CONFLICT (host_group) DO NOTHING",
+                host_group, shards,
+            )
+        state = await self.get(host_group)
+        assert state is not None
+        return state
+
+    async def begin(self, host_group: str, target: int) -> ShardState:
+        """Step 1 of a rescale: `pending = target`. Returns the new state."""
+        return await self._change(
+            host_group, "UPDATE ce_cluster SET pending = $2, generation = generation + 1, updated_at = now() "
+            f"WHERE host_group = $1 RETURNING {_COLUMNS}", target,
+        )
+
+    async def commit(self, host_group: str, target: int) -> ShardState:
+        """Step 2 of a rescale (or a rollback to the old count): `shards = target`, no pending."""
+        return await self._change(
+            host_group, "UPDATE ce_cluster SET shards = $2, pending = NULL, generation = generation + 1, "
+            f"updated_at = now() WHERE host_group = $1 RETURNING {_COLUMNS}", target,
+        )
+
+    async def _change(self, host_group: str, sql: str, target: int) -> ShardState:
+        with translate("changing the shard count"):
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(sql, host_group, target)
+                if row is None:
+                    raise Conflict(f"no shard count is stored for host group {host_group!r}; start a gateway first")
+                await conn.execute(_NOTIFY, host_group)
+        return _state(row)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, host_group: str = "") -> AsyncIterator[None]:
+        """Hold the group's rescale lock for the block. Raises Conflict when another rescale holds it."""
+        with translate("taking the rescale lock"):
+            conn = await self._pool.acquire()
+        try:
+            with translate("taking the rescale lock"):
+                got = await conn.fetchval("SELECT pg_try_advisory_lock($1, hashtext($2))", _RESCALE_LOCK, host_group)
+            if not got:
+                raise Conflict("another rescale of the session hosts is running; wait for it to finish, then retry")
+            try:
+                yield
+            finally:
+                with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+                    await conn.execute("SELECT pg_advisory_unlock($1, hashtext($2))", _RESCALE_LOCK, host_group)
+        finally:
+            await self._pool.release(conn)
+
+    async def listen(self, callback: Callable[[str], Any], *, on_lost: Callable[[], Any] | None = None) -> ClusterListener:
+        """Call `callback(host_group)` on every change; holds one pool connection until `close()`.
+
+        `on_lost` is called if that connection dies (notifications meanwhile are lost: re-read).
+        """
+        with translate("subscribing to shard count changes"):
+            conn = await self._pool.acquire()
+        listener = ClusterListener(conn, self._pool, callback, on_lost)
+        try:
+            with translate("subscribing to shard count changes"):
+                await conn.add_listener(CLUSTER_CHANNEL, listener._notified)
+                conn.add_termination_listener(listener._terminated)
+        except BaseException:
+            await self._pool.release(conn)
+            raise
+        return listener
+
+
+class ClusterListener:
+    """A live `LISTEN ce_cluster`; `close()` ends it and returns its connection to the pool."""
+
+    def __init__(self, conn: asyncpg.Connection, pool: asyncpg.Pool, callback: Callable[[str], Any],
+                 on_lost: Callable[[], Any] | None) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._callback = callback
+        self._on_lost = on_lost
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        result = self._callback(payload)
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._tasks.add(task)  # asyncio keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
+
+    def _terminated(self, _conn: Any) -> None:
+        if not self.closed and self._on_lost is not None:
+            self._on_lost()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._conn.is_closed():
+                self._conn.remove_termination_listener(self._terminated)
+                await self._conn.remove_listener(CLUSTER_CHANNEL, self._notified)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            pass  # the connection is gone: nothing left to unsubscribe
+        finally:
+            await self._pool.release(self._conn)

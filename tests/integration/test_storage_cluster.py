@@ -1,0 +1,65 @@
+"""ClusterRepo on a real Postgres: the stored shard count, its two-step change, NOTIFY, the lock."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+
+from services.errors import Conflict
+from storage.repos.cluster import ClusterRepo, ShardState
+
+
+@pytest.fixture
+def group() -> str:
+    return f"test-{secrets.token_hex(3)}-"  # each test its own host group: the pool's database is shared
+
+
+async def test_the_first_count_stored_wins_over_later_defaults(pool, group):
+    repo = ClusterRepo(pool)
+    assert await repo.get(group) is None
+    first = await repo.ensure(group, 4)
+    assert first == ShardState(shards=4, pending=None, generation=1, host_group=group)
+    assert await repo.ensure(group, 9) == first  # a gateway started with another CE_SHARDS adopts it
+
+
+async def test_a_rescale_goes_through_pending_to_committed_each_step_a_new_generation(pool, group):
+    repo = ClusterRepo(pool)
+    await repo.ensure(group, 2)
+    pending = await repo.begin(group, 4)
+    assert (pending.shards, pending.pending, pending.generation) == (2, 4, 2)
+    committed = await repo.commit(group, 4)
+    assert (committed.shards, committed.pending, committed.generation) == (4, None, 3)
+    assert await repo.get(group) == committed
+
+
+async def test_every_change_is_notified_with_its_host_group(pool, group):
+    repo = ClusterRepo(pool)
+    await repo.ensure(group, 2)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = await repo.listen(heard.put_nowait)
+    try:
+        await repo.begin(group, 3)
+        await repo.commit(group, 3)
+        got = [await asyncio.wait_for(heard.get(), 5), await asyncio.wait_for(heard.get(), 5)]
+    finally:
+        await listener.close()
+    assert got == [group, group]
+
+
+async def test_changing_a_group_that_was_never_stored_is_a_conflict(pool, group):
+    with pytest.raises(Conflict, match="no shard count is stored for host group"):
+        await ClusterRepo(pool).begin(group, 3)
+
+
+async def test_only_one_rescale_of_a_group_runs_at_a_time(pool, group):
+    repo = ClusterRepo(pool)
+    async with repo.exclusive(group):
+        with pytest.raises(Conflict, match="another rescale of the session hosts is running"):
+            async with repo.exclusive(group):
+                pass
+        async with repo.exclusive(group + "other"):  # another group is not blocked
+            pass
+    async with repo.exclusive(group):  # released on exit
+        pass
