@@ -116,7 +116,11 @@ class SessionHostActor:
                     ),
                 )
                 await host.start()
-                gc.freeze()  # EXPERIMENT
+                # Everything imported and built so far (Ray's and the runtime's modules: a large
+                # heap in a Ray worker) lives as long as the process: move it out of the cyclic
+                # collector's reach, so its full collections walk only what turns allocate.
+                # Measured: -0.9 ms host CPU per message (make bench, sharded; README § Performance).
+                gc.freeze()
                 if not self._dedicated and self._index >= 0:
                     self._shard_state = await self._stored_shard_state()
                     host.set_ownership(self._owns)

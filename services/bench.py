@@ -17,7 +17,7 @@ tenant's backend, so no way shares an event loop with them); the load comes from
 Postgres used during the timed phase (from /proc, so other work on the machine is not counted),
 over the messages done; the helpers' CPU is reported beside it. Peak RSS is the largest sum of the
 resident memory of the processes a way runs on (a: the worker; b, c: gateway process, Ray's own
-daemons, and the session-host actors that way used), sampled every 0.25 s.
+daemons, and the session-host actors that way used), sampled every 0.5 s.
 
     python -m services.bench [--messages N] [--concurrency C] [--sessions S]
                              [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
@@ -76,11 +76,14 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
     """`concurrency` clients, each waiting for its reply before sending the next message.
 
     Client i uses sessions i, i+C, i+2C, ... in turn, so no two clients share a session unless
-    there are fewer sessions than clients.
+    there are fewer sessions than clients; with no more messages than sessions, each session gets
+    one message.
     """
     latencies: list[float] = []
     errors = 0
     issued = 0
+
+    shared = iter(sessions) if total <= len(sessions) else None  # then: each session once
 
     async def client(i: int) -> None:
         nonlocal issued, errors
@@ -88,7 +91,7 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
         k = 0
         while issued < total:
             issued += 1
-            sid = mine[k % len(mine)]
+            sid = next(shared) if shared is not None else mine[k % len(mine)]
             k += 1
             started = time.perf_counter()
             ok = await send(sid, text())
@@ -292,6 +295,7 @@ def _stop_profiler(profiler, path: str | None) -> None:
     if profiler is None or not path:
         return
     profiler.stop()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(profiler.output_html())
     Path(path).with_suffix(".txt").write_text(profiler.output_text(unicode=False, color=False))
 
@@ -339,30 +343,44 @@ async def _backend(kind: str) -> None:
 # =============================================================================================
 
 class Meter:
-    """CPU time and peak RSS of chosen processes over a timed phase, sampled in a thread."""
+    """CPU time and peak RSS of chosen processes over a timed phase, sampled in a thread.
+
+    Sampling runs in the gateway's process during ways b and c, so it is kept cheap: the process
+    sets (a scan of /proc) are refreshed every `refresh` samples, per-process reads in between.
+    """
 
     def __init__(self, cpu_pids: Callable[[], set[int]], rss_pids: Callable[[], set[int]],
-                 extra_cpu_pids: Callable[[], set[int]] = set, interval: float = 0.25) -> None:
-        self._cpu_pids = cpu_pids
-        self._rss_pids = rss_pids
-        self._extra_pids = extra_cpu_pids
+                 extra_cpu_pids: Callable[[], set[int]] = set, interval: float = 0.5, refresh: int = 4) -> None:
+        self._sources = (cpu_pids, extra_cpu_pids, rss_pids)
+        self._sets: tuple[set[int], set[int], set[int]] = (set(), set(), set())
         self._interval = interval
+        self._refresh = refresh
+        self._samples = 0
+        self._procs: dict[int, Any] = {}
         self._start: dict[int, float] = {}
         self._last: dict[int, float] = {}
         self._xstart: dict[int, float] = {}
         self._xlast: dict[int, float] = {}
         self.peak_rss = 0
+        self.per_pid: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @staticmethod
-    def _cpu(pids: set[int]) -> dict[int, float]:
+    def _proc(self, pid: int) -> Any:
+        import psutil
+
+        proc = self._procs.get(pid)
+        if proc is None:
+            proc = self._procs[pid] = psutil.Process(pid)
+        return proc
+
+    def _cpu(self, pids: set[int]) -> dict[int, float]:
         import psutil
 
         out = {}
         for pid in pids:
             try:
-                t = psutil.Process(pid).cpu_times()
+                t = self._proc(pid).cpu_times()
                 out[pid] = t.user + t.system
             except psutil.Error:
                 continue
@@ -371,12 +389,16 @@ class Meter:
     def _sample(self) -> None:
         import psutil
 
-        self._last.update(self._cpu(self._cpu_pids()))
-        self._xlast.update(self._cpu(self._extra_pids()))
+        if self._samples % self._refresh == 0:
+            self._sets = tuple(source() for source in self._sources)  # type: ignore[assignment]
+        self._samples += 1
+        cpu, extra, rss = self._sets
+        self._last.update(self._cpu(cpu))
+        self._xlast.update(self._cpu(extra))
         total = 0
-        for pid in self._rss_pids():
+        for pid in rss:
             try:
-                total += psutil.Process(pid).memory_info().rss
+                total += self._proc(pid).memory_info().rss
             except psutil.Error:
                 continue
         self.peak_rss = max(self.peak_rss, total)
@@ -387,10 +409,12 @@ class Meter:
                 self._sample()
 
     def start(self) -> None:
-        self._start = self._cpu(self._cpu_pids())
-        self._xstart = self._cpu(self._extra_pids())
+        self._sets = tuple(source() for source in self._sources)  # type: ignore[assignment]
+        self._start = self._cpu(self._sets[0])
+        self._xstart = self._cpu(self._sets[1])
         self._last = dict(self._start)
         self._xlast = dict(self._xstart)
+        self._samples = 1
         self._sample()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -400,8 +424,10 @@ class Meter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._samples = 0  # a last full refresh: processes started since the last one count too
         self._sample()
-        cpu = sum(v - self._start.get(pid, 0.0) for pid, v in self._last.items())
+        self.per_pid = {pid: v - self._start.get(pid, 0.0) for pid, v in self._last.items()}
+        cpu = sum(self.per_pid.values())
         extra = sum(v - self._xstart.get(pid, 0.0) for pid, v in self._xlast.items())
         return cpu, extra, self.peak_rss / 2**20
 
@@ -500,6 +526,7 @@ class Bench:
         self.settings: Any = None
         self.run_no = 0
         self.gateways: list[Any] = []
+        self.pg_seen: set[int] = set()
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -511,9 +538,11 @@ class Bench:
         try:
             first = (Path(self.stack.pg.pgdata) / "postmaster.pid").read_text().split()[0]
             master = psutil.Process(int(first))
-            return {master.pid, *(c.pid for c in master.children(recursive=True))}
+            pids = {master.pid, *(c.pid for c in master.children(recursive=True))}
         except (OSError, ValueError, psutil.Error):
             return set()
+        self.pg_seen |= pids  # backends of a closed connection are gone when the run is split up
+        return pids
 
     def helper_pids(self) -> set[int]:
         return {c.pid for c in (self.model, self.store) if c is not None}
@@ -662,6 +691,15 @@ class Bench:
             await self._profile_stop(profiler)
         finally:
             await worker.close()
+        pg = self.pg_pids() | self.pg_seen
+        actors = actor_pids if placement is not None else set()
+        split = {"engine": 0.0, "postgres": 0.0, "ray_other": 0.0}
+        for pid, used in meter.per_pid.items():
+            kind = ("postgres" if pid in pg else "engine" if pid in actors or pid == os.getpid() or pid == worker.pid
+                    else "ray_other")
+            split[kind] += used
+        if placement is not None:
+            split["gateway"] = meter.per_pid.get(os.getpid(), 0.0)
         flushes = flushed = 0
         if placement is not None:
             stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
@@ -679,6 +717,7 @@ class Bench:
             "p99_ms": done["p99_ms"], "cpu_s_per_msg": cpu / n, "peak_rss_mb": peak,
             "errors": done["errors"], "messages": done["messages"], "elapsed_s": done["elapsed_s"],
             "helper_cpu_s_per_msg": helper_cpu / n, "flushes": flushes,
+            **{f"cpu_{k}_ms_per_msg": v * 1000 / n for k, v in split.items()},
             "msgs_per_flush": done["messages"] / flushes if flushes else 0.0,
             "sessions_per_flush": flushed / flushes if flushes else 0.0,
         }
@@ -689,6 +728,7 @@ class Bench:
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
               f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}",
               file=sys.stderr)
+        print("      cpu ms/msg: " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in split.items()), file=sys.stderr)
         return result
 
     async def _watch(self, placement: Any) -> None:
