@@ -33,6 +33,7 @@ class ShardFollower:
         self._placement = placement
         self._listener: Any = None
         self._closed = False
+        self._resubscribing: asyncio.Future | None = None
 
     async def reload(self, host_group: str | None = None) -> None:
         group = self._placement.host_group
@@ -48,7 +49,7 @@ class ShardFollower:
 
     def _lost(self) -> None:
         log.warning("shard_listener_lost")
-        asyncio.ensure_future(self._resubscribe())
+        self._resubscribing = asyncio.ensure_future(self._resubscribe())  # held: asyncio keeps tasks weakly
 
     async def _resubscribe(self) -> None:
         if self._listener is not None:

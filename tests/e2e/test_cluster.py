@@ -111,7 +111,7 @@ class RayNode:
 
     async def stop(self) -> None:
         if self.kill(signal.SIGTERM):
-            for _ in range(50):
+            for _ in range(20):
                 await asyncio.sleep(0.1)
                 if not processes_of_session(self.sid or -1):
                     return
