@@ -26,6 +26,8 @@ async def stack(fresh_db) -> AsyncIterator[object]:
     settings = Settings.from_env({
         "DATABASE_URL": await fresh_db(), "CE_DATA_DIR": data_dir, "CE_SHARDS": "2",
         "CE_LOG_LEVEL": "warning", "CE_LOG_FORMAT": "json", "CE_FLUSH_INTERVAL_MS": "2",
+        # load tests drive bursts far beyond one tenant's default rate; test_overload checks the limits
+        "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0",
     })
     s = await Stack.start(settings, port=0)
     try:
