@@ -40,6 +40,15 @@ _ACTIVATE = (
     "ON CONFLICT (id) DO UPDATE SET epoch = s.epoch + 1, owner = EXCLUDED.owner, updated_at = now() "
     "RETURNING epoch, snapshot"
 )
+# A session's variables and its last $3 messages (in seq order) in one row.
+_LOAD_STATE = (
+    "SELECT (SELECT coalesce(jsonb_object_agg(key, value), '{}'::jsonb) FROM ce_session_variables"
+    "        WHERE tenant_id = $1 AND session_id = $2) AS variables,"
+    "       (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', seq, 'role', role, 'content', content,"
+    "                                                     'message_id', message_id) ORDER BY seq), '[]'::jsonb)"
+    "        FROM (SELECT seq, role, content, message_id FROM ce_messages"
+    "              WHERE tenant_id = $1 AND session_id = $2 ORDER BY seq DESC LIMIT $3) last) AS messages"
+)
 # ORDER BY id: concurrent flushers lock rows in one order, so they cannot deadlock each other.
 _LOCK = "SELECT id, tenant_id, epoch FROM ce_sessions WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
 _UPDATE_SESSION = (
@@ -97,29 +106,25 @@ class SessionRepo:
         last `history_limit` messages in seq order.
         """
         uid = session_uid(tenant_id, session_id)
+        # Two round trips, not five (BEGIN, lease, variables, messages, COMMIT): the lease commits
+        # on its own, then one statement reads the state. The read must be a statement of its own,
+        # after the lease: a flush of the previous owner that held the row commits before our
+        # lease does, and only a later statement's snapshot is sure to see what it wrote. Nothing
+        # needs the two in one transaction (a lease taken by a process that dies before loading
+        # is simply bumped by the next activation). Measured in README § Performance (growth).
         with translate("activating a session"):
-            async with self._pool.acquire() as conn, conn.transaction():
+            async with self._pool.acquire() as conn:
                 row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
-                variables = await conn.fetch(
-                    "SELECT key, value FROM ce_session_variables WHERE tenant_id = $1 AND session_id = $2",
-                    tenant_id, uid,
-                )
-                messages = await conn.fetch(
-                    "SELECT seq, role, content, message_id FROM ("
-                    "  SELECT seq, role, content, message_id FROM ce_messages"
-                    "  WHERE tenant_id = $1 AND session_id = $2 ORDER BY seq DESC LIMIT $3"
-                    ") last ORDER BY seq",
-                    tenant_id, uid, history_limit,
-                )
+                state = await conn.fetchrow(_LOAD_STATE, tenant_id, uid, history_limit)
         return ActivatedSession(
             tenant_id=tenant_id,
             session_id=session_id,
             epoch=row["epoch"],
             snapshot=_snapshot(row["snapshot"], tenant_id, session_id),
-            variables={r["key"]: r["value"] for r in variables},
+            variables=state["variables"],
             history=[
                 MessageRecord(seq=m["seq"], role=m["role"], content=m["content"], message_id=m["message_id"])
-                for m in messages
+                for m in state["messages"]
             ],
         )
 
