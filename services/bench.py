@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -165,6 +166,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     tenant_id: str | None = None
     settings: bytes | None = None  # services.settings.Settings as JSON (way a)
     profile: str | None = None  # pyinstrument HTML report of the timed phase here (way a)
+    gc_after_warm: str | None = None  # "freeze" | "collect": GC experiments on the warmed worker
 
 
 async def _worker(spec: WorkerSpec) -> None:
@@ -178,6 +180,10 @@ async def _worker(spec: WorkerSpec) -> None:
         send, close = await _http_sender(spec, tool_round)
     try:
         await _warm(send, spec, text)
+        if spec.gc_after_warm == "freeze":
+            gc.freeze()
+        elif spec.gc_after_warm == "collect":
+            gc.collect()
         _ERRORS.clear()
         _say({"event": "ready", "pid": os.getpid()})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
@@ -232,6 +238,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
                               flush_interval_s=settings.flush_interval_ms / 1000),
     )
     await host.start()
+    gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
     tenant_id = spec.tenant_id or ""
 
     async def send(sid: str, text: str) -> bool:
@@ -649,8 +656,8 @@ class Bench:
         prefix = "" if gate else "gateoff-"
         if way == "inprocess":
             spec.settings = msgspec.json.encode(settings)
-            if a.profile:
-                spec.profile = str(Path(a.profile) / f"inprocess-{'on' if gate else 'off'}.html")
+            if a.profile_python:
+                spec.profile = str(Path(a.profile_python) / f"inprocess-{'on' if gate else 'off'}.html")
         elif way == "sharded":
             if gate:
                 placement, url = self.stack.placement, self.stack.gateway.url
@@ -679,7 +686,7 @@ class Bench:
                 cpu_exclude = set()
                 before = {}
             meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids)
-            profiler = self._profile_start(way, gate, placement)
+            profiler = self._profile_start(way, gate, placement, worker.pid)
             meter.start()
             worker.write(b"go")
             watch = asyncio.create_task(self._watch(placement))
@@ -742,19 +749,23 @@ class Bench:
             print(f"  still running; hosts: {json.dumps(stats, default=str)[:2000]}", file=sys.stderr)
 
     # py-spy on the gateway process and on one session host, when --profile is given
-    def _profile_start(self, way: str, gate: bool, placement: Any):
-        if not self.args.profile or way == "inprocess":
+    def _profile_start(self, way: str, gate: bool, placement: Any, worker_pid: int):
+        if not self.args.profile:
             return None
-        return asyncio.create_task(self._pyspy(way, gate, placement))
+        return asyncio.create_task(self._pyspy(way, gate, placement, worker_pid))
 
-    async def _pyspy(self, way: str, gate: bool, placement: Any) -> list[asyncio.subprocess.Process]:
+    async def _pyspy(self, way: str, gate: bool, placement: Any, worker_pid: int
+                     ) -> list[asyncio.subprocess.Process]:
         import shutil
 
         exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
-        targets = {"gateway": os.getpid()}
-        if stats:
-            targets["host"] = stats[0]["pid"]
+        if placement is None:  # way a: the worker is the engine
+            targets = {"engine": worker_pid}
+        else:
+            stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
+            targets = {"gateway": os.getpid()}
+            if stats:
+                targets["host"] = stats[0]["pid"]
         procs = []
         out = Path(self.args.profile)
         out.mkdir(parents=True, exist_ok=True)
@@ -766,6 +777,17 @@ class Bench:
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             ))
         return procs
+
+    async def _spy(self, pid: int, path: Path) -> asyncio.subprocess.Process:
+        import shutil
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        return await asyncio.create_subprocess_exec(
+            exe, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking",
+            "--output", str(path), "--duration", str(int(self.args.profile_seconds)),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )
 
     async def _profile_stop(self, task) -> None:
         if task is None:
@@ -830,10 +852,15 @@ class Bench:
                 before = await host_stats()
                 host_pids = {s["pid"] for s in before}
                 meter = Meter(lambda: self.engine_cpu_pids({worker.pid}), lambda: host_pids)
+                spy = None
+                if a.profile and text == "order":
+                    spy = await self._spy(min(host_pids), Path(a.profile) / f"growth-{len(sessions)}-host.txt")
                 meter.start()
                 worker.write(b"go")
                 done = await worker.expect("done")
                 cpu, _, peak = meter.stop()
+                if spy is not None:
+                    await spy.wait()
                 after = await host_stats()
             finally:
                 await worker.close()
@@ -1045,8 +1072,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--growth-concurrency", type=int, default=32)
     p.add_argument("--reactivate", type=int, default=500, help="sessions passivated and brought back")
     p.add_argument("--burst", type=int, default=1000, help="concurrent sessions in the growth burst")
-    p.add_argument("--profile", default=None, help="directory: pyinstrument (way a) and py-spy (b, c) profiles")
+    p.add_argument("--profile", default=None,
+                   help="directory: py-spy profiles (collapsed stacks) of the engine processes during each way")
     p.add_argument("--profile-seconds", type=float, default=8.0)
+    p.add_argument("--profile-python", default=None,
+                   help="directory: a pyinstrument report of way a's timed phase (slows that way down)")
     p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
     p.add_argument("--output", default=None, help="default: .data/bench.json")
     args = p.parse_args(argv)
