@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
-import pytest
 import pytest_asyncio
 from aiohttp import web
 
 from actors.placement import rendezvous_index
+from tests.e2e.api import call, post, register
 
 
 class SlowBackend:
@@ -44,34 +43,10 @@ async def backend():
         await runner.cleanup()
 
 
-async def post(client, url, headers, body, *, sse=False):
-    h = {**headers, **({"Accept": "text/event-stream"} if sse else {})}
-    async with client.post(url, headers=h, json=body) as r:
-        if not sse:
-            return r.status, await r.json()
-        events, event = [], None
-        async for raw in r.content:
-            line = raw.decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                events.append((event, json.loads(line[6:])))
-        return r.status, events
-
-
-async def register(client, gw, headers, body):
-    status, data = await post(client, f"{gw}/v1/tools", headers, body)
-    assert status == 201, data
-
-
 def write_tool(backend, name, **extra):
     return {"name": name, "description": f"{name} a record", "webhook_url": f"{backend.url}/{name}",
             "parameters": {"ref": {"type": "string"}, "amount": {"type": "integer", "minimum": 1}},
             "mutability": "write", "method": "POST", "timeout_ms": 10000, **extra}
-
-
-def call(name, args):
-    return f"/call {name} {json.dumps(args)}"
 
 
 async def held(client, gw, headers, session, text):

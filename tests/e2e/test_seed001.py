@@ -14,6 +14,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from actors.placement import rendezvous_index
+from tests.e2e.api import call, post, register
 
 CATALOG_OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
     {"name": "q", "in": "query", "required": True},
@@ -58,32 +59,6 @@ async def backend():
         yield b
     finally:
         await runner.cleanup()
-
-
-async def post(client, url, headers, body, *, sse=False):
-    h = dict(headers)
-    if sse:
-        h["Accept"] = "text/event-stream"
-    async with client.post(url, headers=h, json=body) as r:
-        if sse:
-            events, event = [], None
-            async for raw in r.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    events.append((event, json.loads(line[6:])))
-            return r.status, events
-        return r.status, await r.json()
-
-
-async def register(client, gw, headers, body):
-    status, data = await post(client, f"{gw}/v1/tools", headers, body)
-    assert status == 201, data
-
-
-def call(name: str, args: dict) -> str:
-    return f"/call {name} {json.dumps(args)}"
 
 
 def write_tool(backend: Backend, name: str) -> dict:
