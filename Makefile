@@ -46,10 +46,12 @@ bench: $(BENCH_STAMP)
 loadtest: $(BENCH_STAMP)
 	$(BIN)/python -m services.loadtest $(ARGS)
 
-# 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json
+# 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json.
+# SOAK_ARGS=--overload instead measures the peak and offers twice that rate (.data/overload.json).
 SOAK_SECONDS ?= 900
+SOAK_ARGS ?=
 soak: setup
-	$(BIN)/python -m services.soak --seconds $(SOAK_SECONDS)
+	$(BIN)/python -m services.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 lint: setup
 	$(BIN)/ruff check actors services storage tests

@@ -113,6 +113,7 @@ class SessionHostActor:
                         idle_seconds=self._settings.idle_seconds,
                         output_gate=self._settings.output_gate,
                         flush_interval_s=self._settings.flush_interval_ms / 1000,
+                        max_inflight=self._settings.host_max_inflight,
                     ),
                 )
                 await host.start()
@@ -241,7 +242,7 @@ class SessionHostActor:
                     "last_flush_ms": 0.0, "dirty": 0, "pid": os.getpid(),
                     "node_id": ray.get_runtime_context().get_node_id()}
         state = self._shard_state
-        return {**self._host.stats(), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+        return {**self._host.stats(), "pid": os.getpid(), "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
                 "idle_s": round(time.monotonic() - self._last_call, 3),
                 **({"shards": state.shards, "shard_generation": state.generation} if state is not None else {})}
 

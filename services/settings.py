@@ -42,6 +42,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_rate: float = 100.0  # messages/s per tenant per gateway (0: unlimited)
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
+    host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -104,6 +105,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
+            host_max_inflight=_int(get, "CE_HOST_MAX_INFLIGHT", 256, minimum=1),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=(get("CE_LOG_LEVEL") or "info").lower(),
         )

@@ -35,7 +35,8 @@ def free_port() -> int:
 class StackProcess:
     """`chat-engine run` in a subprocess with its own data dir, Postgres and Ray."""
 
-    def __init__(self, data: Path | None = None) -> None:
+    def __init__(self, data: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.extra_env = dict(env or {})
         self.data = data or Path(tempfile.mkdtemp(prefix="ce-stack-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,7 +48,7 @@ class StackProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CE_", "DATABASE_URL", "RAY_ADDRESS"))}
         env.update({"CE_DATA_DIR": str(self.data), "CE_PORT": str(self.port), "CE_SHARDS": "2",
                     "CE_LOG_FORMAT": "json", "CE_LOG_LEVEL": "warning",
-                    "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0"})
+                    "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0", **self.extra_env})
         self._log = open(self.data / "stack.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env,
                                      stdout=self._log, stderr=self._log, start_new_session=True)
@@ -234,11 +235,87 @@ async def soak(seconds: float, sessions: int) -> dict:
         stack.stop()
 
 
+async def overload(stack: StackProcess, client: aiohttp.ClientSession, *, seconds: float = 15,
+                   factor: float = 2.0, sessions: int = 400) -> dict:
+    """Measure the peak (closed loop, 32 contacts), then offer `factor` times that rate open loop
+    for `seconds`: admitted requests, shed ones (429/503) and anything else, with latencies."""
+    contacts = Contacts(stack, client)
+    done = 0
+    stop_at = time.monotonic() + 6
+
+    async def closed(i: int) -> None:
+        nonlocal done
+        k = 0
+        while time.monotonic() < stop_at:
+            await contacts.send(f"peak-{i}", order_call(i * 1000 + k), f"peak-{i}-{k}")
+            done += 1
+            k += 1
+
+    started = time.monotonic()
+    await asyncio.gather(*(closed(i) for i in range(32)))
+    peak = done / (time.monotonic() - started)
+    rate = peak * factor
+    results: list[tuple[int, float]] = []
+    acked: dict[str, dict] = {}
+
+    async def one(n: int) -> None:
+        t0 = time.monotonic()
+        message_id = f"ovl-{n}"
+        try:
+            async with client.post(f"{stack.url}/v1/sessions/ovl-{n % sessions}/messages", headers=stack.headers,
+                                   json={"text": order_call(n), "message_id": message_id}) as r:
+                body = await r.json(content_type=None)
+                if r.status == 200:
+                    acked[message_id] = body
+                results.append((r.status, time.monotonic() - t0))
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            results.append((0, time.monotonic() - t0))
+
+    tasks = []
+    t_start = time.monotonic()
+    n = 0
+    while time.monotonic() - t_start < seconds:
+        tasks.append(asyncio.create_task(one(n)))
+        n += 1
+        await asyncio.sleep(max(0.0, t_start + n / rate - time.monotonic()))
+    await asyncio.gather(*tasks)
+    admitted = sorted(lat for status, lat in results if status == 200)
+
+    def pct(p: float) -> float:
+        return round(admitted[min(len(admitted) - 1, int(len(admitted) * p))] * 1000, 1) if admitted else 0.0
+
+    statuses: dict[str, int] = {}
+    for status, _ in results:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    missing, doubled = await lost_records(stack, acked)
+    return {"peak_msgs_per_s": round(peak, 1), "offered_per_s": round(rate, 1), "offered": len(results),
+            "statuses": statuses, "admitted_p50_ms": pct(0.5), "admitted_p99_ms": pct(0.99),
+            "records_lost": len(missing), "tools_recorded_twice": len(doubled)}
+
+
+async def overload_run(seconds: float) -> dict:
+    stack = StackProcess(env={"CE_HOST_MAX_INFLIGHT": "32"})
+    await stack.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+            return await overload(stack, client, seconds=seconds)
+    finally:
+        stack.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="long mixed load with scheduled faults")
     parser.add_argument("--seconds", type=float, default=900)
     parser.add_argument("--sessions", type=int, default=50)
+    parser.add_argument("--overload", action="store_true",
+                        help="instead: measure the peak, then offer twice that rate for --seconds")
     args = parser.parse_args()
+    if args.overload:
+        result = asyncio.run(overload_run(args.seconds))
+        print(json.dumps(result, indent=2))
+        Path(".data").mkdir(exist_ok=True)
+        Path(".data/overload.json").write_text(json.dumps(result, indent=2))
+        sys.exit(1 if result["records_lost"] or set(result["statuses"]) - {"200", "429", "503"} else 0)
     summary = asyncio.run(soak(args.seconds, args.sessions))
     print(json.dumps(summary, indent=2))
     Path(".data").mkdir(exist_ok=True)
