@@ -6,6 +6,7 @@ way in) through msgspec, in binary format, so no caller ever handles JSON text.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NoReturn
 
 import asyncpg
@@ -13,8 +14,43 @@ import msgspec
 
 from storage.errors import StorageError, StorageUnavailable, describe_url
 
-_encode = msgspec.json.encode
 _decode = msgspec.json.decode
+# a JSON \u0000 escape, not an escaped backslash followed by "u0000"
+_NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def storable_text(value: Any) -> Any:
+    """`value` as Postgres can store it in a TEXT column: NUL characters (which it refuses) and
+    lone surrogates (which UTF-8 cannot carry) become U+FFFD and '?'. Anything not a str as is.
+
+    Model output and tool results reach the database unchecked; one such character in one
+    session's rows would otherwise fail the flush of every session of its host (group commit)."""
+    if not isinstance(value, str) or value.isascii() and "\x00" not in value:
+        return value
+    return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k): _scrub(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v) for v in value]
+    return value
+
+
+def _encode(value: Any) -> bytes:
+    """JSON that json/jsonb columns accept: as `storable_text` for every string (see there)."""
+    try:
+        data = msgspec.json.encode(value)
+    except UnicodeEncodeError:  # a lone surrogate somewhere: rare, so only then walk the value
+        data = msgspec.json.encode(_scrub(msgspec.to_builtins(value)))
+    if b"\\u0000" in data:
+        data = _NUL_ESCAPE.sub(rb"\1\\ufffd", data)
+    return data
+
+
 _JSONB_VERSION = b"\x01"  # the binary jsonb wire format is a version byte, then JSON text
 
 # everything asyncpg.connect raises for a server that is down, refuses us, or a URL it rejects

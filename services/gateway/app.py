@@ -8,6 +8,7 @@ gateway processes can serve the same sessions.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -26,12 +27,14 @@ from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, O
 from services.gateway.bodies import (
     ToolCreate,
     ToolPatch,
+    check_url,
     definition_from_body,
     patched_body,
     tool_view,
 )
 from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
+from services.tools.ssrf import DestinationPolicy
 from services.wire import DecideApproval, SendMessage, SessionView, StreamEvent, TurnReply
 
 log = structlog.get_logger(__name__)
@@ -90,7 +93,9 @@ class GatewayDeps:
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)
+    key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)  # sha256(key) -> tenant
+    #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
+    webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
 
 
 DEPS = web.AppKey("deps", GatewayDeps)
@@ -114,6 +119,9 @@ async def errors_middleware(request: web.Request, handler):
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    if "\x00" in request.path or "\x00" in request.query_string:
+        # Postgres cannot store or compare a NUL character: refuse it here, not as a storage error
+        return problem(422, "Invalid request", "the URL holds a NUL character (%00); remove it")
     try:
         response = await handler(request)
     except web.HTTPMethodNotAllowed as exc:
@@ -168,34 +176,47 @@ async def auth_middleware(request: web.Request, handler):
                        headers={"WWW-Authenticate": "Bearer"})
     deps = request.app[DEPS]
     key = key.strip()
-    cached = deps.key_cache.get(key)
+    # keys are printable ASCII: anything else cannot match (nor be hashed or sent to Postgres as is)
+    printable = key.isascii() and key.isprintable()
+    digest = hashlib.sha256(key.encode()).hexdigest() if printable else ""  # no raw key kept in memory
+    cached = deps.key_cache.get(digest)
     now = time.monotonic()
     if cached is not None and cached[1] > now:
         tenant_id = cached[0]
     else:
-        tenant = await deps.tenants.tenant_for_key(key)
+        tenant = await deps.tenants.tenant_for_key(key) if printable else None
         if tenant is None:
             return problem(401, "Unauthorized", "this API key is unknown or revoked; create one with "
                            "'chat-engine tenant create NAME'", headers={"WWW-Authenticate": "Bearer"})
         tenant_id = tenant.id
         if len(deps.key_cache) > 10_000:
             deps.key_cache.clear()
-        deps.key_cache[key] = (tenant_id, now + KEY_CACHE_TTL_S)
+        deps.key_cache[digest] = (tenant_id, now + KEY_CACHE_TTL_S)
     request[TENANT] = tenant_id
     structlog.contextvars.bind_contextvars(tenant_id=tenant_id)
     return await handler(request)
 
 
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # a JSON \u0000 escape (not an escaped backslash)
+
+
 async def decode_body(request: web.Request, type_: type) -> Any:
     if request.content_length is not None and request.content_length > MAX_BODY:
-        raise InvalidInput(f"the body is larger than {MAX_BODY} bytes; send less")
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length,
+                                            text=f"the body is larger than {MAX_BODY} bytes; send less")
     raw = await request.read()
     if not raw:
         raise InvalidInput("the body is empty; send a JSON object")
     decoder = _decoders.get(type_)
     if decoder is None:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)
-    return decoder.decode(raw)
+    try:
+        body = decoder.decode(raw)
+    except RecursionError:
+        raise InvalidInput("the body nests arrays or objects too deeply; send a flatter JSON object") from None
+    if _NUL_ESCAPE.search(raw):
+        raise InvalidInput("the body holds a NUL character (\\u0000), which cannot be stored; remove it")
+    return body
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -327,7 +348,7 @@ async def create_tool(request: web.Request) -> web.Response:
     if body.name in RESERVED_TOOL_NAMES:
         # GET /v1/tools/contract is the contract report, so a tool of that name could never be read
         raise InvalidInput(f"name {body.name!r} is reserved by the API; choose another - at `$.name`", path="$.name")
-    definition = definition_from_body(body, encrypt=_encrypt(deps))
+    definition = definition_from_body(body, encrypt=_encrypt(deps), policy=deps.webhook_policy)
     data = msgspec.to_builtins(definition)
     version = await deps.tools.create(request[TENANT], definition.name, body.type, data)
     return json_response(tool_view(version.definition, version=version.version, extra={"published": True}), status=201)
@@ -352,7 +373,7 @@ async def patch_tool(request: web.Request) -> web.Response:
     patch: ToolPatch = await decode_body(request, ToolPatch)
     current = await deps.tools.get(tenant_id, name)
     merged, kept_auth = patched_body(current.definition, patch)
-    definition = definition_from_body(merged, encrypt=_encrypt(deps))
+    definition = definition_from_body(merged, encrypt=_encrypt(deps), policy=deps.webhook_policy)
     data = msgspec.to_builtins(definition)
     if kept_auth and not data.get("auth_header_enc"):
         data["auth_header_enc"] = kept_auth
@@ -411,14 +432,16 @@ def parse_since(raw: str | None) -> datetime:
     if not raw:
         return now - timedelta(hours=24)
     m = re.fullmatch(r"(\d+)([mhd])", raw)
-    if m:
-        n, unit = int(m.group(1)), m.group(2)
-        return now - {"m": timedelta(minutes=n), "h": timedelta(hours=n), "d": timedelta(days=n)}[unit]
     try:
+        if m:
+            n, unit = int(m.group(1)), m.group(2)
+            return now - {"m": timedelta(minutes=n), "h": timedelta(hours=n), "d": timedelta(days=n)}[unit]
         value = datetime.fromisoformat(raw)
-    except ValueError:
-        raise InvalidInput(f"since must be an ISO-8601 time (2026-12-01T00:00:00Z) or a look-back like 24h or 7d, got {raw[:40]!r}") from None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
+        # in UTC, as Postgres will compare it: a year-1 time with a +14:00 offset would fall before year 1
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise InvalidInput(f"since must be an ISO-8601 time (2026-12-01T00:00:00Z) or a look-back like 24h or 7d "
+                           f"within the calendar, got {raw[:40]!r}") from None
 
 
 # -- workflow jobs ----------------------------------------------------------------------------
@@ -476,6 +499,10 @@ async def get_bot_config(request: web.Request) -> web.Response:
 async def put_bot_config(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     body: BotConfigIn = await decode_body(request, BotConfigIn)
+    if body.backend is not None:
+        check_url(body.backend.base_url, field="backend.base_url", policy=deps.webhook_policy)
+    if body.notification_webhook:
+        check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
     data = {k: v for k, v in msgspec.to_builtins(body).items() if v is not None and k != "backend"}
     if body.allowlist is not None:
         data["allowlist"] = body.allowlist

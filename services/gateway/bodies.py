@@ -22,6 +22,7 @@ from services.tools.model import (
     normalise_parameters,
     template_holes,
 )
+from services.tools.ssrf import DestinationPolicy, literal_refusal
 from services.tools.validation import check_any_schema, check_schema
 
 ToolType = Literal["webhook", "backend_binding", "python", "workflow", "client"]
@@ -103,8 +104,11 @@ class Encryptor:
     def encrypt(self, plaintext: str) -> str: ...  # pragma: no cover - protocol
 
 
-def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
-    """Build and check a definition. Raises InvalidInput naming the field and the fix."""
+def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy | None = None) -> ToolDefinition:
+    """Build and check a definition. Raises InvalidInput naming the field and the fix.
+
+    With `policy` (the SSRF guard's allowlist), a URL whose host is an IP literal the guard would
+    refuse (metadata, private, loopback, ...) is refused here, at registration."""
     if not TOOL_NAME_RE.match(body.name):
         raise InvalidInput(
             f"name {body.name!r} must start with a letter and hold only letters, digits, '_' or '-' "
@@ -122,7 +126,7 @@ def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
     if body.type == "webhook":
         if not body.webhook_url:
             raise InvalidInput("webhook_url is required for a webhook tool - at `$.webhook_url`", path="$.webhook_url")
-        _check_url(body.webhook_url)
+        check_url(body.webhook_url, policy=policy)
         holes = template_holes(body.webhook_url)
         family = {"webhook_url": body.webhook_url, "method": body.method or ("GET" if body.mutability == "read" else "POST")}
         if body.auth_header:
@@ -140,7 +144,7 @@ def definition_from_body(body: ToolCreate, *, encrypt) -> ToolDefinition:
                 "(your system runs the job) - at `$.handler`", path="$.handler",
             )
         if body.start_url is not None:
-            _check_url(body.start_url, field="start_url")
+            check_url(body.start_url, field="start_url", policy=policy)
             family = {"start_url": body.start_url}
         else:
             family = {"handler": body.handler}
@@ -216,9 +220,17 @@ def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: 
     return view
 
 
-def _check_url(url: str, *, field: str = "webhook_url") -> None:
-    parts = urlsplit(url.replace("{", "").replace("}", ""))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+def check_url(url: str, *, field: str = "webhook_url", policy: DestinationPolicy | None = None) -> None:
+    """Raise InvalidInput (at `$.{field}`) unless `url` is an http(s) URL without credentials and
+    without holes in its host; with `policy`, also when its host is an IP literal (or a legacy
+    numeric form) that the SSRF guard would refuse at call time."""
+    try:
+        parts = urlsplit(url.replace("{", "").replace("}", ""))
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        parts, netloc = None, ""
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise InvalidInput(
             f"{field} must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.{field}`",
             path=f"$.{field}",
@@ -227,8 +239,18 @@ def _check_url(url: str, *, field: str = "webhook_url") -> None:
         raise InvalidInput(
             f"{field} must not carry credentials; put them in auth_header - at `$.{field}`", path=f"$.{field}",
         )
-    if "{" in urlsplit(url).netloc:
+    if "{" in netloc:
         raise InvalidInput(
             f"{field} may use {{param}} holes in its path and query only, never in the host - at `$.{field}`",
             path=f"$.{field}",
+        )
+    rule = literal_refusal(url.replace("{", "").replace("}", ""), policy) if policy is not None else None
+    if rule == "malformed url":
+        raise InvalidInput(
+            f"{field} has a host that is neither a host name nor an IP address - at `$.{field}`", path=f"$.{field}",
+        )
+    if rule is not None:
+        raise InvalidInput(
+            f"{field} points at {parts.hostname}, a {rule}, which tools may not reach; use a public "
+            f"address (an operator can allow it with CE_WEBHOOK_ALLOW) - at `$.{field}`", path=f"$.{field}",
         )

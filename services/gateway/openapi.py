@@ -34,6 +34,8 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
                                             "422": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}}}
         if m in ("post", "put", "patch"):
             op["requestBody"] = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
+            for e in ("400", "413"):
+                op["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
         paths.setdefault(path, {})[m] = op
     return {**doc, "paths": paths}
 
@@ -64,6 +66,8 @@ def _core_document() -> dict[str, Any]:
             o["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
         if body is not None:
             o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+            for e in ("400", "413"):  # a body that is not JSON (or not UTF-8); one over MAX_BODY
+                o["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
         return o
 
     paths = {
@@ -89,6 +93,8 @@ def _core_document() -> dict[str, Any]:
         "/readyz": {"get": op("Readiness", errors=("503",))},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition"}}}},
     }
+    for path in ("/healthz", "/readyz", "/metrics"):
+        paths[path]["get"]["security"] = []  # operations: no tenant key (CONTRACT.md)
     return {
         "openapi": "3.1.0",
         "info": {"title": "chat-engine", "version": "0.1.0"},

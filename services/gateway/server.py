@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from services.gateway.app import GatewayDeps, build_app
 from services.gateway.limits import TenantLimiter
 from services.settings import Settings
 from services.tools.crypto import SecretBox
+from services.tools.ssrf import policy_from_entries
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
+
+
+class _UnparsableRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse with the parser's message, which quotes the start of
+    the offending line: for an over-long `Authorization` line, that is the API key. Keep the fact
+    and the error's name, drop the quote and the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.msg} (%s, status %s; the request line or a header was malformed or too long)"
+            record.args = (*(record.args or ()), type(exc).__name__, exc.code)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def http_server_logger() -> logging.Logger:
+    """The stdlib logger for the gateway's aiohttp server (`AppRunner(logger=...)`): errors of
+    requests that never reached a handler, without the request text they quote."""
+    logger = logging.getLogger("services.gateway.http")
+    if not any(isinstance(f, _UnparsableRequestFilter) for f in logger.filters):
+        logger.addFilter(_UnparsableRequestFilter())
+    return logger
 
 
 class Gateway:
@@ -40,6 +68,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         contract=contract, jobs=JobRepo(pool),
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
                               concurrency=settings.tenant_concurrency),
+        webhook_policy=policy_from_entries(settings.webhook_allow),
     )
 
     async def ready() -> bool:
@@ -51,7 +80,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         return True if ready_check is None else await ready_check()
 
     deps.ready = ready
-    runner = web.AppRunner(build_app(deps), access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(build_app(deps), access_log=None, shutdown_timeout=5.0, logger=http_server_logger())
     await runner.setup()
     site = web.TCPSite(runner, host or settings.host, settings.port if port is None else port)
     await site.start()

@@ -279,6 +279,28 @@ async def check_destination(
     )
 
 
+def literal_refusal(url: str, policy: DestinationPolicy) -> str | None:
+    """The rule that refuses `url` whatever DNS answers, or None when only resolving can tell.
+
+    Decidable from the text alone: an IP-literal host the guard refuses (unless `policy` covers
+    it), and a host that is neither a host name nor an IP literal (legacy numeric forms such as
+    2852039166 or 0xa9fea9fe). A host name returns None: `check_destination` decides at call time.
+    Pure; used where a URL is registered, so a tenant learns at once rather than at the first call.
+    """
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return "malformed url"
+    if not host:
+        return "malformed url"
+    literal = _parse_ip_literal(host)
+    if literal is None:
+        return None if _normalise_host_name(host) is not None else "malformed url"
+    if policy.covers(literal):
+        return None
+    return refusal_rule(literal)
+
+
 def _parse_ip_literal(host: str) -> IPAddress | None:
     try:
         return ipaddress.ip_address(host)

@@ -11,6 +11,7 @@ from datetime import datetime
 import asyncpg
 
 from storage.errors import translate
+from storage.pool import storable_text
 from storage.records import ToolCallRecord, ToolStats, session_uid
 
 INSERT_CALL_SQL = (
@@ -24,9 +25,9 @@ INSERT_CALL_SQL = (
 def call_row(rec: ToolCallRecord, tenant_id: str, session_id: str) -> tuple:
     """Arguments of INSERT_CALL_SQL for one record, under the given tenant and session."""
     return (
-        rec.id, session_uid(tenant_id, session_id), tenant_id, rec.message_id, rec.tool_name,
-        rec.parameters, rec.result, rec.success, rec.latency_ms, rec.queue_ms, rec.error,
-        rec.created_at, rec.trace_id,
+        rec.id, session_uid(tenant_id, session_id), tenant_id, storable_text(rec.message_id),
+        storable_text(rec.tool_name), rec.parameters, rec.result, rec.success, rec.latency_ms,
+        rec.queue_ms, storable_text(rec.error), rec.created_at, rec.trace_id,
     )
 
 

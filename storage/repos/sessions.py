@@ -18,6 +18,7 @@ import msgspec
 
 from services.errors import NotFound
 from storage.errors import StorageError, translate
+from storage.pool import storable_text
 from storage.records import (
     ActivatedSession,
     FlushResult,
@@ -173,15 +174,20 @@ class SessionRepo:
                     snap = d.snapshot
                     # the last delta of a session in the batch carries its newest snapshot
                     sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
+                    # Text from contacts, the model and tools goes through storable_text: a NUL
+                    # in one row must not fail the whole group commit (JSON columns: the codec).
                     messages += [
-                        (d.tenant_id, uid, m.seq, m.role, m.content, m.message_id) for m in d.messages
+                        (d.tenant_id, uid, m.seq, m.role, m.content, storable_text(m.message_id))
+                        for m in d.messages
                     ]
-                    variables += [(uid, d.tenant_id, k, v) for k, v in d.variables.items()]
+                    variables += [
+                        (uid, d.tenant_id, storable_text(k), storable_text(v)) for k, v in d.variables.items()
+                    ]
                     calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
                     usage += [
                         (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens) for u in d.usage
                     ]
-                    turns += [(d.tenant_id, uid, t.message_id, t.response) for t in d.turns]
+                    turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
                 # executemany pipelines each statement's rows: one round trip per table, not per row
                 for sql, batch in (
                     (_UPDATE_SESSION, list(sessions.values())),
