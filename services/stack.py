@@ -28,6 +28,7 @@ log = structlog.get_logger(__name__)
 
 DEMO_TENANT = "demo"
 DEMO_STORE_HOST = "127.0.0.2"  # its own loopback address, so the allowlist admits it and nothing else
+DEMO_STORE_PORT = 8090
 
 
 class Stack:
@@ -71,7 +72,10 @@ class Stack:
         if seed_demo:
             from services.demo_store import start_demo_store
 
-            self.demo_store = await start_demo_store(DEMO_STORE_HOST)
+            try:  # a stable address keeps the demo tools' URLs (and versions) the same across runs
+                self.demo_store = await start_demo_store(DEMO_STORE_HOST, DEMO_STORE_PORT)
+            except OSError:  # taken (a second stack on this machine): any free port
+                self.demo_store = await start_demo_store(DEMO_STORE_HOST)
             changes["webhook_allow"] = (*settings.webhook_allow, f"{DEMO_STORE_HOST}/32")
         settings = msgspec.structs.replace(settings, **changes)
         self.settings = settings

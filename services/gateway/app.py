@@ -547,7 +547,11 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     from services.gateway.openapi import openapi_document
 
-    return json_response(openapi_document())
+    routes = tuple(
+        (r.method, r.resource.canonical, (r.handler.__doc__ or "").strip().split("\n")[0])
+        for r in request.app.router.routes() if r.resource is not None
+    )
+    return json_response(openapi_document(routes))
 
 
 def build_app(deps: GatewayDeps) -> web.Application:
