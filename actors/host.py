@@ -450,6 +450,37 @@ class SessionHost:
         async with self._flush_lock:
             await self._flush_locked()
 
+    async def _flush_isolating(
+        self, deltas: dict[Key, tuple[_Entry, SessionDelta]]
+    ) -> tuple[list, list, list[Key]]:
+        """One transaction for all (group commit). When Postgres refuses the batch for good (a
+        data error, not a lost connection), flush session by session so one session's bad data
+        cannot hold every other session's replies: returns (written, refused, poisoned keys).
+        A retryable error propagates: the caller puts every delta back and retries."""
+        try:
+            result = await self._store.flush([delta for _, delta in deltas.values()])
+            return list(result.written), list(result.refused), []
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            batch_error = exc
+        written: list = []
+        refused: list = []
+        poisoned: list[Key] = []
+        for key, (_, delta) in deltas.items():
+            try:
+                one = await self._store.flush([delta])
+            except Exception as exc:
+                if _transient(exc):
+                    raise
+                poisoned.append(key)
+                continue
+            written += one.written
+            refused += one.refused
+        log.warning("flush_isolated_bad_session", sessions=len(deltas), poisoned=len(poisoned),
+                    error=type(batch_error).__name__)
+        return written, refused, poisoned
+
     async def _flush_locked(self) -> None:
         keys, self._dirty = self._dirty, set()
         waiters = {k: self._waiters.pop(k, []) for k in keys}
@@ -467,7 +498,7 @@ class SessionHost:
         started = time.perf_counter()
         self._inflight = set(deltas)
         try:
-            result = await self._store.flush([delta for _, delta in deltas.values()])
+            written, refused, poisoned = await self._flush_isolating(deltas)
         except BaseException:
             for entry, delta in deltas.values():
                 entry.state.restore_delta(delta)
@@ -479,10 +510,24 @@ class SessionHost:
             self._inflight = set()
         self.last_flush_ms = (time.perf_counter() - started) * 1000
         self.flushes += 1
-        self.flushed_sessions += len(result.written)
+        self.flushed_sessions += len(written)
         if self._on_flush is not None:
-            self._on_flush(len(result.written), self.last_flush_ms)
-        for key in map(tuple, result.refused):
+            self._on_flush(len(written), self.last_flush_ms)
+        for key in poisoned:
+            # Postgres refuses this session's data for good (not a lost connection): the turn is
+            # not acknowledged and its copy is dropped, so the session goes on from what is stored.
+            entry = deltas[key][0]
+            entry.stale = True
+            if self._sessions.get(key) is entry:
+                del self._sessions[key]
+            for f in waiters.pop(key, []):
+                if not f.done():
+                    f.set_exception(TurnNotSaved(
+                        f"the last turn of session {key[1]!r} could not be saved and was not acknowledged; "
+                        "send the message again (the session continues from its saved state)"
+                    ))
+            log.error("flush_refused_session_data", session_id=key[1])
+        for key in map(tuple, refused):
             # A newer activation owns this session: this copy is stale. Evict it so the next
             # message re-activates from Postgres, and fail the replies that were waiting.
             source = deltas.get(key)  # type: ignore[call-overload]
@@ -495,6 +540,16 @@ class SessionHost:
                     f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
         _resolve(waiters)
+
+
+def _transient(exc: BaseException) -> bool:
+    """Worth retrying: a lost connection (the store says retryable) or anything unrecognised.
+    Only an engine error that says it is final (a data error) isolates a session."""
+    return not isinstance(exc, ChatEngineError) or bool(getattr(exc, "retryable", False))
+
+
+class TurnNotSaved(ChatEngineError):
+    """Postgres refused a session's data for good; its unsaved turn was dropped, not acknowledged."""
 
 
 def _percentile(values: collections.deque[float], p: float) -> float:

@@ -18,7 +18,7 @@ import msgspec
 import ray
 import structlog
 
-from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved
+from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved, TurnNotSaved
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
@@ -55,6 +55,8 @@ def to_host_error(exc: BaseException) -> HostError:
         return HostError(kind="overloaded", message=str(exc), retry_after=exc.retry_after, reason=exc.reason)
     if isinstance(exc, LeaseLost):
         return HostError(kind="lease_lost", message=str(exc), retry_after=0.1)
+    if isinstance(exc, TurnNotSaved):
+        return HostError(kind="internal", message=str(exc))
     if isinstance(exc, SessionError):
         return HostError(kind=exc.kind, message=str(exc))
     if isinstance(exc, ChatEngineError) and getattr(exc, "retryable", False):

@@ -45,6 +45,8 @@ Key = tuple[str, str]
 class StoreUnavailable(Exception):
     """What the fake raises while the database is 'down' (the adapter's connection error)."""
 
+    retryable = True
+
 
 def _copy_snapshot(snapshot: SessionSnapshot) -> SessionSnapshot:
     # Through JSON, as a JSONB column would: the store never shares objects with a live session.

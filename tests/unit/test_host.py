@@ -479,3 +479,29 @@ async def test_a_stream_abandoned_after_its_first_event_still_completes_and_is_s
     await eventually(lambda: "m1" in store.turns[KEY])
     assert world.calls() == [("lookup", "q")]
     assert store.seqs(KEY) == [0, 1, 2, 3]
+
+
+async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_replies(world):
+    from actors.host import TurnNotSaved
+    from services.errors import ChatEngineError
+
+    class DataRefused(ChatEngineError):
+        retryable = False
+
+    store = world.store
+    real_flush = store.flush
+
+    async def flush(deltas):
+        if any(d.session_id == "bad" for d in deltas):
+            raise DataRefused("postgres refused a value")
+        return await real_flush(deltas)
+
+    store.flush = flush
+    host = await world.host()
+    results = await asyncio.wait_for(asyncio.gather(
+        *(host.send("t1", f"s{i}", "hello", f"m{i}") for i in range(5)),
+        host.send("t1", "bad", "hello", "mbad"), return_exceptions=True), T)
+    assert [r.reply for r in results[:5]] == ["echo: hello"] * 5  # the others were written
+    assert isinstance(results[5], TurnNotSaved) and "send the message again" in str(results[5])
+    assert all("m" + str(i) in store.turns[("t1", f"s{i}")] for i in range(5))
+    assert ("t1", "bad") not in host._sessions  # noqa: SLF001 - the diverged copy is dropped
