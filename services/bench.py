@@ -607,6 +607,8 @@ class Bench:
             webhook_allow=(*settings.webhook_allow, f"{DEMO_STORE_HOST}/32"),
         )
         started = time.perf_counter()
+        if not settings.database_url:
+            await asyncio.to_thread(_allow_connections, Path(a.data_dir), 400)
         self.stack = await Stack.start(settings, port=0, seed_demo=False)
         self.settings = self.stack.settings
         pool = await create_pool(self.settings.database_url, min_size=1, max_size=2)
@@ -639,6 +641,11 @@ class Bench:
         self.gateways.append(gateway)
         return placement, gateway
 
+    async def close_gateway(self, gateway: Any) -> None:
+        if gateway in self.gateways:
+            self.gateways.remove(gateway)
+            await gateway.close()
+
     # -- one measured run ----------------------------------------------------------------------
 
     async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None
@@ -653,6 +660,7 @@ class Bench:
                           warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key)
         settings = msgspec.structs.replace(self.settings, output_gate=gate)
         placement = None
+        gateway = None
         prefix = "" if gate else "gateoff-"
         if way == "inprocess":
             spec.settings = msgspec.json.encode(settings)
@@ -718,6 +726,7 @@ class Bench:
             flushes, flushed = done["host"]["flushes"], done["host"]["flushed_sessions"]
         if way == "dedicated" or (way == "sharded" and not gate):
             await placement.shutdown_hosts()
+            await self.close_gateway(gateway)
         n = max(done["messages"], 1)
         result = {
             "msgs_per_s": done["msgs_per_s"], "p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"],
@@ -932,10 +941,32 @@ class Bench:
         print(f"  reactivation of {len(sample)} passivated sessions: p50 {react['p50_ms']:.1f} ms, "
               f"p99 {react['p99_ms']:.1f} ms (first message p50 {back['p50_ms']:.1f} ms)", file=sys.stderr)
         await placement.shutdown_hosts()
+        await self.close_gateway(gateway)
         last = levels[-1]
         return {"shards": a.growth_shards, "empty_host_rss_mb": empty, "levels": levels, "reactivation": react,
                 "burst": burst,
                 "rss_beyond_empty_mb": last["host_rss_mb"] - empty, "at_sessions": last["live_sessions"]}
+
+
+def _allow_connections(data_dir: Path, n: int) -> None:
+    """Raise the embedded Postgres's max_connections: the benchmark runs gateways, shard hosts
+    and up to 2 x --dedicated-sessions actors side by side, each with its own pool."""
+    import asyncpg
+
+    from storage.embedded import start_embedded
+
+    pg = start_embedded(data_dir)
+    try:
+        async def alter() -> None:
+            conn = await asyncpg.connect(pg.url)
+            try:
+                await conn.execute(f"ALTER SYSTEM SET max_connections = {int(n)}")
+            finally:
+                await conn.close()
+
+        asyncio.run(alter())
+    finally:
+        pg.stop()  # restarted by the stack with the new setting
 
 
 def _median_ways(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -946,10 +977,19 @@ def _median_ways(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _aggregate(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     med = {w: _median_ways(rows) for w, rows in ways.items() if rows}
     base = med.get("inprocess", {}).get("msgs_per_s") or 0.0
+    paired = {}
+    for w in ("sharded", "dedicated"):
+        if w in ways and ways.get("inprocess"):
+            # each round's way against the in-process run just before it: drift on a shared
+            # machine moves both, so the median of these is steadier than a ratio of medians
+            paired[w] = statistics.median(
+                b["msgs_per_s"] / a["msgs_per_s"] for a, b in zip(ways["inprocess"], ways[w], strict=False)
+                if a["msgs_per_s"])
     return {
         "ways": med,
         "ratio_sharded": med["sharded"]["msgs_per_s"] / base if base and "sharded" in med else None,
         "ratio_dedicated": med["dedicated"]["msgs_per_s"] / base if base and "dedicated" in med else None,
+        "paired_ratios": paired,
     }
 
 
@@ -978,6 +1018,8 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
             "ratio_sharded": off["ratio_sharded"], "ratio_dedicated": off["ratio_dedicated"], "gate": False,
             "machine": doc["machine"],
         }
+    doc["paired_ratios"] = {"gate_on": on["paired_ratios"],
+                            "gate_off": result["gate_off"]["paired_ratios"] if result["gate_off"] else None}
     doc["half_load"] = result["half_load"]
     doc["detail"] = {
         "command": "python -m services.bench " + " ".join(sys.argv[1:]),
@@ -1006,6 +1048,9 @@ def print_table(doc: dict[str, Any]) -> None:
     block("gate on (one tool round per message)", doc)
     if "gate_off" in doc:
         block("gate off (lossy; benchmark only)", doc["gate_off"])
+    for gate, paired in (doc.get("paired_ratios") or {}).items():
+        if paired:
+            print(f"{gate}: median of per-round ratios " + ", ".join(f"{w} {r:.2f}" for w, r in paired.items()))
     half = doc.get("half_load")
     if half:
         print(f"\nhalf peak load ({half['rate_msgs_per_s']:.0f} msg/s, open loop): gateway + Ray add "
