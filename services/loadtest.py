@@ -201,10 +201,11 @@ async def main_async(args: argparse.Namespace) -> int:
         if stack is not None:
             await stack.stop()
     knee = find_knee(stages)
-    print(f"\n{'users':>6} {'req/s':>8} {'ok/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'failures':>9}")
+    print(f"\n{'users':>6} {'req/s':>8} {'ok/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'failures':>9} "
+          f"{'shed 429':>9}")
     for s in stages:
         print(f"{s['users']:>6} {s['rps']:>8.1f} {s['ok_rps']:>8.1f} {s['p50_ms']:>8.0f} {s['p95_ms']:>8.0f} "
-              f"{s['p99_ms']:>8.0f} {s['failures']:>9}")
+              f"{s['p99_ms']:>8.0f} {s['failures']:>9} {s.get('shed_429', 0):>9}")
     if knee:
         print(f"\nknee at {knee['users']} concurrent sessions: p95 grew {knee['p95_growth']:+.0%} while throughput "
               f"grew {knee['throughput_growth']:+.0%}; {knee['previous_users']} sessions sustained "

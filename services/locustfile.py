@@ -10,7 +10,9 @@ would. Scenarios, by weight:
 - failing tools: a webhook tool whose backend port is closed; every call fails in-band, and the
   third failure in a session opens its breaker so the tool is no longer offered.
 A reply counts as a failure when the HTTP status is not 200 or the body does not say what the
-scenario expects (the tool ran, failed in-band, or was held for approval).
+scenario expects (the tool ran, failed in-band, or was held for approval); a 429 (admission
+control: the tenant's rate or a session's mailbox) is counted apart as shed load. An approval
+answered 429 is retried after Retry-After, as a person would, so the held turn is not abandoned.
 
 Stages (users, seconds) come from LT_STAGES ("10:20,25:20,..."); every request is also kept per
 stage in LT_STAGE_FILE (JSON), from which services/loadtest.py finds the knee.
@@ -76,9 +78,12 @@ def _record(request_type, name, response_time, response_length, exception, **_kw
     stage, settled = stage_at(time.monotonic() - _t0[0])
     if not settled:
         return
-    rec = _records.setdefault(stage, {"ok": [], "fail": [], "t": []})
+    rec = _records.setdefault(stage, {"ok": [], "fail": [], "shed": [], "t": []})
     rec["t"].append(time.monotonic() - _t0[0])
-    (rec["fail"] if exception else rec["ok"]).append(response_time)
+    if exception is not None and "HTTP 429" in str(exception):
+        rec["shed"].append(response_time)  # refused by admission control (tenant rate, mailbox)
+    else:
+        (rec["fail"] if exception else rec["ok"]).append(response_time)
 
 
 @events.quitting.add_listener
@@ -88,15 +93,17 @@ def _write(environment, **_kw):
     out = []
     start = 0.0
     for i, (users, seconds) in enumerate(STAGES):
-        rec = _records.get(i, {"ok": [], "fail": [], "t": []})
+        rec = _records.get(i, {"ok": [], "fail": [], "shed": [], "t": []})
         window = seconds * (1 - SETTLE)
         ok = sorted(rec["ok"])
 
         def pct(p, ok=ok):
             return ok[min(len(ok) - 1, int(len(ok) * p / 100))] if ok else 0.0
 
-        out.append({"users": users, "seconds": window, "requests": len(ok) + len(rec["fail"]),
-                    "failures": len(rec["fail"]), "rps": (len(ok) + len(rec["fail"])) / window if window else 0.0,
+        sent = len(ok) + len(rec["fail"]) + len(rec["shed"])
+        out.append({"users": users, "seconds": window, "requests": sent,
+                    "failures": len(rec["fail"]), "shed_429": len(rec["shed"]),
+                    "rps": sent / window if window else 0.0,
                     "ok_rps": len(ok) / window if window else 0.0,
                     "p50_ms": pct(50), "p95_ms": pct(95), "p99_ms": pct(99), "start_s": start})
         start += seconds
@@ -169,22 +176,31 @@ class Contact(FastHttpUser):
         if reply is None:
             return
         approval_id = reply["pending_approval"]["approval_id"]
-        with self.client.post(f"/v1/sessions/{self.session_id}/approvals/{approval_id}",
-                              data=b'{"approve": true}', headers=self.headers, name="booking (approve)",
-                              catch_response=True) as r:
-            if r.status_code != 200:
-                r.failure(f"HTTP {r.status_code}: {(r.text or '')[:200]}")
+        for attempt in range(4):  # a person approving retries when told to wait
+            with self.client.post(f"/v1/sessions/{self.session_id}/approvals/{approval_id}",
+                                  data=b'{"approve": true}', headers=self.headers, name="booking (approve)",
+                                  catch_response=True) as r:
+                if r.status_code == 429 and attempt < 3:
+                    r.failure(f"HTTP 429: {(r.text or '')[:120]}")
+                    time.sleep(float(r.headers.get("Retry-After", "1")))
+                    continue
+                self._approved(r)
                 return
-            calls = r.json().get("tool_calls") or []
-            if not any(c["name"] == BOOK_TOOL and c["success"] for c in calls):
-                r.failure(f"approved booking did not run: {json.dumps(calls)[:200]}")
-                return
-            r.success()
+
+    @staticmethod
+    def _approved(r) -> None:
+        if r.status_code != 200:
+            r.failure(f"HTTP {r.status_code}: {(r.text or '')[:200]}")
+            return
+        calls = r.json().get("tool_calls") or []
+        if not any(c["name"] == BOOK_TOOL and c["success"] for c in calls):
+            r.failure(f"approved booking did not run: {json.dumps(calls)[:200]}")
+            return
+        r.success()
 
     @task(1)
     def failing_tool(self):
-        self.failing_calls += 1
-        tripped = self.failing_calls > 3  # the third failure opened the breaker in this session
+        tripped = self.failing_calls >= 3  # the third failure opened the breaker in this session
 
         def check(reply):
             calls = [c for c in reply.get("tool_calls") or [] if c["name"] == FAILING_TOOL]
@@ -194,6 +210,7 @@ class Contact(FastHttpUser):
                 return None
             if not calls or calls[0]["success"]:
                 return f"{FAILING_TOOL} should have failed in-band: {json.dumps(calls)[:200]}"
+            self.failing_calls += 1
             return None
 
         self._send(f"/call {FAILING_TOOL} {json.dumps({'sku': 'MUG-01'})}",
