@@ -141,7 +141,6 @@ async def has_builtin(url: str, key: str, name: str) -> bool:
 
 async def run_locust(url: str, key: str, args: argparse.Namespace, out: Path, leads: bool) -> list[dict[str, Any]]:
     stages = args.stages
-    total = sum(int(s.split(":")[1]) for s in stages.split(","))
     stage_file = out / "stages.json"
     think_min, _, think_max = args.think.partition(":")
     env = {**os.environ, "CE_API_KEY": key, "LT_STAGES": stages, "LT_STAGE_FILE": str(stage_file),
@@ -150,7 +149,7 @@ async def run_locust(url: str, key: str, args: argparse.Namespace, out: Path, le
     locustfile = Path(__file__).with_name("locustfile.py")
     exe = Path(sys.executable).with_name("locust")
     cmd = [str(exe), "-f", str(locustfile), "--headless", "--host", url, "--csv", str(out / "loadtest"),
-           "--csv-full-history", "--only-summary", "--run-time", f"{total + 5}s", "--stop-timeout", "30",
+           "--csv-full-history", "--only-summary", "--stop-timeout", "30",
            "--loglevel", "WARNING"]
     print(f"locust: {stages} (users:seconds), think {args.think} s, against {url}", file=sys.stderr)
     proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.DEVNULL)

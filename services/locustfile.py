@@ -48,7 +48,7 @@ class StagedShape(LoadTestShape):
         for users, seconds in STAGES:
             end += seconds
             if elapsed < end:
-                return users, max(users, 10)  # spawn rate: reach the stage within about a second
+                return users, min(max(users, 10), 100)  # spawn rate: reach the stage within seconds
         return None
 
 
