@@ -354,7 +354,9 @@ class SessionHost:
             activated = await self._store.activate(key[0], key[1], self.owner)
             state = SessionState(activated)
             if activated.history:
-                recent = await self._store.recent_turns(key[0], key[1], core.TURN_CACHE + 1)
+                recent = activated.recent_turns  # read with the state: no round trip of its own
+                if recent is None:
+                    recent = await self._store.recent_turns(key[0], key[1], core.TURN_CACHE + 1)
                 state.load_turns(recent, complete=len(recent) <= core.TURN_CACHE)
             entry = _Entry(state)
             self._sessions[key] = entry

@@ -133,6 +133,9 @@ class ActivatedSession(msgspec.Struct, frozen=True, kw_only=True):
     snapshot: SessionSnapshot
     variables: dict[str, str]
     history: list[MessageRecord]
+    #: the latest stored answers by message_id, oldest first, when the store read them with the
+    #: state (None: ask `recent_turns`)
+    recent_turns: dict[str, dict[str, Any]] | None = None
 
 
 class FlushResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -41,15 +41,22 @@ _ACTIVATE = (
     "ON CONFLICT (id) DO UPDATE SET epoch = s.epoch + 1, owner = EXCLUDED.owner, updated_at = now() "
     "RETURNING epoch, snapshot"
 )
-# A session's variables and its last $3 messages (in seq order) in one row.
+# A session's variables, its last $3 messages (in seq order) and its last $4 stored answers
+# (oldest first) in one row.
 _LOAD_STATE = (
     "SELECT (SELECT coalesce(jsonb_object_agg(key, value), '{}'::jsonb) FROM ce_session_variables"
     "        WHERE tenant_id = $1 AND session_id = $2) AS variables,"
     "       (SELECT coalesce(jsonb_agg(jsonb_build_object('seq', seq, 'role', role, 'content', content,"
     "                                                     'message_id', message_id) ORDER BY seq), '[]'::jsonb)"
     "        FROM (SELECT seq, role, content, message_id FROM ce_messages"
-    "              WHERE tenant_id = $1 AND session_id = $2 ORDER BY seq DESC LIMIT $3) last) AS messages"
+    "              WHERE tenant_id = $1 AND session_id = $2 ORDER BY seq DESC LIMIT $3) last) AS messages,"
+    "       (SELECT coalesce(jsonb_agg(jsonb_build_array(message_id, response) ORDER BY created_at), '[]'::jsonb)"
+    "        FROM (SELECT message_id, response, created_at FROM ce_turns"
+    "              WHERE tenant_id = $1 AND session_id = $2 ORDER BY created_at DESC LIMIT $4) t) AS turns"
 )
+#: stored answers read at activation: the session core caches 64 (actors.session.TURN_CACHE),
+#: one more tells it whether it has them all
+ACTIVATION_TURNS = 65
 # ORDER BY id: concurrent flushers lock rows in one order, so they cannot deadlock each other.
 _LOCK = "SELECT id, tenant_id, epoch FROM ce_sessions WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
 _UPDATE_SESSION = (
@@ -103,8 +110,8 @@ class SessionRepo:
         """Take the session's lease for `owner` and load its state.
 
         Creates the session on first touch (epoch 1); otherwise bumps its epoch by one, which
-        fences every earlier activation's flushes. Returns the snapshot, the variables and the
-        last `history_limit` messages in seq order.
+        fences every earlier activation's flushes. Returns the snapshot, the variables, the
+        last `history_limit` messages in seq order and the last ACTIVATION_TURNS stored answers.
         """
         uid = session_uid(tenant_id, session_id)
         # Two round trips, not five (BEGIN, lease, variables, messages, COMMIT): the lease commits
@@ -116,7 +123,7 @@ class SessionRepo:
         with translate("activating a session"):
             async with self._pool.acquire() as conn:
                 row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
-                state = await conn.fetchrow(_LOAD_STATE, tenant_id, uid, history_limit)
+                state = await conn.fetchrow(_LOAD_STATE, tenant_id, uid, history_limit, ACTIVATION_TURNS)
         return ActivatedSession(
             tenant_id=tenant_id,
             session_id=session_id,
@@ -127,6 +134,7 @@ class SessionRepo:
                 MessageRecord(seq=m["seq"], role=m["role"], content=m["content"], message_id=m["message_id"])
                 for m in state["messages"]
             ],
+            recent_turns={message_id: response for message_id, response in state["turns"]},
         )
 
     async def release(self, tenant_id: str, session_id: str, epoch: int) -> bool:
