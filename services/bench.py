@@ -277,10 +277,15 @@ async def _http_sender(spec: WorkerSpec, tool_round: bool):
                                    headers=headers) as response:
                 raw = await response.read()
                 if response.status != 200:
+                    _error_sample(f"HTTP {response.status}: {raw[:200]!r}")
                     return False
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            _error_sample(f"{type(exc).__name__}: {exc}")
             return False
-        return reply_ok(decode(raw), tool_round=tool_round)
+        if not reply_ok(decode(raw), tool_round=tool_round):
+            _error_sample(f"unexpected reply: {raw[:300]!r}")
+            return False
+        return True
 
     async def close() -> None:
         await client.close()
@@ -314,6 +319,8 @@ def _error_sample(text: str) -> None:
     """Count errors by kind (first 80 characters), so a run says why messages failed."""
     key = text[:80]
     _ERRORS[key] = _ERRORS.get(key, 0) + 1
+    if sum(_ERRORS.values()) <= 3:
+        print(f"  worker error: {text[:300]}", file=sys.stderr, flush=True)
 
 
 def _say(event: dict[str, Any]) -> None:
@@ -599,8 +606,9 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if k.startswith(("CE_", "DATABASE_URL", "RAY_"))}
         env.update({"CE_DATA_DIR": a.data_dir, "CE_SHARDS": str(a.shards), "CE_LOG_LEVEL": "warning",
                     "CE_LOG_FORMAT": "json", "CE_OUTPUT_GATE": "on",
-                    # one tenant carries the whole load here: its fair-share limits would cap it
-                    "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0"})
+                    # one tenant carries the whole load here: its fair-share limits would cap it;
+                    # and --growth's burst puts 1,000 turns on one host, past its admission limit
+                    "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0", "CE_HOST_MAX_INFLIGHT": "2000"})
         settings = Settings.from_env(env)
         settings = msgspec.structs.replace(
             settings, anthropic_base_url=model_url, anthropic_api_key=None,
@@ -923,7 +931,8 @@ class Bench:
             # that many sessions with a message in flight at once, through the gateway
             burst_run = await drive(random.sample(live, a.burst), a.burst * 2, "order", a.burst)
             burst = {"concurrent_sessions": a.burst, "messages": burst_run["messages"],
-                     "errors": burst_run["errors"], "msgs_per_s": burst_run["msgs_per_s"],
+                     "errors": burst_run["errors"], "error_kinds": burst_run.get("error_kinds", {}),
+                     "msgs_per_s": burst_run["msgs_per_s"],
                      "p50_ms": burst_run["p50_ms"], "p99_ms": burst_run["p99_ms"]}
             print(f"  {a.burst} concurrent sessions: {burst['messages']} messages, {burst['errors']} errors, "
                   f"p50 {burst['p50_ms']:.0f} ms, p99 {burst['p99_ms']:.0f} ms", file=sys.stderr)
