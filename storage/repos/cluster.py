@@ -10,9 +10,7 @@ owner while their old host flushes them) then `commit` (shards = N). Each step b
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,6 +19,7 @@ import msgspec
 
 from services.errors import Conflict
 from storage.errors import translate
+from storage.repos.notify import ChannelListener, listen
 
 CLUSTER_CHANNEL = "ce_cluster"
 
@@ -113,51 +112,8 @@ class ClusterRepo:
 
         `on_lost` is called if that connection dies (notifications meanwhile are lost: re-read).
         """
-        with translate("subscribing to shard count changes"):
-            conn = await self._pool.acquire()
-        listener = ClusterListener(conn, self._pool, callback, on_lost)
-        try:
-            with translate("subscribing to shard count changes"):
-                await conn.add_listener(CLUSTER_CHANNEL, listener._notified)
-                conn.add_termination_listener(listener._terminated)
-        except BaseException:
-            await self._pool.release(conn)
-            raise
-        return listener
+        return await listen(self._pool, CLUSTER_CHANNEL, callback, on_lost=on_lost,
+                            doing="subscribing to shard count changes")
 
 
-class ClusterListener:
-    """A live `LISTEN ce_cluster`; `close()` ends it and returns its connection to the pool."""
-
-    def __init__(self, conn: asyncpg.Connection, pool: asyncpg.Pool, callback: Callable[[str], Any],
-                 on_lost: Callable[[], Any] | None) -> None:
-        self._conn = conn
-        self._pool = pool
-        self._callback = callback
-        self._on_lost = on_lost
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.closed = False
-
-    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        result = self._callback(payload)
-        if inspect.isawaitable(result):
-            task = asyncio.ensure_future(result)
-            self._tasks.add(task)  # asyncio keeps only weak references to tasks
-            task.add_done_callback(self._tasks.discard)
-
-    def _terminated(self, _conn: Any) -> None:
-        if not self.closed and self._on_lost is not None:
-            self._on_lost()
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if not self._conn.is_closed():
-                self._conn.remove_termination_listener(self._terminated)
-                await self._conn.remove_listener(CLUSTER_CHANNEL, self._notified)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-            pass  # the connection is gone: nothing left to unsubscribe
-        finally:
-            await self._pool.release(self._conn)
+ClusterListener = ChannelListener

@@ -8,8 +8,6 @@ transaction, so it is delivered only if the change commits; `listen_catalog` sub
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +17,7 @@ import asyncpg
 from services.errors import InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import PublishedTool, ToolVersion
+from storage.repos.notify import ChannelListener, listen
 
 CATALOG_CHANNEL = "ce_catalog"
 _NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
@@ -283,50 +282,7 @@ async def _insert_version(
 
 
 CatalogCallback = Callable[[str], Any]
-
-
-class CatalogListener:
-    """A live LISTEN ce_catalog subscription; `close()` ends it and frees its connection."""
-
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        callback: CatalogCallback,
-        *,
-        pool: asyncpg.Pool | None,
-        on_lost: Callable[[], Any] | None,
-    ) -> None:
-        self._conn = conn
-        self._callback = callback
-        self._pool = pool
-        self._on_lost = on_lost
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.closed = False
-
-    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        result = self._callback(payload)
-        if inspect.isawaitable(result):
-            task = asyncio.ensure_future(result)
-            self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
-            task.add_done_callback(self._tasks.discard)
-
-    def _terminated(self, _conn: Any) -> None:
-        if not self.closed and self._on_lost is not None:
-            self._on_lost()
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if not self._conn.is_closed():
-                self._conn.remove_termination_listener(self._terminated)
-                await self._conn.remove_listener(CATALOG_CHANNEL, self._notified)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-            pass  # the connection is gone: nothing left to unsubscribe
-        finally:
-            if self._pool is not None:
-                await self._pool.release(self._conn)
+CatalogListener = ChannelListener
 
 
 async def listen_catalog(
@@ -342,16 +298,4 @@ async def listen_catalog(
     connection dies: notifications sent meanwhile are lost, so the caller should reload all it
     caches and subscribe again. Raises StorageUnavailable when Postgres cannot be reached.
     """
-    pool = source if isinstance(source, asyncpg.Pool) else None
-    with translate("subscribing to catalog changes"):
-        conn = await pool.acquire() if pool is not None else source
-    listener = CatalogListener(conn, callback, pool=pool, on_lost=on_lost)
-    try:
-        with translate("subscribing to catalog changes"):
-            await conn.add_listener(CATALOG_CHANNEL, listener._notified)
-            conn.add_termination_listener(listener._terminated)
-    except BaseException:
-        if pool is not None:
-            await pool.release(conn)
-        raise
-    return listener
+    return await listen(source, CATALOG_CHANNEL, callback, on_lost=on_lost, doing="subscribing to catalog changes")

@@ -1,0 +1,82 @@
+"""LISTEN subscriptions: a callback per NOTIFY on one channel, on a connection held until closed.
+
+Shared by the catalog channel (tools and bot config changed) and the cluster channel (the shard
+count changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from storage.errors import translate
+
+Callback = Callable[[str], Any]
+
+
+class ChannelListener:
+    """A live LISTEN on `channel`; `close()` ends it and returns a pooled connection."""
+
+    def __init__(
+        self, conn: asyncpg.Connection, channel: str, callback: Callback, *,
+        pool: asyncpg.Pool | None, on_lost: Callable[[], Any] | None,
+    ) -> None:
+        self._conn = conn
+        self._channel = channel
+        self._callback = callback
+        self._pool = pool
+        self._on_lost = on_lost
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        result = self._callback(payload)
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
+            task.add_done_callback(self._tasks.discard)
+
+    def _terminated(self, _conn: Any) -> None:
+        if not self.closed and self._on_lost is not None:
+            self._on_lost()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self._conn.is_closed():
+                self._conn.remove_termination_listener(self._terminated)
+                await self._conn.remove_listener(self._channel, self._notified)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            pass  # the connection is gone: nothing left to unsubscribe
+        finally:
+            if self._pool is not None:
+                await self._pool.release(self._conn)
+
+
+async def listen(
+    source: asyncpg.Pool | asyncpg.Connection, channel: str, callback: Callback, *,
+    on_lost: Callable[[], Any] | None = None, doing: str = "subscribing to notifications",
+) -> ChannelListener:
+    """Call `callback(payload)` for every NOTIFY on `channel` (a coroutine callback is scheduled
+    as a task). With a pool, one of its connections is held until `close()`. `on_lost` is called
+    if that connection dies: notifications meanwhile are lost, so re-read and subscribe again.
+    Raises StorageUnavailable when Postgres cannot be reached."""
+    pool = source if isinstance(source, asyncpg.Pool) else None
+    with translate(doing):
+        conn = await pool.acquire() if pool is not None else source
+    listener = ChannelListener(conn, channel, callback, pool=pool, on_lost=on_lost)
+    try:
+        with translate(doing):
+            await conn.add_listener(channel, listener._notified)
+            conn.add_termination_listener(listener._terminated)
+    except BaseException:
+        if pool is not None:
+            await pool.release(conn)
+        raise
+    return listener
