@@ -218,3 +218,15 @@ async def test_a_client_tool_becomes_a_client_action_and_the_clients_answer_come
     assert status == 200
     status, reply = await post(client, f"{gw}/v1/sessions/cl-1/messages", headers, {"text": "done"})
     assert reply["deliveries"][0]["job_id"] == job_id and reply["deliveries"][0]["result"] == {"clicked": "add_to_cart"}
+
+
+async def test_a_pending_approval_survives_passivation(stack, client, tenant, backend):
+    tenant_id, _, headers = tenant
+    gw = stack.gateway.url
+    await register(client, gw, headers, write_tool(backend, "archive_order"))
+    status, held = await post(client, f"{gw}/v1/sessions/ap-5/messages", headers, {"text": call("archive_order", {"ref": "Z"})})
+    approval = held["pending_approval"]["approval_id"]
+    assert await stack.placement.passivate(tenant_id, "ap-5") is True  # flushed, dropped from memory
+    status, done = await post(client, f"{gw}/v1/sessions/ap-5/approvals/{approval}", headers, {"approve": True})
+    assert status == 200 and done["tool_calls"][0]["name"] == "archive_order" and done["tool_calls"][0]["success"]
+    assert len(backend.to("/archive_order")) == 1
