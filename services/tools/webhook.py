@@ -478,19 +478,10 @@ class WebhookClient:
         try:
             if tool.auth_header_enc:
                 headers["Authorization"] = self._open_auth_header(tool, secret_box)
-            return await self.call(
-                url_template=tool.webhook_url,
-                method=tool.method,
-                args=clean,
-                headers=headers,
-                timeout_s=_budget(tool.timeout_ms, timeout_s),
-                idempotency_key=idempotency_key,
-                tool_name=tool.name,
-            )
         except ToolError as error:
-            if error.tool_name is None:
-                error.tool_name = tool.name
+            error.tool_name = error.tool_name or tool.name
             raise
+        return await self._call_tool(tool, tool.webhook_url, clean, headers, timeout_s, idempotency_key)
 
     async def call_binding(
         self,
@@ -512,21 +503,29 @@ class WebhookClient:
         """
         try:
             backend_args = binding_arguments(tool, model_args, trusted_scope)
+        except ToolError as error:
+            error.tool_name = error.tool_name or tool.name
+            raise
+        return await self._call_tool(
+            tool, _join_base(base_url, tool.path), backend_args, headers, timeout_s, idempotency_key
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    async def _call_tool(
+        self, tool: WebhookTool | BackendBindingTool, url_template: str, args: Mapping[str, Any],
+        headers: Mapping[str, str], timeout_s: float | None, idempotency_key: str | None,
+    ) -> WebhookResponse:
+        """`call` for one tool: its method, its time budget, and its name on any error."""
+        try:
             return await self.call(
-                url_template=_join_base(base_url, tool.path),
-                method=tool.method,
-                args=backend_args,
-                headers=headers,
-                timeout_s=_budget(tool.timeout_ms, timeout_s),
-                idempotency_key=idempotency_key,
+                url_template=url_template, method=tool.method, args=args, headers=headers,
+                timeout_s=_budget(tool.timeout_ms, timeout_s), idempotency_key=idempotency_key,
                 tool_name=tool.name,
             )
         except ToolError as error:
-            if error.tool_name is None:
-                error.tool_name = tool.name
+            error.tool_name = error.tool_name or tool.name
             raise
-
-    # ------------------------------------------------------------------ internals
 
     @staticmethod
     def _open_auth_header(tool: WebhookTool, secret_box: SecretBox | None) -> str:
