@@ -112,6 +112,8 @@ class SessionHost:
         self._closing = False
         self._on_flush = on_flush
         self._running = 0
+        self._drained = asyncio.Event()  # set while no admitted turn is out (stop() waits for it)
+        self._drained.set()
         #: which sessions this host may hold (sharded hosts: its shard under the current view);
         #: None: every session (dedicated actors, the in-process router)
         self._owns: Callable[[str, str], bool] | None = None
@@ -132,8 +134,21 @@ class SessionHost:
         ]
 
     async def stop(self) -> None:
-        """Wait for running turns, flush everything, stop background work."""
+        """Wait for running turns, flush everything, stop background work.
+
+        From the moment this is called no turn starts: one admitted before but not yet running
+        (waiting for its session's lock, its activation or its tenant) is turned away having run
+        nothing. Every admitted turn is out before the flusher stops, so none runs its tools on
+        state that could no longer be saved (a retry on the next host would run them again).
+        """
         self._closing = True
+        while not self._drained.is_set():
+            try:  # now, not after the group-commit window: admitted turns wait on their gate
+                await self.flush_all()
+            except Exception as exc:  # noqa: BLE001 - the gate times such turns out; try again
+                log.warning("flush_failed", error=type(exc).__name__, during="stop")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 0.05)
         for entry in list(self._sessions.values()):
             async with entry.lock:
                 pass
@@ -268,12 +283,15 @@ class SessionHost:
             handoff=s.snapshot.handoff, messages=s.snapshot.message_count,
         )
 
-    async def _turn(
-        self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
-    ) -> TurnReply:
+    def _refuse_if_closing(self) -> None:
         if self._closing:
             raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0,
                              reason="shutting_down")
+
+    async def _turn(
+        self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
+    ) -> TurnReply:
+        self._refuse_if_closing()
         if self._running >= self._settings.max_inflight:
             # Admission control, as a Durable Object answers "overloaded": shed before queueing.
             raise Overloaded(
@@ -281,15 +299,19 @@ class SessionHost:
                 retry_after=1.0, reason="host_busy",
             )
         self._running += 1
+        self._drained.clear()
         try:
             return await self._admitted_turn(tenant_id, session_id, run)
         finally:
             self._running -= 1
+            if not self._running:
+                self._drained.set()
 
     async def _admitted_turn(
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
     ) -> TurnReply:
         key = (tenant_id, session_id)
+        self._refuse_if_closing()
         if not self.owns(tenant_id, session_id):
             raise SessionMoved(session_id)
         entry = await self._entry(key)
@@ -306,6 +328,7 @@ class SessionHost:
         finally:
             entry.queued -= 1
         try:
+            self._refuse_if_closing()  # stop() began while this turn waited: run nothing
             evicted = self._sessions.get(key) is not entry
             if not evicted and not self.owns(tenant_id, session_id):
                 # The shard view changed while this turn waited (or while the session was being

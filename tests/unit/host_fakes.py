@@ -280,8 +280,13 @@ class FakeTenants:
             main_model="main", cheap_model="cheap",
         )
         self.env_calls = 0
+        self.env_hold: asyncio.Event | None = None  # set: env_for waits for it (a slow reload)
+        self.env_entered = asyncio.Event()
 
     async def env_for(self, tenant_id: str) -> TurnEnv:
         self.env_calls += 1
+        self.env_entered.set()
         await asyncio.sleep(0)  # a cache lookup may yield (a reload on change reads the database)
+        if self.env_hold is not None:
+            await self.env_hold.wait()
         return self.env

@@ -440,6 +440,28 @@ async def test_stop_finishes_the_running_turn_flushes_it_and_turns_later_message
     assert info.value.retry_after > 0
 
 
+async def test_a_turn_admitted_just_before_stop_runs_nothing_once_stop_has_begun(world):
+    # The turn passed admission, then waited (its tenant's env was reloading) while stop() began.
+    # It must not run its tools on a host whose flusher is about to stop: its state could never
+    # be saved, and the retry on the next host would run them a second time. It is turned away
+    # having run nothing, and stop() waits for it before stopping the flusher.
+    store, tenants = world.store, world.tenants
+    host = await world.host(output_gate=False, flush_interval_s=30.0)  # only stop() will flush
+    await asyncio.wait_for(host.send("t1", "s1", "warm up", "m0"), T)
+    tenants.env_hold, tenants.env_entered = asyncio.Event(), asyncio.Event()
+    send = asyncio.create_task(host.send("t1", "s1", "use lookup 7", "m1"))
+    await asyncio.wait_for(tenants.env_entered.wait(), T)
+    stop = asyncio.create_task(host.stop())
+    await spin()
+    assert not stop.done()  # the admitted turn is still out
+    tenants.env_hold.set()
+    await asyncio.wait_for(stop, T)
+    with pytest.raises(Overloaded, match="shutting down"):
+        await asyncio.wait_for(send, T)
+    assert world.calls() == [] and "m1" not in store.turns[KEY]
+    assert "m0" in store.turns[KEY]
+
+
 async def test_stop_flushes_state_that_was_not_yet_written(world):
     store = world.store
     host = await world.host(output_gate=False, flush_interval_s=30.0)
