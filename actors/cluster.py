@@ -18,8 +18,8 @@ def connect(settings: Settings, *, num_cpus: int | None = None) -> None:
         ray.init(address=settings.ray_address, namespace=NAMESPACE, logging_level="WARNING",
                  log_to_driver=False)
         return
-    # Keep a local Ray on loopback: by default it binds the machine's interface address.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # On loopback: importing `actors` set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray was
+    # imported (services/__init__.py); without it Ray binds the machine's interface address.
     ray.init(
         num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
         _node_ip_address="127.0.0.1", namespace=NAMESPACE, logging_level="WARNING",

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
+import structlog
 
 from services.approvals import new_approval_id, verify_approval_id
 from services.tracing import tracer
@@ -63,11 +64,14 @@ from storage.records import (
     UsageDelta,
 )
 
+log = structlog.get_logger(__name__)
+
 MAX_ROUNDS = 5
 HISTORY_WINDOW = 40
 TURN_CACHE = 64
 HANDOFF_MARKER = "[[HANDOFF]]"
 HANDOFF_TOOL = "escalate_to_human"
+MARKER_HANDOFF_REASON = "the assistant asked for a human"
 JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
 CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session (per-session limits)
 HANDED_OFF_REPLY = (
@@ -120,6 +124,9 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     approval_ttl_s: float = 900.0
     approval_keys: tuple[bytes, ...] = ()  # HMAC keys signing approval ids (services.approvals)
     scope: dict[str, Any] = {}
+    #: records a handoff the model asked for in its text ([[HANDOFF]]) as the escalate_to_human
+    #: tool would: `await handoff(args, ctx)` (the built-in's handler); None: the session is only marked
+    handoff: Any = None
 
 
 class SessionState:
@@ -420,7 +427,9 @@ async def _loop(
             await _absorb(state, turn, outcomes, emit, turn.message_id)
     if HANDOFF_MARKER in final_text:
         final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
-        _mark_handoff(state, "the assistant asked for a human")
+        if not state.snapshot.handoff:  # not already handed over (by the tool, with its reason)
+            await _record_handoff(state, env, turn.message_id, MARKER_HANDOFF_REASON)
+            _mark_handoff(state, MARKER_HANDOFF_REASON)
     return await _finish(state, turn.reply(state, final_text), emit)
 
 
@@ -575,6 +584,18 @@ def _declined_results(pending: PendingTurn, reason: str) -> list[ContentBlock]:
         )
         for c in pending.calls
     ]
+
+
+async def _record_handoff(state: SessionState, env: TurnEnv, message_id: str, reason: str) -> None:
+    """The handoff row and the tenant's `handoff.requested` notification for a [[HANDOFF]] in
+    the model's text, as the tool makes them (idempotent per message: a retried turn adds no
+    second row). Best effort: the session is handed over either way (its own state says so)."""
+    if env.handoff is None:
+        return
+    try:
+        await env.handoff({"reason": reason}, _context(state, env, message_id))
+    except Exception as exc:  # noqa: BLE001 - the contact still gets the handover reply
+        log.warning("handoff_not_recorded", session_id=state.session_id, error=type(exc).__name__)
 
 
 def _mark_handoff(state: SessionState, reason: str) -> None:

@@ -44,6 +44,8 @@ DEFINITION = PythonTool(
         "required": ["name", "email"],
         "additionalProperties": False,
     },
+    # Contact details live in the leads table; call records, traces and logs keep them redacted.
+    sensitive=("email", "phone", "notes"),  # notes: free text, often repeats the details
     # A write (a row in the tenant's leads), but one the contact just volunteered: no approval.
     mutability="write",
     requires_approval=False,

@@ -97,6 +97,13 @@ async def test_lead_booking_and_form_in_one_conversation_with_signed_notificatio
             (session, slot, email)]
         submissions = (await api.call("GET", "/v1/forms/quote/submissions"))["submissions"]
         assert [(s["session_id"], s["data"]) for s in submissions] == [(session, {"rooms": 3, "service": "painting"})]
+        # the lead row keeps the contact's details; the call record does not repeat them
+        calls = (await api.call("GET", f"/v1/sessions/{session}/calls"))["turns"]
+        lead_calls = [c for t in calls for c in t["calls"] if c["name"] == "collect_lead"]
+        assert sorted((c["success"], c["parameters"]["email"]) for c in lead_calls) == [
+            (False, "[redacted]"), (True, "[redacted]")], lead_calls  # saved, then refused as done
+        assert all(c["parameters"]["name"] == "Jane Doe" for c in lead_calls)
+        assert email not in msgspec.json.encode(lead_calls).decode()
 
         await rec.wait(3, timeout=20)
     events = {}
@@ -144,6 +151,25 @@ async def test_escalation_hands_the_session_over_and_notifies_the_tenant(api):
     headers, body = rec.requests[0]
     assert verify(SECRET, headers, body)
     assert msgspec.json.decode(body)["type"] == "handoff.requested"
+
+
+async def test_a_handoff_the_model_asks_for_in_text_is_recorded_and_notified_like_the_tool(api):
+    session = f"e2e-marker-{secrets.token_hex(3)}"
+    async with receiver(NOTIFY_HOST) as rec:
+        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        reply = await api.say(session, "/handoff")  # the local model answers with [[HANDOFF]]
+        assert reply["tool_calls"] == [] and reply["handoff"] is True and "[[HANDOFF]]" not in reply["reply"]
+        again = await api.call("POST", f"/v1/sessions/{session}/messages",
+                               {"text": "/handoff", "message_id": reply["message_id"]})
+        assert again == reply  # a retried message adds no second handoff
+        handoffs = (await api.call("GET", "/v1/handoffs"))["handoffs"]
+        assert [(h["session_id"], h["reason"]) for h in handoffs if h["session_id"] == session] == [
+            (session, "the assistant asked for a human")]
+        await rec.wait(1, timeout=20)
+    headers, body = rec.requests[0]
+    assert verify(SECRET, headers, body)
+    event = msgspec.json.decode(body)
+    assert event["type"] == "handoff.requested" and event["data"]["session_id"] == session
 
 
 async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, client, make_tenant_api):

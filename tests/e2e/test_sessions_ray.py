@@ -136,6 +136,16 @@ async def wait_for_hosts(placement, *, not_pid: dict[str, int] | None = None, ti
 
 # -- 1. load ----------------------------------------------------------------------------------
 
+async def test_the_local_ray_under_the_stack_is_on_loopback(stack):
+    # Left to itself Ray binds the machine's interface address; the engine keeps a local Ray on
+    # loopback (services/__init__.py). Its nodes, its GCS and every session host answer there.
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert nodes and all(n["NodeManagerAddress"] == "127.0.0.1" for n in nodes), nodes
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    hosts = await stack.placement.stats()
+    assert hosts and {h["node_id"] for h in hosts} <= {n["NodeID"] for n in nodes}, hosts
+
+
 async def test_200_sessions_x_3_messages_through_sharded_hosts_are_stored_exactly_once(stack, client, tenant, db):
     tenant_id, _key, headers = tenant
     url = stack.gateway.url

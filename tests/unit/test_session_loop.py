@@ -189,6 +189,43 @@ async def test_handoff_marker_in_model_text_marks_session_and_bot_stops_answerin
     assert llm2.requests == [] and reply2.handoff and "member of our team" in reply2.reply
 
 
+async def test_a_handoff_marker_records_the_handoff_as_the_tool_would_once_per_message(registry):
+    recorded: list[tuple[dict, str, str]] = []
+
+    async def handoff(args, ctx):
+        recorded.append((args, ctx.session_id, ctx.idempotency_key))
+        return {"handoff_id": "h1"}
+
+    state = new_state("t", "s")
+    env = msgspec.structs.replace(make_env(ScriptedLLM(["One moment. [[HANDOFF]]"]), registry, []), handoff=handoff)
+    reply = await handle_message(state, "a person please", "m1", env)
+    assert reply.handoff and state.snapshot.handoff_reason == "the assistant asked for a human"
+    assert recorded == [({"reason": "the assistant asked for a human"}, "s", "m1")]
+
+
+async def test_a_marker_after_the_escalation_tool_in_the_same_turn_records_no_second_handoff(registry):
+    recorded: list[dict] = []
+
+    async def handoff(args, ctx):
+        recorded.append(args)
+
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("escalate_to_human", {"reason": "angry"})], "connecting you [[HANDOFF]]"])
+    env = msgspec.structs.replace(make_env(llm, registry, [HANDOFF]), handoff=handoff)
+    reply = await handle_message(state, "human", "m1", env)
+    assert reply.handoff and state.snapshot.handoff_reason == "angry" and recorded == []
+
+
+async def test_a_handoff_that_cannot_be_recorded_still_hands_the_session_over(registry):
+    async def handoff(args, ctx):
+        raise ConnectionError("database away")
+
+    state = new_state("t", "s")
+    env = msgspec.structs.replace(make_env(ScriptedLLM(["[[HANDOFF]]"]), registry, []), handoff=handoff)
+    reply = await handle_message(state, "human", "m1", env)
+    assert reply.handoff and "member of our team" in reply.reply
+
+
 async def test_escalate_to_human_tool_marks_handoff(registry):
     state = new_state("t", "s")
     llm = ScriptedLLM([[("escalate_to_human", {"reason": "angry"})], "connecting you"])
