@@ -30,6 +30,7 @@ from services.builtins.notify import Notifier, WebhookPoster
 from services.tools.model import ToolDefinition
 from services.tools.registry import HandlerRegistry
 from storage.repos.builtins import BuiltinRepos
+from storage.repos.notifications import NotificationRepo
 
 DEFINITIONS: tuple[ToolDefinition, ...] = (
     memory.DEFINITION,
@@ -47,7 +48,7 @@ class BuiltinServices:
     def __init__(self, repos: BuiltinRepos, configs: TenantConfigs, webhooks: WebhookPoster | None, *,
                  now: Now = utc_now, notifier: Notifier | None = None) -> None:
         self.repos = repos
-        self.notifier = notifier or Notifier(webhooks)
+        self.notifier = notifier or Notifier(webhooks, NotificationRepo(repos.pool), configs)
         self.memory = MemoryService(repos.memories, configs)
         self.leads = LeadService(repos.leads, configs, self.notifier, text_config=repos.memories.text_config)
         self.appointments = AppointmentService(
@@ -87,5 +88,6 @@ def install(runtime: Any) -> Callable[[], tuple[ToolDefinition, ...]]:
     `runtime.registry`, keep them as `runtime.builtin_services`; returns the definitions' source."""
     services = BuiltinServices(BuiltinRepos(runtime.pool), _RuntimeConfigs(runtime), runtime.webhooks)
     services.register(runtime.registry)
+    services.notifier.start()  # also delivers what an earlier process queued and did not send
     runtime.builtin_services = services
     return lambda: DEFINITIONS

@@ -430,7 +430,7 @@ class AppointmentService:
                     f"Booked appointment: {schedule.service.name} on {schedule.show(booking.starts_at)} "
                     f"({schedule.service.timezone})"
                 ))
-            self._notifier.emit(config, EVENT, {
+            await self._notifier.emit(config, EVENT, {
                 "appointment_id": booking.id, "session_id": ctx.session_id, "service": booking.service,
                 "starts_at": booking.starts_at.isoformat(), "ends_at": booking.ends_at.isoformat(),
                 "timezone": schedule.service.timezone, "contact_name": booking.contact_name,

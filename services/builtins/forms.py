@@ -133,7 +133,7 @@ class FormService:
             if self._memory is not None:
                 answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
                 await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
-            self._notifier.emit(config, EVENT, {
+            await self._notifier.emit(config, EVENT, {
                 "submission_id": submission.id, "session_id": ctx.session_id, "form": form.name,
                 "data": data, "created_at": submission.created_at.isoformat(),
             }, tenant_id=ctx.tenant_id)

@@ -58,7 +58,7 @@ class HandoffService:
             ctx.tenant_id, ctx.session_id, reason, idempotency_key=ctx.idempotency_key
         )
         if created:
-            self._notifier.emit(config, EVENT, {
+            await self._notifier.emit(config, EVENT, {
                 "handoff_id": handoff.id, "session_id": ctx.session_id, "contact_id": known_contact(ctx),
                 "reason": reason, "created_at": handoff.created_at.isoformat(),
             }, tenant_id=ctx.tenant_id)

@@ -158,7 +158,7 @@ class LeadService:
                 advice="Do not call collect_lead again; tell the customer their details are already with the team.",
             )
         if created:
-            self._notifier.emit(config, EVENT, {
+            await self._notifier.emit(config, EVENT, {
                 "lead_id": lead.id, "session_id": ctx.session_id, "name": lead.name, "email": lead.email,
                 "phone": lead.phone, "notes": lead.notes, "created_at": lead.created_at.isoformat(),
             }, tenant_id=ctx.tenant_id)

@@ -6,10 +6,12 @@ key is the base64 text after `whsec_` in the tenant's `notification_secret`, wit
 `webhook-id` (unique per event; the receiver de-duplicates retries by it) and `webhook-timestamp`
 (unix seconds). The body is `{"type", "timestamp", "data"}`.
 
-Delivery never blocks a reply: `Notifier.emit` schedules a background task that POSTs through the
-engine's SSRF-guarded `WebhookClient` (the tenant's URL gets no more network reach than its tools),
-each attempt bounded in time, a few attempts with backoff for retryable failures, every failure
-logged (`notification_failed`) and never raised to the tool.
+Nothing is lost and no reply waits for the tenant: `Notifier.emit` writes the event to the outbox
+(ce_notifications) and a background loop POSTs it through the engine's SSRF-guarded
+`WebhookClient` (the tenant's URL gets no more network reach than its tools), each attempt bounded
+in time, retried on a schedule of hours for retryable failures, even by another process after a
+crash (at least once: receivers de-duplicate by `webhook-id`). Every failure is logged
+(`notification_failed`), none is raised to the tool.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -36,7 +39,13 @@ log = structlog.get_logger(__name__)
 SECRET_PREFIX = "whsec_"
 SIGNATURE_VERSION = "v1"
 DEFAULT_ATTEMPT_TIMEOUT_S = 5.0
-DEFAULT_BACKOFF_S = (0.5, 2.0)  # waits before the 2nd and 3rd attempt
+#: waits before the 2nd, 3rd, ... attempt: about 11 hours in all, then the event is given up
+RETRY_SCHEDULE_S = (5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 3600.0)
+POLL_S = 2.0  # how often the loop looks for due events queued by other processes
+LEASE_S = 60.0  # a claimed event is claimed again after this if its process died meanwhile
+CLAIM_BATCH = 32
+PRUNE_EVERY_POLLS = 1800  # about an hour of idle polls
+KEEP_DELIVERED_S = 7 * 86400.0
 
 
 class InvalidSecret(ValueError):
@@ -102,94 +111,175 @@ class WebhookPoster(Protocol):
                    idempotency_key: str | None = None, tool_name: str | None = None) -> Any: ...
 
 
+class Outbox(Protocol):
+    """storage.repos.notifications.NotificationRepo: where events wait until delivered."""
+
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None: ...  # noqa: A002
+    async def claim_due(self, limit: int, lease_s: float) -> list[Any]: ...
+    async def delivered(self, id: str) -> None: ...  # noqa: A002
+    async def retry_in(self, id: str, delay_s: float, error: str) -> None: ...  # noqa: A002
+    async def give_up(self, id: str, error: str) -> None: ...  # noqa: A002
+    async def settled(self, ids: list[str]) -> set[str]: ...
+    async def prune(self, older_than_s: float) -> int: ...
+
+
+class ConfigSource(Protocol):
+    async def config_for(self, tenant_id: str) -> BotConfig: ...
+
+
 class Notifier:
-    """Sends tenant events in the background. `drain()` waits for the ones in flight (tests,
-    shutdown)."""
+    """Queues tenant events in the outbox and delivers them from a background loop.
+
+    `emit` writes the event (it survives a crash of this process) and wakes the loop; the loop
+    claims due events (any host may: rows are leased), signs each attempt afresh with the tenant's
+    current secret and URL, and on a retryable failure schedules the next attempt from
+    `schedule_s`; when the schedule ends, or the failure is final (a blocked or malformed URL, a
+    bad secret, a 4xx), the event is given up and logged. `drain()` waits until every event this
+    notifier queued is delivered or given up (tests, shutdown).
+    """
 
     def __init__(
         self,
         client: WebhookPoster | None,
+        outbox: Outbox,
+        configs: ConfigSource,
         *,
         attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
-        backoff_s: tuple[float, ...] = DEFAULT_BACKOFF_S,
+        schedule_s: tuple[float, ...] = RETRY_SCHEDULE_S,
+        poll_s: float = POLL_S,
+        lease_s: float = LEASE_S,
         now: Callable[[], float] = time.time,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._client = client
+        self._outbox = outbox
+        self._configs = configs
         self._attempt_timeout_s = attempt_timeout_s
-        self._backoff_s = backoff_s
+        self._schedule_s = schedule_s
+        self._poll_s = poll_s
+        self._lease_s = max(lease_s, attempt_timeout_s * 2)
         self._now = now
-        self._sleep = sleep
-        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._queued: set[str] = set()  # queued by this notifier, not yet known to be settled
 
-    def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str) -> str | None:
-        """Schedule `event_type` for the tenant's webhook; returns the event id, or None when the
-        tenant has no webhook (or no client is configured). Never raises, never waits."""
-        url = config.notification_webhook
-        if not url or self._client is None:
+    def start(self) -> None:
+        """Start the delivery loop (idempotent). Events queued by any process are delivered."""
+        if self._loop_task is None and self._client is not None:
+            self._loop_task = asyncio.create_task(self._run(), name="notifications")
+
+    async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str) -> str | None:
+        """Queue `event_type` for the tenant's webhook; returns the event id (the `webhook-id`),
+        or None when the tenant has no webhook or it could not be queued. Never raises."""
+        if not config.notification_webhook or self._client is None:
             return None
         msg_id = f"msg_{secrets.token_urlsafe(18)}"
-        task = asyncio.create_task(self._deliver(url, config.notification_secret, msg_id, event_type, data, tenant_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        stamp = int(self._now())
+        event = Event(type=event_type, timestamp=datetime.fromtimestamp(stamp, UTC).isoformat(), data=data)
+        try:
+            await self._outbox.enqueue(id=msg_id, tenant_id=tenant_id, event_type=event_type,
+                                       payload=msgspec.to_builtins(event))
+        except Exception as exc:  # noqa: BLE001 - the tool's own write is done; say so, don't fail it
+            log.error("notification_failed", tenant_id=tenant_id, event_type=event_type, webhook_id=msg_id,
+                      error_kind="not_queued", error=type(exc).__name__, final=True)
+            return None
+        self._queued.add(msg_id)
+        self.start()
+        self._wake.set()
         return msg_id
 
     async def drain(self, timeout_s: float = 30.0) -> None:
-        """Wait up to `timeout_s` for deliveries in flight."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        """Wait up to `timeout_s` until every event this notifier queued is delivered or given up."""
+        deadline = time.monotonic() + timeout_s
+        while self._queued and time.monotonic() < deadline:
+            self._queued -= await self._outbox.settled(list(self._queued))
+            if self._queued:
+                self._wake.set()
+                await asyncio.sleep(0.02)
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Give deliveries in flight `timeout_s`, then cancel the rest."""
-        await self.drain(timeout_s)
-        for task in list(self._tasks):
-            task.cancel()
+        """Give queued events `timeout_s`, then stop the loop (what is left waits in the outbox
+        for the next process)."""
+        with contextlib.suppress(Exception):
+            await self.drain(timeout_s)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
 
-    async def _deliver(self, url: str, secret: str | None, msg_id: str, event_type: str,
-                       data: dict[str, Any], tenant_id: str) -> None:
-        bound = log.bind(tenant_id=tenant_id, event_type=event_type, webhook_id=msg_id)
-        if "{" in url or "}" in url:
-            # the client reads {holes} as a URL template; a notification URL is a plain URL
-            bound.warning("notification_failed", error_kind="invalid_url", attempts=0)
-            return
-        stamp = int(self._now())
-        event = Event(type=event_type, timestamp=datetime.fromtimestamp(stamp, UTC).isoformat(), data=data)
-        payload = msgspec.to_builtins(event)
-        # The client sends `args` as the JSON body, encoded by msgspec exactly like this (top-level
-        # keys in order, no null values to drop), so these are the bytes the receiver verifies.
-        body = msgspec.json.encode(payload)
-        headers = {"webhook-id": msg_id, "webhook-timestamp": str(stamp)}
-        if secret:
+    async def _run(self) -> None:
+        polls = 0
+        while True:
             try:
-                headers["webhook-signature"] = sign(secret, msg_id, stamp, body)
-            except InvalidSecret as exc:
-                bound.error("notification_failed", error_kind="invalid_secret", detail=str(exc), attempts=0)
-                return
-        else:
-            bound.warning("notification_unsigned")  # no secret configured: the receiver cannot verify
-        attempts = 1 + len(self._backoff_s)
-        for attempt in range(1, attempts + 1):
-            try:
-                await self._client.call(  # type: ignore[union-attr]
-                    url_template=url, method="POST", args=payload, headers=headers,
-                    timeout_s=self._attempt_timeout_s, tool_name=f"notify:{event_type}",
-                )
-            except UpstreamMalformed:
-                pass  # a 2xx with a body that is not JSON: delivered all the same
-            except ToolError as exc:
-                last = attempt == attempts or not exc.retryable
-                (bound.warning if last else bound.info)(
-                    "notification_failed", error_kind=exc.kind, reason=exc.reason, attempt=attempt,
-                    final=last,
-                )
-                if last:
-                    return
-                await self._sleep(self._backoff_s[attempt - 1])
-                continue
+                batch = await self._outbox.claim_due(CLAIM_BATCH, self._lease_s)
+                if batch:
+                    await asyncio.gather(*(self._attempt(n) for n in batch))
+                    continue
+                polls += 1
+                if polls % PRUNE_EVERY_POLLS == 0:
+                    await self._outbox.prune(KEEP_DELIVERED_S)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a background task must log, not die silently
-                bound.exception("notification_failed", error_kind="internal", attempt=attempt, final=True)
-                return
-            bound.info("notification_delivered", attempt=attempt)
+            except Exception as exc:  # noqa: BLE001 - Postgres away: the events wait in the outbox
+                log.warning("notification_loop_retry", error=type(exc).__name__)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+
+    async def _attempt(self, n: Any) -> None:
+        bound = log.bind(tenant_id=n.tenant_id, event_type=n.event_type, webhook_id=n.id, attempt=n.attempts)
+        try:
+            config = await self._configs.config_for(n.tenant_id)
+            error = await self._send(n, config)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a background loop must log, not die
+            bound.exception("notification_failed", error_kind="internal", final=False)
+            await self._outbox.retry_in(n.id, self._delay(n.attempts), f"internal: {type(exc).__name__}")
             return
+        if error is None:
+            await self._outbox.delivered(n.id)
+            bound.info("notification_delivered")
+            return
+        kind, reason, retryable = error
+        final = not retryable or n.attempts > len(self._schedule_s)
+        (bound.warning if final else bound.info)("notification_failed", error_kind=kind, reason=reason, final=final)
+        text = f"{kind}: {reason}" if reason else kind
+        if final:
+            await self._outbox.give_up(n.id, text)
+        else:
+            await self._outbox.retry_in(n.id, self._delay(n.attempts), text)
+
+    def _delay(self, attempts: int) -> float:
+        return self._schedule_s[min(attempts, len(self._schedule_s)) - 1] if self._schedule_s else self._poll_s
+
+    async def _send(self, n: Any, config: BotConfig) -> tuple[str, str | None, bool] | None:
+        """One attempt; None when delivered, else (error kind, reason, retryable)."""
+        url, secret = config.notification_webhook, config.notification_secret
+        if not url:
+            return ("no_webhook", "the tenant has no notification_webhook now", False)
+        if "{" in url or "}" in url:
+            # the client reads {holes} as a URL template; a notification URL is a plain URL
+            return ("invalid_url", "the notification_webhook contains { or }", False)
+        # The client sends `args` as the JSON body, encoded by msgspec exactly like this (top-level
+        # keys in order, no null values to drop), so these are the bytes the receiver verifies.
+        body = msgspec.json.encode(n.payload)
+        stamp = int(self._now())
+        headers = {"webhook-id": n.id, "webhook-timestamp": str(stamp)}
+        if secret:
+            try:
+                headers["webhook-signature"] = sign(secret, n.id, stamp, body)
+            except InvalidSecret as exc:
+                return ("invalid_secret", str(exc), False)
+        else:
+            log.warning("notification_unsigned", tenant_id=n.tenant_id, webhook_id=n.id)
+        try:
+            await self._client.call(  # type: ignore[union-attr]
+                url_template=url, method="POST", args=n.payload, headers=headers,
+                timeout_s=self._attempt_timeout_s, tool_name=f"notify:{n.event_type}",
+            )
+        except UpstreamMalformed:
+            return None  # a 2xx with a body that is not JSON: delivered all the same
+        except ToolError as exc:
+            return (exc.kind, exc.reason, exc.retryable)
+        return None

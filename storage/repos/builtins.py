@@ -544,6 +544,7 @@ class BuiltinRepos:
     """All of the above on one pool (what services.builtins and the admin routes take)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
         self.memories = MemoryRepo(pool)
         self.leads = LeadRepo(pool)
         self.forms = FormRepo(pool)

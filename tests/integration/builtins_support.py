@@ -15,6 +15,7 @@ from aiohttp import web
 from services.botconfig import BotConfig
 from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier
+from storage.repos.notifications import NotificationRepo
 from services.tools.context import TrustedContext
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
@@ -101,14 +102,16 @@ async def receiver(host: str = "127.0.0.1") -> AsyncIterator[Receiver]:
 
 @asynccontextmanager
 async def services(pool, *, now: datetime | None = None, allow: tuple[str, ...] = ("127.0.0.1/32",),
-                   attempt_timeout_s: float = 2.0) -> AsyncIterator[tuple[BuiltinServices, FakeConfigs]]:
+                   attempt_timeout_s: float = 2.0, schedule_s: tuple[float, ...] = (0.05,),
+                   close_timeout_s: float = 5.0) -> AsyncIterator[tuple[BuiltinServices, FakeConfigs]]:
     """The built-in services on the test pool, a real SSRF-guarded webhook client, fake configs."""
     configs = FakeConfigs()
     async with WebhookClient(policy=policy_from_entries(allow)) as client:
-        notifier = Notifier(client, attempt_timeout_s=attempt_timeout_s, backoff_s=(0.05,))
+        notifier = Notifier(client, NotificationRepo(pool), configs, attempt_timeout_s=attempt_timeout_s,
+                            schedule_s=schedule_s, poll_s=0.05)
         clock = FixedClock(now or datetime.now(UTC))
         svc = BuiltinServices(BuiltinRepos(pool), configs, client, now=clock, notifier=notifier)
         try:
             yield svc, configs
         finally:
-            await notifier.close(timeout_s=5.0)
+            await notifier.close(timeout_s=close_timeout_s)

@@ -1,0 +1,81 @@
+"""NotificationRepo: the outbox of tenant notifications (ce_notifications).
+
+Claiming is safe with any number of delivering processes: due rows are taken with
+`FOR UPDATE SKIP LOCKED` and leased (their next attempt moved `lease_s` ahead) in one statement,
+so a process that dies mid-delivery leaves the row to be claimed again once the lease ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from storage.errors import translate
+
+
+class PendingNotification(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant_id: str
+    event_type: str
+    payload: dict[str, Any]
+    attempts: int  # this one included
+
+
+_CLAIM = """
+UPDATE ce_notifications n SET attempts = n.attempts + 1, next_attempt_at = now() + make_interval(secs => $2)
+WHERE n.id IN (
+  SELECT id FROM ce_notifications
+  WHERE delivered_at IS NULL AND failed_at IS NULL AND next_attempt_at <= now()
+  ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING n.id, n.tenant_id, n.event_type, n.payload, n.attempts
+"""
+
+
+class NotificationRepo:
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None:  # noqa: A002
+        with translate("queueing a notification"):
+            await self._pool.execute(
+                "INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4)",
+                id, tenant_id, event_type, payload,
+            )
+
+    async def claim_due(self, limit: int, lease_s: float) -> list[PendingNotification]:
+        with translate("claiming notifications"):
+            rows = await self._pool.fetch(_CLAIM, limit, lease_s)
+        return [PendingNotification(id=r["id"], tenant_id=r["tenant_id"], event_type=r["event_type"],
+                                    payload=r["payload"], attempts=r["attempts"]) for r in rows]
+
+    async def delivered(self, id: str) -> None:  # noqa: A002
+        with translate("recording a delivered notification"):
+            await self._pool.execute(
+                "UPDATE ce_notifications SET delivered_at = now(), last_error = NULL WHERE id = $1", id)
+
+    async def retry_in(self, id: str, delay_s: float, error: str) -> None:  # noqa: A002
+        with translate("scheduling a notification retry"):
+            await self._pool.execute(
+                "UPDATE ce_notifications SET next_attempt_at = now() + make_interval(secs => $2), last_error = $3 "
+                "WHERE id = $1", id, delay_s, error[:500])
+
+    async def give_up(self, id: str, error: str) -> None:  # noqa: A002
+        with translate("recording a failed notification"):
+            await self._pool.execute(
+                "UPDATE ce_notifications SET failed_at = now(), last_error = $2 WHERE id = $1", id, error[:500])
+
+    async def settled(self, ids: list[str]) -> set[str]:
+        """Which of `ids` are delivered or given up."""
+        with translate("reading notifications"):
+            rows = await self._pool.fetch(
+                "SELECT id FROM ce_notifications WHERE id = ANY($1) AND (delivered_at IS NOT NULL OR failed_at IS NOT NULL)",
+                ids)
+        return {r["id"] for r in rows}
+
+    async def prune(self, older_than_s: float) -> int:
+        """Delete delivered notifications older than `older_than_s`; returns how many."""
+        with translate("pruning notifications"):
+            done = await self._pool.execute(
+                "DELETE FROM ce_notifications WHERE delivered_at < now() - make_interval(secs => $1)", older_than_s)
+        return int(done.split()[-1])

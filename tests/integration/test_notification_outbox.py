@@ -1,0 +1,127 @@
+"""Tenant notifications through the outbox (ce_notifications) on the real Postgres: an endpoint that
+is down for a while gets the event when it is back; an event claimed by a process that died is sent
+by the next one; two delivering processes send each event once; a schedule that ends gives up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from contextlib import asynccontextmanager
+
+import msgspec
+from structlog.testing import capture_logs
+
+from services.builtins.notify import Notifier, verify
+from services.tools.ssrf import policy_from_entries
+from services.tools.webhook import WebhookClient
+from storage.repos.notifications import NotificationRepo
+from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receiver, services
+
+
+@asynccontextmanager
+async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05), lease_s=60.0):
+    """A notifier as another process would run one: its own client, the same outbox."""
+    async with WebhookClient(policy=policy_from_entries(("127.0.0.1/32",))) as client:
+        n = Notifier(client, NotificationRepo(pool), configs, attempt_timeout_s=2.0, schedule_s=schedule_s,
+                     poll_s=0.05, lease_s=lease_s)
+        n.start()
+        try:
+            yield n
+        finally:
+            await n.close(timeout_s=0)
+
+
+async def row(pool, event_id: str):
+    return await pool.fetchrow("SELECT * FROM ce_notifications WHERE id = $1", event_id)
+
+
+async def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_back(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    async with receiver() as rec, services(pool) as (svc, configs):
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        rec.status = 503  # down
+        async with notifier(pool, configs) as n:
+            event_id = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 7}, tenant_id=tenant.id)
+            assert event_id is not None
+            await rec.wait(2)
+            rec.status = 204  # back
+            await n.drain(10)
+        stored = await row(pool, event_id)
+    assert stored["delivered_at"] is not None and stored["failed_at"] is None and stored["attempts"] == 3
+    assert [h["webhook-id"] for h, _ in rec.requests] == [event_id] * 3  # one id: the receiver de-duplicates
+    assert all(verify(SECRET, h, body) for h, body in rec.requests)  # each attempt signed afresh
+    assert msgspec.json.decode(rec.requests[-1][1])["data"] == {"lead_id": 7}
+
+
+async def test_an_event_claimed_by_a_process_that_died_is_sent_by_the_next_after_the_lease(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    configs = FakeConfigs()
+    async with receiver() as rec:
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        outbox = NotificationRepo(pool)
+        await outbox.enqueue(id="msg_orphan", tenant_id=tenant.id, event_type="lead.created",
+                             payload={"type": "lead.created", "timestamp": "2026-12-02T00:00:00+00:00", "data": {}})
+        # the first process claims it for 1 s, then dies before sending
+        (claimed,) = await outbox.claim_due(10, lease_s=1.0)
+        assert claimed.id == "msg_orphan" and claimed.attempts == 1
+        async with notifier(pool, configs) as n:
+            await asyncio.sleep(0.5)
+            assert rec.requests == []  # leased by the dead process: not yet
+            await rec.wait(1, timeout=10)
+            await asyncio.sleep(0.2)
+            assert n is not None
+        stored = await row(pool, "msg_orphan")
+    assert [h["webhook-id"] for h, _ in rec.requests] == ["msg_orphan"]
+    assert stored["delivered_at"] is not None and stored["attempts"] == 2
+
+
+async def test_a_lead_saved_while_the_endpoint_is_away_is_delivered_by_a_later_process(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    async with receiver() as rec:
+        rec.status = 503
+        # this process would try again in 30 s, but it stops before that
+        async with services(pool, schedule_s=(30.0,), close_timeout_s=0) as (svc, configs):
+            configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+            await svc.leads.collect({"name": "Jane", "email": "jane@example.com"}, ctx(tenant.id))
+            await rec.wait(1)
+        (pending,) = await pool.fetch("SELECT id FROM ce_notifications WHERE delivered_at IS NULL AND failed_at IS NULL")
+        await pool.execute("UPDATE ce_notifications SET next_attempt_at = now()")  # its retry is due
+        rec.status = 204
+        async with notifier(pool, configs) as n:
+            await rec.wait(2)
+            await asyncio.sleep(0.1)
+            assert n is not None
+        stored = await row(pool, pending["id"])
+    assert stored["delivered_at"] is not None
+    assert msgspec.json.decode(rec.requests[-1][1])["type"] == "lead.created"
+
+
+async def test_two_delivering_processes_send_each_event_once(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    configs = FakeConfigs()
+    async with receiver() as rec:
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        config = configs.configs[tenant.id]
+        async with notifier(pool, configs) as a, notifier(pool, configs) as b:
+            ids = [await (a if i % 2 else b).emit(config, "form.submitted", {"i": i}, tenant_id=tenant.id)
+                   for i in range(30)]
+            await asyncio.gather(a.drain(10), b.drain(10))
+    sent = Counter(h["webhook-id"] for h, _ in rec.requests)
+    assert set(sent) == set(ids) and set(sent.values()) == {1}, sent
+
+
+async def test_when_the_schedule_ends_the_event_is_given_up_and_logged(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    configs = FakeConfigs()
+    async with receiver() as rec:
+        rec.status = 500
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        with capture_logs() as logs:
+            async with notifier(pool, configs, schedule_s=(0.02, 0.02)) as n:
+                event_id = await n.emit(configs.configs[tenant.id], "handoff.requested", {}, tenant_id=tenant.id)
+                await n.drain(10)
+        stored = await row(pool, event_id)
+    assert len(rec.requests) == 3 and stored["failed_at"] is not None and stored["delivered_at"] is None
+    assert "500" in stored["last_error"], stored["last_error"]
+    failures = [e for e in logs if e["event"] == "notification_failed" and e.get("webhook_id") == event_id]
+    assert [e["final"] for e in failures] == [False, False, True]
