@@ -73,10 +73,13 @@ _UPSERT_VARIABLE = (
     "ON CONFLICT (session_id, key) DO UPDATE SET value = EXCLUDED.value"
 )
 _ADD_USAGE = (
-    "INSERT INTO ce_usage AS u (tenant_id, session_id, model, input_tokens, output_tokens) "
-    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, session_id, model) DO UPDATE SET "
+    "INSERT INTO ce_usage AS u (tenant_id, session_id, model, input_tokens, output_tokens, applied_seq) "
+    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant_id, session_id, model) DO UPDATE SET "
     "input_tokens = u.input_tokens + EXCLUDED.input_tokens, "
-    "output_tokens = u.output_tokens + EXCLUDED.output_tokens, updated_at = now()"
+    "output_tokens = u.output_tokens + EXCLUDED.output_tokens, "
+    "applied_seq = COALESCE(EXCLUDED.applied_seq, u.applied_seq), updated_at = now() "
+    # a retried delta (same newest seq) adds nothing: its tokens are already in
+    "WHERE EXCLUDED.applied_seq IS NULL OR u.applied_seq IS NULL OR u.applied_seq < EXCLUDED.applied_seq"
 )
 _INSERT_TURN = (
     "INSERT INTO ce_turns (tenant_id, session_id, message_id, response) VALUES ($1, $2, $3, $4) "
@@ -153,10 +156,10 @@ class SessionRepo:
 
         Returns which (tenant_id, session_id) were written and which were refused: a refused
         delta belongs to an owner that lost its lease and none of it is written. Messages, tool
-        calls and turns already stored are skipped, so a failed flush can be retried as is; only
-        usage is additive, so a retry after a commit whose acknowledgement was lost counts those
-        tokens twice. Raises StorageUnavailable (retryable) when Postgres is unreachable or the
-        connection drops: the transaction did not commit.
+        calls and turns already stored are skipped, and usage is added only for messages newer
+        than those it already holds, so a flush can be retried as is, even after a commit whose
+        acknowledgement was lost. Raises StorageUnavailable (retryable) when Postgres is
+        unreachable or the connection drops: the transaction did not commit.
         """
         if not deltas:
             return FlushResult(written=[], refused=[])
@@ -192,8 +195,9 @@ class SessionRepo:
                         (uid, d.tenant_id, storable_text(k), storable_text(v)) for k, v in d.variables.items()
                     ]
                     calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
+                    newest = max((m.seq for m in d.messages), default=None)
                     usage += [
-                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens) for u in d.usage
+                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens, newest) for u in d.usage
                     ]
                     turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
                 # executemany pipelines each statement's rows: one round trip per table, not per row

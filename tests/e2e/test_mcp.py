@@ -160,17 +160,28 @@ async def test_destructive_and_unvouched_tools_are_held_for_approval(api, shop):
     assert shop.called("archive_order") == []
 
 
-async def test_a_server_at_the_metadata_address_is_refused_and_reported(api, shop):
-    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "meta", "url": "http://169.254.169.254/mcp"})
+async def test_a_server_at_the_metadata_address_is_refused_at_registration(api, shop):
+    status, problem = await api.request("POST", "/v1/mcp-servers", {"name": "meta", "url": "http://169.254.169.254/mcp"})
+    assert status == 422 and "points at 169.254.169.254" in problem["detail"] and "`$.url`" in problem["detail"]
+    await api.register(shop)
+    status, problem = await api.request("PATCH", "/v1/mcp-servers/shop", {"url": "http://10.0.0.1/mcp"})
+    assert status == 422 and "points at 10.0.0.1" in problem["detail"], problem
+    assert (await api.request("GET", "/v1/mcp-servers/meta"))[0] == 404
+
+
+async def test_a_server_whose_name_resolves_to_a_refused_address_is_reported_not_called(api, shop):
+    # A host name passes registration (it may resolve differently later); the guard refuses it at
+    # connect time: localhost is loopback, which this stack admits only at 127.0.0.2.
+    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "near", "url": "http://localhost:9/mcp"})
     assert status == 201
-    status, view = await api.request("GET", "/v1/mcp-servers/meta")
+    status, view = await api.request("GET", "/v1/mcp-servers/near")
     [entry] = view["tools"]
-    assert entry["name"] == "meta__*" and not entry["offered"]
+    assert entry["name"] == "near__*" and not entry["offered"]
     assert "destination not allowed" in entry["findings"][0]["message"], entry
     status, listed = await api.request("GET", "/v1/mcp-servers")
-    assert [s["name"] for s in listed["mcp_servers"]] == ["meta"]
-    assert (await api.request("DELETE", "/v1/mcp-servers/meta"))[0] == 204
-    assert (await api.request("GET", "/v1/mcp-servers/meta"))[0] == 404
+    assert [s["name"] for s in listed["mcp_servers"]] == ["near"]
+    assert (await api.request("DELETE", "/v1/mcp-servers/near"))[0] == 204
+    assert (await api.request("GET", "/v1/mcp-servers/near"))[0] == 404
 
 
 async def test_registrations_are_validated(api, shop):

@@ -211,18 +211,25 @@ async def test_group_commit_writes_many_sessions_in_one_transaction(sessions, po
     assert [(u.model, u.input_tokens, u.output_tokens, u.sessions) for u in totals] == [("m", 1800, 900, 180)]
 
 
-async def test_retried_flush_does_not_duplicate_and_turns_keep_the_first_answer(sessions, pool, make_tenant):
+async def test_retried_flush_does_not_duplicate_rows_or_tokens_and_turns_keep_the_first_answer(sessions, pool, make_tenant):
     tenant, _ = await make_tenant()
     s = sid()
     lease = await sessions.activate(tenant.id, s, owner="h")
     d = delta(tenant.id, s, lease.epoch, messages=[message(0, "hi", message_id="m1")],
-              tool_calls=[call(tenant.id, s)], turns=[TurnRecord(message_id="m1", response={"reply": "first"})])
+              tool_calls=[call(tenant.id, s)], turns=[TurnRecord(message_id="m1", response={"reply": "first"})],
+              usage=[UsageDelta(model="main", input_tokens=100, output_tokens=10)])
     await sessions.flush([d])
     await sessions.flush([d])  # e.g. the ack of the first commit was lost
+    later = delta(tenant.id, s, lease.epoch, messages=[message(1, "more", message_id="m2")],
+                  usage=[UsageDelta(model="main", input_tokens=5, output_tokens=1)])
+    await sessions.flush([later])
+    await sessions.flush([later])
     await sessions.flush([delta(tenant.id, s, lease.epoch,
                                 turns=[TurnRecord(message_id="m1", response={"reply": "second"})])])
-    assert await count(pool, "ce_messages", tenant.id, s) == 1
+    assert await count(pool, "ce_messages", tenant.id, s) == 2
     assert await count(pool, "ce_tool_calls", tenant.id, s) == 1
+    totals = {u.model: (u.input_tokens, u.output_tokens) for u in await sessions.usage_totals(tenant.id)}
+    assert totals == {"main": (105, 11)}  # each delta's tokens once
     assert await sessions.get_turn(tenant.id, s, "m1") == {"reply": "first"}
     assert await sessions.get_turn(tenant.id, s, "m2") is None
 
