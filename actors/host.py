@@ -80,7 +80,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("state", "lock", "last_used", "queued", "stale")
+    __slots__ = ("last_used", "lock", "queued", "stale", "state")
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
@@ -211,7 +211,7 @@ class SessionHost:
 
     async def send(
         self, tenant_id: str, session_id: str, text: str, message_id: str | None,
-        emit: core.Emit = core._no_emit,  # noqa: SLF001
+        emit: core.Emit = core._no_emit,
     ) -> TurnReply:
         """Run one message; returns once its state is durable (output gate on)."""
 
@@ -232,7 +232,7 @@ class SessionHost:
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool,
-        edited: dict[str, dict[str, Any]] | None = None, emit: core.Emit = core._no_emit,  # noqa: SLF001
+        edited: dict[str, dict[str, Any]] | None = None, emit: core.Emit = core._no_emit,
     ) -> TurnReply:
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             return await core.handle_approval(entry.state, approval_id, approve, env, emit, edited_arguments=edited)
@@ -261,7 +261,7 @@ class SessionHost:
                 queue.put_nowait(StreamEvent(event="done", data=msgspec.to_builtins(reply)))
             except ChatEngineError as exc:
                 queue.put_nowait(StreamEvent(event="error", data=_error_data(exc)))
-            except Exception as exc:  # noqa: BLE001 - reported on the stream, logged in full
+            except Exception as exc:
                 log.exception("turn_failed", session_id=session_id)
                 queue.put_nowait(StreamEvent(event="error", data={"title": "turn failed", "detail": type(exc).__name__}))
             finally:

@@ -16,6 +16,7 @@ state attached, so a gateway that routed by an older count routes again and retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
@@ -314,10 +315,8 @@ class Placement:
         handles += [h for n, h in self._handles.items() if n.startswith(self._prefix + SESSION_PREFIX)]
         await asyncio.gather(*(h.shutdown.remote() for h in handles), return_exceptions=True)
         for h in handles:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(h, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         self._handles.clear()
 
 

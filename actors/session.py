@@ -21,7 +21,6 @@ import msgspec
 import structlog
 
 from services.approvals import new_approval_id, verify_approval_id
-from services.tracing import tracer
 from services.botconfig import BotConfig
 from services.llm.port import (
     ChatMessage,
@@ -37,7 +36,6 @@ from services.llm.port import (
 )
 from services.tools.context import TrustedContext
 from services.tools.executor import REDACTED, BatchPlan, Executor, ToolCall, ToolOutcome
-from services.tools.registry import Catalog
 from services.tools.toolset import (
     SessionToolState,
     breaker_open,
@@ -45,6 +43,7 @@ from services.tools.toolset import (
     detect_intent,
     tool_specs,
 )
+from services.tracing import tracer
 from services.wire import (
     PendingApproval,
     PendingCall,
@@ -352,7 +351,7 @@ async def _handle_approval(
     if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
         return msgspec.convert(state.turns[pending.message_id], TurnReply)
     state.snapshot.pending = None
-    state._touch()  # noqa: SLF001 - the pending field is part of the snapshot
+    state._touch()
     turn = _Turn(pending.message_id)
     turn.usage = {k: list(v) for k, v in pending.usage.items()}
     turn.tool_calls = list(pending.tool_calls)
@@ -537,7 +536,7 @@ async def _hold(
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
-    state._touch()  # noqa: SLF001
+    state._touch()
     approval = PendingApproval(
         approval_id=pending.approval_id, summary=pending.summary, tools=tools, expires_at=pending.expires_at,
         calls=[
@@ -566,7 +565,7 @@ def _deliver_jobs(state: SessionState, finished: list[JobRecord]) -> list[dict[s
         out.append({"job_id": job.id, "tool": job.tool_name, "status": job.status,
                     "result": job.result, "error": job.error})
     if out:
-        state._touch()  # noqa: SLF001 - the waiting list is part of the snapshot
+        state._touch()
     return out
 
 
@@ -601,7 +600,7 @@ async def _record_handoff(state: SessionState, env: TurnEnv, message_id: str, re
 def _mark_handoff(state: SessionState, reason: str) -> None:
     state.snapshot.handoff = True
     state.snapshot.handoff_reason = reason[:500]
-    state._touch()  # noqa: SLF001
+    state._touch()
 
 
 async def _finish(state: SessionState, reply: TurnReply, emit: Emit) -> TurnReply:

@@ -8,8 +8,8 @@ from typing import Any
 def format_report(report: dict[str, Any]) -> str:
     if "tools" not in report:
         return f"error: {report.get('detail') or report}"
-    lines = [f"tool contract for tenant {report['tenant_id']}: "
-             f"{'OK' if report['ok'] else 'PROBLEMS'} ({report['findings']} finding(s))", ""]
+    lines = [(f"tool contract for tenant {report['tenant_id']}: "
+              f"{'OK' if report['ok'] else 'PROBLEMS'} ({report['findings']} finding(s))"), ""]
     for tool in report["tools"]:
         head = f"{tool['name']}  [{tool['type']}, {tool['origin']}"
         head += f", v{tool['version']}]" if tool.get("version") else "]"

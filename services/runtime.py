@@ -108,9 +108,9 @@ class Runtime:
 
     async def contract_report(self, tenant_id: str) -> dict:
         """The tool-contract report against this process's running catalog."""
-        import msgspec
-
         from datetime import UTC, datetime, timedelta
+
+        import msgspec
 
         from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
         from services.tools.model import ToolDefinition

@@ -116,7 +116,7 @@ class Stack:
         if self.placement is not None:
             try:
                 await self.placement.shutdown_hosts()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:
                 log.exception("host_shutdown_failed")
         if self.shards is not None:
             await self.shards.close()

@@ -67,7 +67,7 @@ class WorkflowRunner:
                 result = await handler(args, ctx)
         except ToolError as exc:
             await self._finish(ctx, job_id, succeeded=False, error=f"{exc.reason}. {exc.advice}")
-        except Exception:  # noqa: BLE001 - a crashed job is a failed job, never a crashed host
+        except Exception:
             log.exception("workflow_job_crashed", job_id=job_id)
             await self._finish(ctx, job_id, succeeded=False, error="the background task failed")
         else:

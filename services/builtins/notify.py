@@ -24,7 +24,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -114,11 +114,11 @@ class WebhookPoster(Protocol):
 class Outbox(Protocol):
     """storage.repos.notifications.NotificationRepo: where events wait until delivered."""
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None: ...  # noqa: A002
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None: ...
     async def claim_due(self, limit: int, lease_s: float) -> list[Any]: ...
-    async def delivered(self, id: str) -> None: ...  # noqa: A002
-    async def retry_in(self, id: str, delay_s: float, error: str) -> None: ...  # noqa: A002
-    async def give_up(self, id: str, error: str) -> None: ...  # noqa: A002
+    async def delivered(self, id: str) -> None: ...
+    async def retry_in(self, id: str, delay_s: float, error: str) -> None: ...
+    async def give_up(self, id: str, error: str) -> None: ...
     async def settled(self, ids: list[str]) -> set[str]: ...
     async def prune(self, older_than_s: float) -> int: ...
 

@@ -14,7 +14,7 @@ from services.errors import Overloaded
 
 
 class _Bucket:
-    __slots__ = ("tokens", "stamp")
+    __slots__ = ("stamp", "tokens")
 
     def __init__(self, tokens: float, stamp: float) -> None:
         self.tokens = tokens

@@ -24,7 +24,6 @@ import msgspec
 import structlog
 
 from services.botconfig import BotConfig
-from services.tracing import current_trace_id, tracer
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     ApprovalDenied,
@@ -38,6 +37,7 @@ from services.tools.errors import (
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
+from services.tracing import current_trace_id, tracer
 from storage.records import ToolCallRecord
 
 log = structlog.get_logger(__name__)

@@ -27,7 +27,7 @@ class SystemClock:
 
 
 class Timed(Generic[T]):
-    __slots__ = ("value", "queue_s", "run_s")
+    __slots__ = ("queue_s", "run_s", "value")
 
     def __init__(self, value: T, queue_s: float, run_s: float) -> None:
         self.value = value
@@ -49,7 +49,7 @@ class ResourceLimiter:
 
     def in_use(self, resource: str) -> int:
         sem = self._semaphores.get(resource)
-        return 0 if sem is None else self.limit_for(resource) - sem._value  # noqa: SLF001
+        return 0 if sem is None else self.limit_for(resource) - sem._value
 
     async def run(self, resource: str, deadline: float, work: Callable[[], Awaitable[T]]) -> Timed[T]:
         """Run `work()` under the resource's limit, all of it before `deadline` (clock time).

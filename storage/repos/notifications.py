@@ -36,7 +36,7 @@ class NotificationRepo:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None:  # noqa: A002
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None:
         with translate("queueing a notification"):
             await self._pool.execute(
                 "INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4)",
@@ -49,18 +49,18 @@ class NotificationRepo:
         return [PendingNotification(id=r["id"], tenant_id=r["tenant_id"], event_type=r["event_type"],
                                     payload=r["payload"], attempts=r["attempts"]) for r in rows]
 
-    async def delivered(self, id: str) -> None:  # noqa: A002
+    async def delivered(self, id: str) -> None:
         with translate("recording a delivered notification"):
             await self._pool.execute(
                 "UPDATE ce_notifications SET delivered_at = now(), last_error = NULL WHERE id = $1", id)
 
-    async def retry_in(self, id: str, delay_s: float, error: str) -> None:  # noqa: A002
+    async def retry_in(self, id: str, delay_s: float, error: str) -> None:
         with translate("scheduling a notification retry"):
             await self._pool.execute(
                 "UPDATE ce_notifications SET next_attempt_at = now() + make_interval(secs => $2), last_error = $3 "
                 "WHERE id = $1", id, delay_s, error[:500])
 
-    async def give_up(self, id: str, error: str) -> None:  # noqa: A002
+    async def give_up(self, id: str, error: str) -> None:
         with translate("recording a failed notification"):
             await self._pool.execute(
                 "UPDATE ce_notifications SET failed_at = now(), last_error = $2 WHERE id = $1", id, error[:500])

@@ -111,7 +111,7 @@ async def test_a_slow_tool_streams_tool_progress_before_its_result(stack, client
         "parameters": {"sku": {"type": "string"}}, "progress_after_ms": 200,
         "progress_message": "Still checking the stock…",
     })
-    status, events = await post(client, f"{gw}/v1/sessions/rob-4/messages", headers,
+    _, events = await post(client, f"{gw}/v1/sessions/rob-4/messages", headers,
                                 {"text": call("check_stock", {"sku": "MUG-01"})}, sse=True)
     kinds = [e for e, _ in events]
     assert "tool_progress" in kinds and kinds.index("tool_progress") < kinds.index("tool_result")

@@ -112,11 +112,11 @@ async def test_a_mixed_batch_runs_nothing_until_the_whole_batch_is_approved(stac
     await register(client, gw, headers, gated)
     await register(client, gw, headers, ungated)
     text = call("add_note", {"ref": "n1"}) + "\n" + call("refund", {"ref": "r1"})
-    status, held = await post(client, f"{gw}/v1/sessions/ap-3/messages", headers, {"text": text})
+    _, held = await post(client, f"{gw}/v1/sessions/ap-3/messages", headers, {"text": text})
     assert held["pending_approval"]["tools"] == ["refund"]
     assert backend.to("/add_note") == [] and backend.to("/refund") == []  # not even the ungated write
     approval = held["pending_approval"]["approval_id"]
-    status, done = await post(client, f"{gw}/v1/sessions/ap-3/approvals/{approval}", headers, {"approve": True})
+    _, done = await post(client, f"{gw}/v1/sessions/ap-3/approvals/{approval}", headers, {"approve": True})
     assert [c["name"] for c in done["tool_calls"]] == ["add_note", "refund"]
     assert len(backend.to("/add_note")) == 1 and len(backend.to("/refund")) == 1
 
@@ -167,7 +167,7 @@ async def test_workflow_result_reaches_the_session_on_its_next_turn(stack, clien
     assert events[-1][1]["deliveries"][0]["job_id"] == job["job_id"]
     status, later = await post(client, f"{gw}/v1/sessions/wf-1/messages", headers, {"text": "thanks"})
     assert not later.get("deliveries")  # delivered once
-    status, dup = await post(client, f"{gw}{job['callback_path']}", headers, {"status": "succeeded", "result": {}})
+    status, _ = await post(client, f"{gw}{job['callback_path']}", headers, {"status": "succeeded", "result": {}})
     assert status == 409
 
 
@@ -185,7 +185,7 @@ async def test_catalog_binding_sends_q_and_the_contract_report_flags_one_that_wo
                "parameter_map": {"search": "q", "limit": "per_page"}, "scope": ["account_id"]}
     await register(client, gw, headers, binding)
     await register(client, gw, headers, {**binding, "name": "broken_search", "parameter_map": {"limit": "per_page"}})
-    status, body = await post(client, f"{gw}/v1/sessions/bind-1/messages", headers, {
+    _, body = await post(client, f"{gw}/v1/sessions/bind-1/messages", headers, {
         "text": call("example_catalog_search", {"search": "mug", "limit": 2, "account_id": "someone-else"})})
     assert body["tool_calls"][0]["success"], body
     query = backend.to("/example/catalog")[0]["query"]

@@ -32,7 +32,7 @@ async def faulty():
         stack.stop()
 
 
-def Load(stack, client) -> Contacts:  # noqa: N802 - reads as the load it drives
+def Load(stack, client) -> Contacts:
     return Contacts(stack, client)
 
 

@@ -15,11 +15,11 @@ from aiohttp import web
 from services.botconfig import BotConfig
 from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier
-from storage.repos.notifications import NotificationRepo
 from services.tools.context import TrustedContext
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
 from storage.repos.builtins import BuiltinRepos
+from storage.repos.notifications import NotificationRepo
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # base64 of 24 bytes, Standard Webhooks' example shape
 

@@ -169,7 +169,7 @@ async def test_a_booking_stands_when_its_memory_fact_cannot_be_written(pool, mak
 
     async with services(pool, now=NOW) as (svc, _configs):
         tenant = await tenant_with_services(make_tenant, svc)
-        svc.memory._store = BrokenMemories()  # noqa: SLF001 - a failing dependency, injected
+        svc.memory._store = BrokenMemories()
         with capture_logs() as logs:
             booked = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T12:30"}, ctx(tenant.id))
     assert booked["status"] == "booked"

@@ -30,7 +30,7 @@ async def test_the_listener_resubscribes_after_its_connection_is_killed(fresh_db
 
         tenant, _ = await TenantRepo(admin).create_tenant("listener-test")
         await rt.tenants.env_for(tenant.id)
-        assert tenant.id in rt.tenants._cache  # noqa: SLF001 - the cache is what NOTIFY invalidates
+        assert tenant.id in rt.tenants._cache
         first = rt.listener
         killed = await admin.fetchval(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -39,10 +39,10 @@ async def test_the_listener_resubscribes_after_its_connection_is_killed(fresh_db
         assert killed == 1
         await wait_for(lambda: rt.listener is not None and rt.listener is not first)
         await rt.tenants.env_for(tenant.id)
-        assert tenant.id in rt.tenants._cache  # noqa: SLF001
+        assert tenant.id in rt.tenants._cache
         await ToolRepo(admin).create(tenant.id, "ping", "python", {
             "type": "python", "name": "ping", "description": "d", "parameters": {"type": "object"}, "handler": "x"})
-        await wait_for(lambda: tenant.id not in rt.tenants._cache)  # noqa: SLF001 - the new subscription heard it
+        await wait_for(lambda: tenant.id not in rt.tenants._cache)
     finally:
         await admin.close()
         await rt.close()

@@ -37,7 +37,7 @@ async def row(pool, event_id: str):
 
 async def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_back(pool, make_tenant):
     tenant, _ = await make_tenant("outbox")
-    async with receiver() as rec, services(pool) as (svc, configs):
+    async with receiver() as rec, services(pool) as (_, configs):
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
         rec.status = 503  # down
         async with notifier(pool, configs) as n:

@@ -20,9 +20,9 @@ SEARCH_PARAMS = {"type": "object", "properties": {"search": {"type": "string"}, 
 
 
 def binding(**overrides) -> BackendBindingTool:
-    base = dict(name="example_catalog_search", description="search", parameters=SEARCH_PARAMS,
-                method="GET", path="/example/catalog", parameter_map={"search": "q", "limit": "per_page"},
-                scope=("account_id",))
+    base = {"name": "example_catalog_search", "description": "search", "parameters": SEARCH_PARAMS,
+            "method": "GET", "path": "/example/catalog", "parameter_map": {"search": "q", "limit": "per_page"},
+            "scope": ("account_id",)}
     base.update(overrides)
     return BackendBindingTool(**base)
 
@@ -74,7 +74,7 @@ def test_dead_route():
 
 def test_missing_required_parameter_from_scope():
     report = report_for([binding(scope=())])
-    finding = [f for f in report.tools[0].findings if f.kind == "missing_required_parameter"][0]
+    finding = next(f for f in report.tools[0].findings if f.kind == "missing_required_parameter")
     assert "'account_id'" in finding.message and "scope" in finding.fix
 
 

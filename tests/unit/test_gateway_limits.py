@@ -22,9 +22,8 @@ def test_rate_allows_a_burst_then_refuses_with_a_retry_after_until_tokens_refill
     for _ in range(3):
         with limiter.admit("a"):
             pass
-    with pytest.raises(Overloaded, match="over its message rate") as info:
-        with limiter.admit("a"):
-            pass
+    with pytest.raises(Overloaded, match="over its message rate") as info, limiter.admit("a"):
+        pass
     assert info.value.status == 429 and info.value.retry_after == pytest.approx(0.5)
     with limiter.admit("b"):  # another tenant is unaffected
         pass
@@ -36,13 +35,11 @@ def test_rate_allows_a_burst_then_refuses_with_a_retry_after_until_tokens_refill
 def test_concurrency_caps_turns_in_flight_and_frees_the_slot_on_exit_even_on_error():
     limiter = TenantLimiter(rate=0, burst=1, concurrency=2)
     with limiter.admit("a"), limiter.admit("a"):
-        with pytest.raises(Overloaded, match="turns in progress") as info:
-            with limiter.admit("a"):
-                pass
+        with pytest.raises(Overloaded, match="turns in progress") as info, limiter.admit("a"):
+            pass
         assert info.value.reason == "tenant_concurrency" and info.value.status == 429
-    with pytest.raises(RuntimeError):
-        with limiter.admit("a"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), limiter.admit("a"):
+        raise RuntimeError("boom")
     assert limiter.inflight("a") == 0
 
 

@@ -526,4 +526,4 @@ async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_repl
     assert [r.reply for r in results[:5]] == ["echo: hello"] * 5  # the others were written
     assert isinstance(results[5], TurnNotSaved) and "send the message again" in str(results[5])
     assert all("m" + str(i) in store.turns[("t1", f"s{i}")] for i in range(5))
-    assert ("t1", "bad") not in host._sessions  # noqa: SLF001 - the diverged copy is dropped
+    assert ("t1", "bad") not in host._sessions
