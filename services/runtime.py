@@ -158,7 +158,7 @@ class Runtime:
         if getattr(self, "workflows", None) is not None:
             await self.workflows.close()
         if getattr(self, "builtin_services", None) is not None:
-            await self.builtin_services.close()  # notifications in flight get a few seconds
+            await self.builtin_services.close()  # queued notifications get a second; the rest wait in the outbox
         if self.webhooks is not None:
             await self.webhooks.close()
         if self.pool is not None:

@@ -196,9 +196,9 @@ class Notifier:
                 self._wake.set()
                 await asyncio.sleep(0.02)
 
-    async def close(self, timeout_s: float = 5.0) -> None:
-        """Give queued events `timeout_s`, then stop the loop (what is left waits in the outbox
-        for the next process)."""
+    async def close(self, timeout_s: float = 1.0) -> None:
+        """Give queued events `timeout_s`, then stop the loop. What is left waits in the outbox
+        for the next process, so a stopping host need not wait for a tenant's slow endpoint."""
         with contextlib.suppress(Exception):
             await self.drain(timeout_s)
         if self._loop_task is not None:
