@@ -7,8 +7,10 @@ One workload, three ways, the same concurrency:
 Every message takes one tool round: "where is my order N?" -> model -> `check_order` webhook on
 the demo store -> model -> text, with the output gate on; then all again with the gate off (the
 gate is fixed when a host is created, so those hosts have their own names: Placement `prefix`).
-Then (a) and (b) again, open loop at half the measured peak, for the latency the gateway + Ray
-hop adds. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
+Then the peak load of (a) and (b): clients at a time doubled (16, 32, 64, ...) until msgs/s grows
+by less than 5%, with the group commit (messages per flush transaction) at each way's peak. Then
+(a) and (b) again, open loop at half the lower of the two peaks, for the latency the gateway +
+Ray hop adds. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
 
 Processes: this one runs the stack (embedded Postgres, local Ray, session hosts, gateways); the
 local model and the demo store run in two helper processes (they stand for the model API and the
@@ -22,8 +24,8 @@ daemons, and the session-host actors that way used), sampled every 0.5 s.
     python -m services.bench [--messages N] [--concurrency C] [--sessions S]
                              [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
 
-Writes .data/bench.json in the shape of CONTRACT.md (gate on), with "gate_off", "half_load",
-"detail" and, with --growth, "growth" beside it. A program that reports numbers, not a test.
+Writes .data/bench.json in the shape of CONTRACT.md (gate on), with "gate_off", "peak",
+"half_load", "detail" and, with --growth, "growth" beside it. A program that reports numbers, not a test.
 """
 
 from __future__ import annotations
@@ -656,15 +658,17 @@ class Bench:
 
     # -- one measured run ----------------------------------------------------------------------
 
-    async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None
-                      ) -> dict[str, Any]:
+    async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None,
+                      concurrency: int | None = None) -> dict[str, Any]:
         a = self.args
         self.run_no += 1
         tag = f"b{os.getpid()}-{self.run_no}-{way[:3]}-{'on' if gate else 'off'}"
-        n_sessions = a.dedicated_sessions if way == "dedicated" else a.sessions
+        concurrency = concurrency or a.concurrency
+        # at least a session per client: two clients of one session would queue on its lock
+        n_sessions = a.dedicated_sessions if way == "dedicated" else max(a.sessions, concurrency)
         sessions = [f"{tag}-{i}" for i in range(n_sessions)]
         spec = WorkerSpec(mode="inprocess" if way == "inprocess" else "http", sessions=sessions,
-                          concurrency=a.concurrency, messages=messages or a.messages, rate=rate,
+                          concurrency=concurrency, messages=messages or a.messages, rate=rate,
                           warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key)
         settings = msgspec.structs.replace(self.settings, output_gate=gate)
         placement = None
@@ -747,7 +751,8 @@ class Bench:
         }
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
-        label = f"{way:<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
+        label = (f"{way:<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
+                 + (f" x{concurrency}" if concurrency != a.concurrency else ""))
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
               f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}",
@@ -830,9 +835,13 @@ class Bench:
         out: dict[str, Any] = {}
         for gate in gates:
             out[gate] = _aggregate(runs[gate])
+        peaks = await self.peak_sweep(ways)
         half = {}
         if "inprocess" in ways and "sharded" in ways and not a.no_half_load:
-            peak = min(out[True]["ways"]["inprocess"]["msgs_per_s"], out[True]["ways"]["sharded"]["msgs_per_s"])
+            if peaks:
+                peak = min(peaks[w]["peak"]["msgs_per_s"] for w in ("inprocess", "sharded"))
+            else:
+                peak = min(out[True]["ways"]["inprocess"]["msgs_per_s"], out[True]["ways"]["sharded"]["msgs_per_s"])
             rate = max(1.0, peak / 2)
             n = max(200, int(rate * a.half_load_seconds))
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": []}
@@ -845,8 +854,26 @@ class Bench:
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
             }
-        return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "runs": {
+        return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "peak": peaks, "runs": {
             "gate_on": runs[True], "gate_off": runs.get(False)}}
+
+    async def peak_sweep(self, ways: list[str]) -> dict[str, Any]:
+        """Peak load of (a) and (b), gate on: more clients at a time (--peak-concurrency) until
+        msgs/s stops growing by 5%. The group-commit figure is read at each way's peak."""
+        a = self.args
+        if a.no_peak:
+            return {}
+        peaks: dict[str, Any] = {}
+        for way in (w for w in ("inprocess", "sharded") if w in ways):
+            points: list[dict[str, Any]] = []
+            for c in a.peak_concurrency:
+                r = await self.run_way(way, True, concurrency=c)
+                points.append({"concurrency": c, **{k: r[k] for k in (
+                    "msgs_per_s", "p50_ms", "p99_ms", "cpu_s_per_msg", "msgs_per_flush", "errors")}})
+                if len(points) > 1 and r["msgs_per_s"] < points[-2]["msgs_per_s"] * 1.05:
+                    break
+            peaks[way] = {"points": points, "peak": max(points, key=lambda p: p["msgs_per_s"])}
+        return peaks
 
     # -- growth ---------------------------------------------------------------------------------------
 
@@ -1030,6 +1057,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
     doc["paired_ratios"] = {"gate_on": on["paired_ratios"],
                             "gate_off": result["gate_off"]["paired_ratios"] if result["gate_off"] else None}
     doc["half_load"] = result["half_load"]
+    doc["peak"] = result["peak"]
     doc["detail"] = {
         "command": "python -m services.bench " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
@@ -1068,8 +1096,14 @@ def print_table(doc: dict[str, Any]) -> None:
               f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
     det = doc["detail"]["gate_on"]
     if "sharded" in det:
-        print(f"group commit at peak (sharded, gate on): {det['sharded']['msgs_per_flush']:.1f} messages per "
-              f"flush transaction ({det['sharded']['sessions_per_flush']:.1f} sessions)")
+        print(f"group commit at {doc['detail']['config']['concurrency']} clients (sharded, gate on): "
+              f"{det['sharded']['msgs_per_flush']:.1f} messages per flush transaction "
+              f"({det['sharded']['sessions_per_flush']:.1f} sessions)")
+    for way, sweep in (doc.get("peak") or {}).items():
+        top = sweep["peak"]
+        print(f"peak load ({way}, gate on): {top['msgs_per_s']:.1f} msg/s at {top['concurrency']} clients, "
+              f"{top['msgs_per_flush']:.1f} messages per flush transaction; sweep: " + ", ".join(
+                  f"{p['concurrency']}: {p['msgs_per_s']:.0f}/s {p['msgs_per_flush']:.1f}/flush" for p in sweep["points"]))
     g = doc.get("growth")
     if g:
         print(f"\ngrowth on {g['shards']} host(s), empty host set {g['empty_host_rss_mb']:.0f} MB")
@@ -1118,6 +1152,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ways", default=",".join(WAYS), help="subset of inprocess,sharded,dedicated")
     p.add_argument("--no-gate-off", action="store_true", help="skip the gate-off runs")
     p.add_argument("--no-half-load", action="store_true", help="skip the half-peak latency runs")
+    p.add_argument("--no-peak", action="store_true", help="skip the peak-load sweep of ways a and b")
+    p.add_argument("--peak-concurrency", default="16,32,64,128,256",
+                   help="clients at a time tried for the peak, until msgs/s grows by less than 5%%")
     p.add_argument("--half-load-seconds", type=float, default=8.0)
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
@@ -1136,6 +1173,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     args.growth_levels = [int(x) for x in args.growth_levels.split(",")]
+    args.peak_concurrency = [int(x) for x in args.peak_concurrency.split(",")]
     if not args.ways or any(w not in WAYS for w in args.ways):
         p.error(f"--ways takes a subset of {','.join(WAYS)}")
     return args
