@@ -38,7 +38,7 @@ class TenantCatalogs:
         configs: Any,  # storage BotConfigRepo
         registry: HandlerRegistry,
         backend_for: Callable[[BotConfig], ToolBackend],
-        builtins: Callable[[], Iterable[ToolDefinition]],
+        builtins: Callable[[str], Awaitable[Iterable[ToolDefinition]]],  # the built-ins a tenant is offered
         llm: Any,
         executor: Any,
         main_model: str,
@@ -146,8 +146,9 @@ class TenantCatalogs:
 
     async def _load(self, tenant_id: str) -> TurnEnv:
         self.reloads += 1
-        config_data, rows, mcp = await asyncio.gather(
-            self._configs.get(tenant_id), self._tools.list_published(tenant_id), self._load_mcp(tenant_id)
+        config_data, rows, mcp, builtins = await asyncio.gather(
+            self._configs.get(tenant_id), self._tools.list_published(tenant_id), self._load_mcp(tenant_id),
+            self._builtins(tenant_id),
         )
         config = botconfig_from_dict(config_data)
         definitions = []
@@ -157,7 +158,7 @@ class TenantCatalogs:
             except msgspec.ValidationError as exc:
                 log.error("tool_definition_unreadable", tool_name=row.name, error=str(exc))
         catalog = build_catalog(
-            self._builtins(), definitions, registry=self._registry, backend=self._backend_for(config),
+            builtins, definitions, registry=self._registry, backend=self._backend_for(config),
             workflows=self._workflows,
         )
         catalog = self._with_mcp(tenant_id, catalog, mcp)

@@ -93,7 +93,10 @@ class Runtime:
         try:
             from services.builtins import install
         except ImportError:  # built-in tools ship in services.builtins when present
-            return lambda: ()
+            async def none(tenant_id: str) -> tuple:
+                return ()
+
+            return none
         return install(self)
 
     def _backend_for(self, config: BotConfig) -> WebhookToolBackend:

@@ -15,7 +15,7 @@ tenant's catalog starts with (built-ins win over tenant tools of the same name).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.botconfig import BotConfig
@@ -83,11 +83,28 @@ class _RuntimeConfigs:
         return config
 
 
-def install(runtime: Any) -> Callable[[], tuple[ToolDefinition, ...]]:
+def offered(definitions: tuple[ToolDefinition, ...], *, has_forms: bool, has_services: bool
+            ) -> tuple[ToolDefinition, ...]:
+    """The built-ins a tenant is offered: the model never sees a tool that could only answer "not
+    set up", so `submit_form` waits for the tenant's first form and the booking tools for its first
+    appointment service."""
+    needs = {forms.DEFINITION.name: has_forms, appointments.LIST_DEFINITION.name: has_services,
+             appointments.BOOK_DEFINITION.name: has_services}
+    return tuple(d for d in definitions if needs.get(d.name, True))
+
+
+def install(runtime: Any) -> Callable[[str], Awaitable[tuple[ToolDefinition, ...]]]:
     """Build the services on `runtime.pool` and `runtime.webhooks`, register their handlers in
-    `runtime.registry`, keep them as `runtime.builtin_services`; returns the definitions' source."""
-    services = BuiltinServices(BuiltinRepos(runtime.pool), _RuntimeConfigs(runtime), runtime.webhooks)
+    `runtime.registry`, keep them as `runtime.builtin_services`; returns the source of the
+    definitions each tenant is offered (read when its catalog loads)."""
+    repos = BuiltinRepos(runtime.pool)
+    services = BuiltinServices(repos, _RuntimeConfigs(runtime), runtime.webhooks)
     services.register(runtime.registry)
     services.notifier.start()  # also delivers what an earlier process queued and did not send
     runtime.builtin_services = services
-    return lambda: DEFINITIONS
+
+    async def for_tenant(tenant_id: str) -> tuple[ToolDefinition, ...]:
+        has_forms, has_services = await repos.set_up(tenant_id)
+        return offered(DEFINITIONS, has_forms=has_forms, has_services=has_services)
+
+    return for_tenant

@@ -550,3 +550,11 @@ class BuiltinRepos:
         self.forms = FormRepo(pool)
         self.appointments = AppointmentRepo(pool)
         self.handoffs = HandoffRepo(pool)
+
+    async def set_up(self, tenant_id: str) -> tuple[bool, bool]:
+        """Whether the tenant has (any forms, any appointment services): one read."""
+        with translate("reading the tenant's forms and services"):
+            row = await self.pool.fetchrow(
+                "SELECT EXISTS (SELECT 1 FROM ce_forms WHERE tenant_id = $1) AS forms, "
+                "EXISTS (SELECT 1 FROM ce_appointment_services WHERE tenant_id = $1) AS services", tenant_id)
+        return row["forms"], row["services"]

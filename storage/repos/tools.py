@@ -31,7 +31,10 @@ _LIVE_COLUMNS = (
 _STAMP = (
     "SELECT md5(coalesce((SELECT string_agg(name || ':' || version || ':' || coalesce(enabled, true) "
     "|| ':' || updated_at, ',' ORDER BY name) FROM ce_custom_tools WHERE tenant_id = $1), '') "
-    "|| '|' || coalesce((SELECT updated_at::text FROM ce_bot_config WHERE tenant_id = $1), ''))"
+    "|| '|' || coalesce((SELECT updated_at::text FROM ce_bot_config WHERE tenant_id = $1), '') "
+    # which built-ins are offered: submit_form once a form exists, the booking tools once a service does
+    "|| '|' || EXISTS (SELECT 1 FROM ce_forms WHERE tenant_id = $1)::text "
+    "|| EXISTS (SELECT 1 FROM ce_appointment_services WHERE tenant_id = $1)::text)"
 )
 
 
@@ -243,8 +246,9 @@ class ToolRepo:
 
     async def catalog_stamp(self, tenant_id: str) -> str:
         """A fingerprint of everything a tenant's catalog is built from: its live tools (name,
-        version, switch, last change) and its bot config's last change. Any committed write
-        through this module or BotConfigRepo changes it; one indexed read, no definitions."""
+        version, switch, last change), its bot config's last change, and whether it has forms and
+        appointment services (which built-ins it is offered). Any committed write through this
+        module, BotConfigRepo, or the first/last form or service changes it; one indexed read."""
         with translate("checking the tool catalog"):
             return await self._pool.fetchval(_STAMP, tenant_id)
 

@@ -172,6 +172,28 @@ async def test_a_handoff_the_model_asks_for_in_text_is_recorded_and_notified_lik
     assert event["type"] == "handoff.requested" and event["data"]["session_id"] == session
 
 
+async def test_form_and_booking_tools_are_offered_once_the_tenant_has_a_form_or_a_service(make_tenant_api):
+    api = await make_tenant_api()
+
+    async def builtins() -> set[str]:
+        report = await api.call("GET", "/v1/tools/contract")
+        return {t["name"] for t in report["tools"] if t["origin"] == "builtin" and t["offered"]}
+
+    booking = {"book_appointment", "list_appointment_slots"}
+    first = await builtins()
+    assert "collect_lead" in first and "escalate_to_human" in first
+    assert "submit_form" not in first and not booking & first  # they could only say "not set up"
+    await api.call("PUT", "/v1/forms/quote", QUOTE_FORM)
+    assert "submit_form" in await builtins()  # the very next read: no restart, no wait
+    await api.call("PUT", "/v1/appointment-services/consult", {
+        "duration_minutes": 30, "timezone": "UTC", "opening_hours": {"mon": ["09:00", "17:00"]}})
+    assert booking <= await builtins()
+    await api.call("DELETE", "/v1/forms/quote", expect=204)
+    assert "submit_form" not in await builtins()
+    reply = await api.say("offer-1", '/call submit_form {"form": "quote", "data": {}}')
+    assert reply["tool_calls"][0]["success"] is False  # asked for anyway: refused in-band, nothing runs
+
+
 async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, client, make_tenant_api):
     problem = await api.call("PUT", "/v1/appointment-services/cut", {
         "duration_minutes": 30, "opening_hours": {"mon": ["17:00", "09:00"]}}, expect=422)

@@ -186,13 +186,17 @@ class NeverCalledBackend:
         raise AssertionError("not called")
 
 
+async def no_builtins(tenant_id: str) -> tuple:
+    return ()
+
+
 def tenant_catalogs(pool, **kw: Any):
     from services.catalogs import TenantCatalogs
     from services.tools.registry import HandlerRegistry
 
     return TenantCatalogs(
         tools=ToolRepo(pool), configs=BotConfigRepo(pool), registry=HandlerRegistry(),
-        backend_for=lambda config: NeverCalledBackend(), builtins=lambda: (), llm=None, executor=None,
+        backend_for=lambda config: NeverCalledBackend(), builtins=no_builtins, llm=None, executor=None,
         main_model="main", cheap_model="cheap", **kw,
     )
 
