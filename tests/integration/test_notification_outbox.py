@@ -61,13 +61,13 @@ async def test_an_event_claimed_by_a_process_that_died_is_sent_by_the_next_after
         outbox = NotificationRepo(pool)
         await outbox.enqueue(id="msg_orphan", tenant_id=tenant.id, event_type="lead.created",
                              payload={"type": "lead.created", "timestamp": "2026-12-02T00:00:00+00:00", "data": {}})
-        # the first process claims it for 1 s, then dies before sending
-        (claimed,) = await outbox.claim_due(10, lease_s=1.0)
+        # the first process claims it for 3 s, then dies before sending
+        (claimed,) = await outbox.claim_due(10, lease_s=3.0)
         assert claimed.id == "msg_orphan" and claimed.attempts == 1
         async with notifier(pool, configs) as n:
             await asyncio.sleep(0.5)
             assert rec.requests == []  # leased by the dead process: not yet
-            await rec.wait(1, timeout=10)
+            await rec.wait(1, timeout=20)
             await asyncio.sleep(0.2)
             assert n is not None
         stored = await row(pool, "msg_orphan")
