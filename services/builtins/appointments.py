@@ -424,18 +424,18 @@ class AppointmentService:
                 "that slot was just taken",
                 advice=await self._offer(ctx, schedule, "Offer the customer the next free slots", near=start),
             ) from None
-        if created:
-            if self._memory is not None:
-                await self._memory.remember_quietly(ctx, (
-                    f"Booked appointment: {schedule.service.name} on {schedule.show(booking.starts_at)} "
-                    f"({schedule.service.timezone})"
-                ))
-            await self._notifier.emit(config, EVENT, {
-                "appointment_id": booking.id, "session_id": ctx.session_id, "service": booking.service,
-                "starts_at": booking.starts_at.isoformat(), "ends_at": booking.ends_at.isoformat(),
-                "timezone": schedule.service.timezone, "contact_name": booking.contact_name,
-                "contact_email": booking.contact_email,
-            }, tenant_id=ctx.tenant_id)
+        if created and self._memory is not None:
+            await self._memory.remember_quietly(ctx, (
+                f"Booked appointment: {schedule.service.name} on {schedule.show(booking.starts_at)} "
+                f"({schedule.service.timezone})"
+            ))
+        # a replay too: one event per booking, by its key (heals a crash between row and event)
+        await self._notifier.emit(config, EVENT, {
+            "appointment_id": booking.id, "session_id": ctx.session_id, "service": booking.service,
+            "starts_at": booking.starts_at.isoformat(), "ends_at": booking.ends_at.isoformat(),
+            "timezone": schedule.service.timezone, "contact_name": booking.contact_name,
+            "contact_email": booking.contact_email,
+        }, tenant_id=ctx.tenant_id, key=str(booking.id))
         return self._booked(schedule, booking)
 
     @staticmethod

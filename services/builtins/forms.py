@@ -129,12 +129,12 @@ class FormService:
         submission, created = await self._store.submit(
             ctx.tenant_id, ctx.session_id, form.name, data, idempotency_key=ctx.idempotency_key
         )
-        if created:
-            if self._memory is not None:
-                answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
-                await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
-            await self._notifier.emit(config, EVENT, {
-                "submission_id": submission.id, "session_id": ctx.session_id, "form": form.name,
-                "data": data, "created_at": submission.created_at.isoformat(),
-            }, tenant_id=ctx.tenant_id)
+        if created and self._memory is not None:
+            answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
+            await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
+        # a replay too: one event per submission, by its key (heals a crash between row and event)
+        await self._notifier.emit(config, EVENT, {
+            "submission_id": submission.id, "session_id": ctx.session_id, "form": form.name,
+            "data": data, "created_at": submission.created_at.isoformat(),
+        }, tenant_id=ctx.tenant_id, key=str(submission.id))
         return {"submission_id": submission.id, "status": "submitted", "form": form.name}

@@ -54,12 +54,12 @@ class HandoffService:
         """The handler of escalate_to_human: stores the handoff and notifies the tenant."""
         reason = clip(str(args.get("reason") or "the customer asked for a person"), 1000)
         config = await self._configs.config_for(ctx.tenant_id)
-        handoff, created = await self._store.record(
+        handoff, _created = await self._store.record(
             ctx.tenant_id, ctx.session_id, reason, idempotency_key=ctx.idempotency_key
         )
-        if created:
-            await self._notifier.emit(config, EVENT, {
-                "handoff_id": handoff.id, "session_id": ctx.session_id, "contact_id": known_contact(ctx),
-                "reason": reason, "created_at": handoff.created_at.isoformat(),
-            }, tenant_id=ctx.tenant_id)
+        # a replay too: one event per handoff, by its key (heals a crash between row and event)
+        await self._notifier.emit(config, EVENT, {
+            "handoff_id": handoff.id, "session_id": ctx.session_id, "contact_id": known_contact(ctx),
+            "reason": reason, "created_at": handoff.created_at.isoformat(),
+        }, tenant_id=ctx.tenant_id, key=str(handoff.id))
         return {"handoff_id": handoff.id, "status": "handed over to the team"}

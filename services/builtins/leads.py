@@ -157,11 +157,11 @@ class LeadService:
                 "a lead was already saved in this conversation",
                 advice="Do not call collect_lead again; tell the customer their details are already with the team.",
             )
-        if created:
-            await self._notifier.emit(config, EVENT, {
-                "lead_id": lead.id, "session_id": ctx.session_id, "name": lead.name, "email": lead.email,
-                "phone": lead.phone, "notes": lead.notes, "created_at": lead.created_at.isoformat(),
-            }, tenant_id=ctx.tenant_id)
+        # every call that ends with this lead (a replay too): one event per lead, by its key
+        await self._notifier.emit(config, EVENT, {
+            "lead_id": lead.id, "session_id": ctx.session_id, "name": lead.name, "email": lead.email,
+            "phone": lead.phone, "notes": lead.notes, "created_at": lead.created_at.isoformat(),
+        }, tenant_id=ctx.tenant_id, key=str(lead.id))
         variables = {}
         if not ctx.variables.get(config.contact_id_variable):
             variables[config.contact_id_variable] = email

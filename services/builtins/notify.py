@@ -96,6 +96,12 @@ def verify(secret: str, headers: dict[str, str] | Any, body: bytes, *, tolerance
     return False
 
 
+def event_id(tenant_id: str, event_type: str, key: str) -> str:
+    """The `webhook-id` of the one event of `event_type` about `key` (stable across retries)."""
+    digest = hashlib.sha256(f"{tenant_id}\x00{event_type}\x00{key}".encode()).digest()
+    return "msg_" + base64.urlsafe_b64encode(digest[:18]).decode()
+
+
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     """The body of a notification (no top-level field is ever null)."""
 
@@ -114,7 +120,7 @@ class WebhookPoster(Protocol):
 class Outbox(Protocol):
     """storage.repos.notifications.NotificationRepo: where events wait until delivered."""
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None: ...
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> bool: ...
     async def claim_due(self, limit: int, lease_s: float) -> list[Any]: ...
     async def delivered(self, id: str) -> None: ...
     async def retry_in(self, id: str, delay_s: float, error: str) -> None: ...
@@ -167,24 +173,31 @@ class Notifier:
         if self._loop_task is None and self._client is not None:
             self._loop_task = asyncio.create_task(self._run(), name="notifications")
 
-    async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str) -> str | None:
+    async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str,
+                   key: str | None = None) -> str | None:
         """Queue `event_type` for the tenant's webhook; returns the event id (the `webhook-id`),
-        or None when the tenant has no webhook or it could not be queued. Never raises."""
+        or None when the tenant has no webhook or it could not be queued. Never raises.
+
+        With `key` (what the event is about, e.g. the lead's id) the id is derived from it and an
+        event already queued under it is not queued again: a tool emits on every call that ends
+        with its row, first run or replay, so a crash between the row and the event heals on the
+        retry, and the tenant still hears of each row once."""
         if not config.notification_webhook or self._client is None:
             return None
-        msg_id = f"msg_{secrets.token_urlsafe(18)}"
+        msg_id = event_id(tenant_id, event_type, key) if key is not None else f"msg_{secrets.token_urlsafe(18)}"
         stamp = int(self._now())
         event = Event(type=event_type, timestamp=datetime.fromtimestamp(stamp, UTC).isoformat(), data=data)
         try:
-            await self._outbox.enqueue(id=msg_id, tenant_id=tenant_id, event_type=event_type,
-                                       payload=msgspec.to_builtins(event))
+            queued = await self._outbox.enqueue(id=msg_id, tenant_id=tenant_id, event_type=event_type,
+                                                payload=msgspec.to_builtins(event))
         except Exception as exc:  # noqa: BLE001 - the tool's own write is done; say so, don't fail it
             log.error("notification_failed", tenant_id=tenant_id, event_type=event_type, webhook_id=msg_id,
                       error_kind="not_queued", error=type(exc).__name__, final=True)
             return None
-        self._queued.add(msg_id)
-        self.start()
-        self._wake.set()
+        if queued:
+            self._queued.add(msg_id)
+            self.start()
+            self._wake.set()
         return msg_id
 
     async def drain(self, timeout_s: float = 30.0) -> None:

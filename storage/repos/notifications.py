@@ -36,12 +36,15 @@ class NotificationRepo:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> None:
+    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> bool:
+        """Queue the event; False when an event with this id is already queued (or sent)."""
         with translate("queueing a notification"):
-            await self._pool.execute(
-                "INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4)",
+            done = await self._pool.execute(
+                "INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4) "
+                "ON CONFLICT (id) DO NOTHING",
                 id, tenant_id, event_type, payload,
             )
+        return done.endswith(" 1")
 
     async def claim_due(self, limit: int, lease_s: float) -> list[PendingNotification]:
         with translate("claiming notifications"):

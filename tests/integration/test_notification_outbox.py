@@ -1,6 +1,7 @@
 """Tenant notifications through the outbox (ce_notifications) on the real Postgres: an endpoint that
 is down for a while gets the event when it is back; an event claimed by a process that died is sent
-by the next one; two delivering processes send each event once; a schedule that ends gives up."""
+by the next one; two delivering processes send each event once; a schedule that ends gives up; an
+event lost between a tool's row and its own is queued when the call is retried, once."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from contextlib import asynccontextmanager
 import msgspec
 from structlog.testing import capture_logs
 
+from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier, verify
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
+from storage.repos.builtins import BuiltinRepos
 from storage.repos.notifications import NotificationRepo
 from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receiver, services
 
@@ -29,6 +32,10 @@ async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05),
             yield n
         finally:
             await n.close(timeout_s=0)
+
+
+async def queued(pool, tenant_id: str) -> int:
+    return await pool.fetchval("SELECT count(*) FROM ce_notifications WHERE tenant_id = $1", tenant_id)
 
 
 async def row(pool, event_id: str):
@@ -84,8 +91,9 @@ async def test_a_lead_saved_while_the_endpoint_is_away_is_delivered_by_a_later_p
             configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
             await svc.leads.collect({"name": "Jane", "email": "jane@example.com"}, ctx(tenant.id))
             await rec.wait(1)
-        (pending,) = await pool.fetch("SELECT id FROM ce_notifications WHERE delivered_at IS NULL AND failed_at IS NULL")
-        await pool.execute("UPDATE ce_notifications SET next_attempt_at = now()")  # its retry is due
+        (pending,) = await pool.fetch("SELECT id FROM ce_notifications WHERE tenant_id = $1 "
+                                      "AND delivered_at IS NULL AND failed_at IS NULL", tenant.id)
+        await pool.execute("UPDATE ce_notifications SET next_attempt_at = now() WHERE id = $1", pending["id"])  # due
         rec.status = 204
         async with notifier(pool, configs) as n:
             await rec.wait(2)
@@ -125,3 +133,43 @@ async def test_when_the_schedule_ends_the_event_is_given_up_and_logged(pool, mak
     assert "500" in stored["last_error"], stored["last_error"]
     failures = [e for e in logs if e["event"] == "notification_failed" and e.get("webhook_id") == event_id]
     assert [e["final"] for e in failures] == [False, False, True]
+
+
+class FailFirstEnqueue:
+    """The outbox as a host sees it when it dies between the tool's row and the event's row."""
+
+    def __init__(self, inner: NotificationRepo) -> None:
+        self.inner = inner
+        self.failures = 1
+
+    async def enqueue(self, **event) -> bool:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("the host died here")
+        return await self.inner.enqueue(**event)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+async def test_a_lead_whose_event_was_lost_gets_it_when_the_call_is_retried_and_only_once(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    configs = FakeConfigs()
+    async with receiver() as rec, WebhookClient(policy=policy_from_entries(("127.0.0.1/32",))) as client:
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        n = Notifier(client, FailFirstEnqueue(NotificationRepo(pool)), configs, schedule_s=(0.05,), poll_s=0.05)
+        svc = BuiltinServices(BuiltinRepos(pool), configs, client, notifier=n)
+        c = ctx(tenant.id)  # one idempotency key: the retried call is the same call
+        args = {"name": "Jane", "email": "jane@example.com"}
+        first = await svc.leads.collect(args, c)  # the lead row is written, its event is not
+        assert await queued(pool, tenant.id) == 0
+        again = await svc.leads.collect(args, c)  # the turn is retried with the same message
+        third = await svc.leads.collect(args, c)
+        assert first.result["lead_id"] == again.result["lead_id"] == third.result["lead_id"]
+        await rec.wait(1)
+        await n.drain(5)
+        await asyncio.sleep(0.2)
+        await n.close(timeout_s=0)
+    assert await queued(pool, tenant.id) == 1
+    assert len(rec.requests) == 1
+    assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == first.result["lead_id"]
