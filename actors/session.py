@@ -146,6 +146,7 @@ class SessionState:
         self._variables: dict[str, str] = {}
         self._calls: list[ToolCallRecord] = []
         self._usage: dict[str, list[int]] = {}
+        self._restored_usage: list[UsageDelta] = []  # from deltas whose flush failed, oldest first
         self._turns: list[TurnRecord] = []
         self._dirty = False
 
@@ -159,15 +160,22 @@ class SessionState:
         """Everything changed since the last take, or None; the state is clean afterwards."""
         if not self._dirty:
             return None
+        newest = self._messages[-1].seq if self._messages else None  # appended in seq order
         delta = SessionDelta(
             tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
             # A deep copy: the store encodes it after awaits, while later turns change the original.
             snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
             messages=self._messages, variables=self._variables, tool_calls=self._calls,
-            usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o) for m, (i, o) in self._usage.items()],
+            # restored usage keeps its own seq: merged into the newer tokens, a flush retried
+            # after a lost acknowledgement would add it twice
+            usage=self._restored_usage + [
+                UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
+                for m, (i, o) in self._usage.items()
+            ],
             turns=self._turns,
         )
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
+        self._restored_usage = []
         self._dirty = False
         return delta
 
@@ -176,10 +184,7 @@ class SessionState:
         self._messages = delta.messages + self._messages
         self._variables = {**delta.variables, **self._variables}
         self._calls = delta.tool_calls + self._calls
-        for u in delta.usage:
-            acc = self._usage.setdefault(u.model, [0, 0])
-            acc[0] += u.input_tokens
-            acc[1] += u.output_tokens
+        self._restored_usage = list(delta.usage) + self._restored_usage
         self._turns = delta.turns + self._turns
         self._dirty = True
 

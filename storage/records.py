@@ -89,6 +89,9 @@ class UsageDelta(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     input_tokens: int
     output_tokens: int
+    #: the newest message seq these tokens were spent on (None: their delta has no messages); a
+    #: flush adds them only past the seq the stored usage already holds (a retry adds nothing)
+    through_seq: int | None = None
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -197,7 +197,9 @@ class SessionRepo:
                     calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
                     newest = max((m.seq for m in d.messages), default=None)
                     usage += [
-                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens, newest) for u in d.usage
+                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens,
+                         u.through_seq if u.through_seq is not None else newest)
+                        for u in d.usage
                     ]
                     turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
                 # executemany pipelines each statement's rows: one round trip per table, not per row

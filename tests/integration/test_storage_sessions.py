@@ -234,6 +234,24 @@ async def test_retried_flush_does_not_duplicate_rows_or_tokens_and_turns_keep_th
     assert await sessions.get_turn(tenant.id, s, "m2") is None
 
 
+async def test_a_retry_that_carries_newer_tokens_too_adds_only_the_newer(sessions, pool, make_tenant):
+    # The first flush committed but its acknowledgement was lost; before the retry, a turn added
+    # messages and tokens: the retry carries both deltas' tokens, each tagged with its own seq.
+    tenant, _ = await make_tenant()
+    s = sid()
+    lease = await sessions.activate(tenant.id, s, owner="h")
+    first = delta(tenant.id, s, lease.epoch, messages=[message(0, "a"), message(1, "b", role="assistant")],
+                  usage=[UsageDelta(model="main", input_tokens=100, output_tokens=10, through_seq=1)])
+    await sessions.flush([first])
+    retry = delta(tenant.id, s, lease.epoch, messages=[*first.messages, message(2, "c"), message(3, "d", role="assistant")],
+                  usage=[UsageDelta(model="main", input_tokens=100, output_tokens=10, through_seq=1),
+                         UsageDelta(model="main", input_tokens=7, output_tokens=1, through_seq=3)])
+    await sessions.flush([retry])
+    totals = {u.model: (u.input_tokens, u.output_tokens) for u in await sessions.usage_totals(tenant.id)}
+    assert totals == {"main": (107, 11)}
+    assert await count(pool, "ce_messages", tenant.id, s) == 4
+
+
 async def test_usage_accumulates_across_flushes(sessions, make_tenant):
     tenant, _ = await make_tenant()
     s = sid()

@@ -320,3 +320,16 @@ def test_restore_delta_puts_back_everything_a_failed_flush_held(registry):
     merged = state.take_delta()
     assert [m.seq for m in merged.messages] == [0, 1, 2, 3]
     assert [t.message_id for t in merged.turns] == ["m1", "m2"]
+
+
+async def test_a_restored_deltas_tokens_keep_their_own_seq_so_a_retried_flush_cannot_add_them_twice(registry):
+    state = new_state("t", "s")
+    await handle_message(state, "hi", "m1", make_env(ScriptedLLM(["hello"]), registry, []))
+    first = state.take_delta()
+    assert [(u.model, u.through_seq) for u in first.usage] == [("main", 1)]  # seqs 0-1
+    state.restore_delta(first)  # its flush failed, or its acknowledgement was lost
+    await handle_message(state, "again", "m2", make_env(ScriptedLLM(["hello again"]), registry, []))
+    retry = state.take_delta()
+    assert [m.seq for m in retry.messages] == [0, 1, 2, 3]
+    # not merged into one (main, 20 tokens, seq 3): the store skips what it already holds
+    assert [(u.model, u.input_tokens, u.through_seq) for u in retry.usage] == [("main", 10, 1), ("main", 10, 3)]
