@@ -32,7 +32,12 @@ import msgspec
 import structlog
 
 from services.botconfig import BotConfig
-from services.tools.errors import ToolError, UpstreamMalformed
+from services.tools.errors import (
+    DestinationBlocked,
+    ToolError,
+    UpstreamMalformed,
+    UpstreamUnreachable,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +50,8 @@ POLL_S = 2.0  # how often the loop looks for due events queued by other processe
 LEASE_S = 60.0  # a claimed event is claimed again after this if its process died meanwhile
 CLAIM_BATCH = 32
 PRUNE_EVERY_POLLS = 1800  # about an hour of idle polls
-KEEP_DELIVERED_S = 7 * 86400.0
+KEEP_S = 7 * 86400.0  # delivered and given-up events (their payloads hold contact details) are deleted after
+DRAIN_BATCH = 1000
 
 
 class InvalidSecret(ValueError):
@@ -122,9 +128,9 @@ class Outbox(Protocol):
 
     async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> bool: ...
     async def claim_due(self, limit: int, lease_s: float) -> list[Any]: ...
-    async def delivered(self, id: str) -> None: ...
-    async def retry_in(self, id: str, delay_s: float, error: str) -> None: ...
-    async def give_up(self, id: str, error: str) -> None: ...
+    async def delivered(self, id: str, attempt: int) -> None: ...
+    async def retry_in(self, id: str, attempt: int, delay_s: float, error: str) -> None: ...
+    async def give_up(self, id: str, attempt: int, error: str) -> None: ...
     async def settled(self, ids: list[str]) -> set[str]: ...
     async def prune(self, older_than_s: float) -> int: ...
 
@@ -176,7 +182,8 @@ class Notifier:
     async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str,
                    key: str | None = None) -> str | None:
         """Queue `event_type` for the tenant's webhook; returns the event id (the `webhook-id`),
-        or None when the tenant has no webhook or it could not be queued. Never raises.
+        or None when the tenant has no webhook. Raises UpstreamUnreachable (a retryable tool
+        error) when the event cannot be written to the outbox.
 
         With `key` (what the event is about, e.g. the lead's id) the id is derived from it and an
         event already queued under it is not queued again: a tool emits on every call that ends
@@ -190,10 +197,15 @@ class Notifier:
         try:
             queued = await self._outbox.enqueue(id=msg_id, tenant_id=tenant_id, event_type=event_type,
                                                 payload=msgspec.to_builtins(event))
-        except Exception as exc:  # noqa: BLE001 - the tool's own write is done; say so, don't fail it
+        except Exception as exc:
+            # The tool's own row is written; its event is not. Fail the call (in-band, retryable):
+            # the next call ending with the same row queues the event under the same id.
             log.error("notification_failed", tenant_id=tenant_id, event_type=event_type, webhook_id=msg_id,
-                      error_kind="not_queued", error=type(exc).__name__, final=True)
-            return None
+                      error_kind="not_queued", error=type(exc).__name__, final=False)
+            raise UpstreamUnreachable(
+                "the change was saved but the team could not be notified yet",
+                advice="Tell the customer it is saved; if they ask again, the notice is sent then.",
+            ) from exc
         if queued:
             self._queued.add(msg_id)
             self.start()
@@ -204,7 +216,7 @@ class Notifier:
         """Wait up to `timeout_s` until every event this notifier queued is delivered or given up."""
         deadline = time.monotonic() + timeout_s
         while self._queued and time.monotonic() < deadline:
-            self._queued -= await self._outbox.settled(list(self._queued))
+            self._queued -= await self._outbox.settled(list(self._queued)[:DRAIN_BATCH])
             if self._queued:
                 self._wake.set()
                 await asyncio.sleep(0.02)
@@ -223,19 +235,22 @@ class Notifier:
     async def _run(self) -> None:
         polls = 0
         while True:
+            self._wake.clear()  # before the claim: an emit during it wakes the next wait
             try:
                 batch = await self._outbox.claim_due(CLAIM_BATCH, self._lease_s)
                 if batch:
-                    await asyncio.gather(*(self._attempt(n) for n in batch))
+                    for n, outcome in zip(batch, await asyncio.gather(
+                            *(self._attempt(n) for n in batch), return_exceptions=True), strict=True):
+                        if isinstance(outcome, Exception):  # recording the outcome failed: leased, retried
+                            log.warning("notification_loop_retry", webhook_id=n.id, error=type(outcome).__name__)
                     continue
                 polls += 1
                 if polls % PRUNE_EVERY_POLLS == 0:
-                    await self._outbox.prune(KEEP_DELIVERED_S)
+                    await self._outbox.prune(KEEP_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Postgres away: the events wait in the outbox
                 log.warning("notification_loop_retry", error=type(exc).__name__)
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
 
@@ -248,20 +263,24 @@ class Notifier:
             raise
         except Exception as exc:  # noqa: BLE001 - a background loop must log, not die
             bound.exception("notification_failed", error_kind="internal", final=False)
-            await self._outbox.retry_in(n.id, self._delay(n.attempts), f"internal: {type(exc).__name__}")
-            return
+            error = ("internal", type(exc).__name__, True)
         if error is None:
-            await self._outbox.delivered(n.id)
+            await self._outbox.delivered(n.id, n.attempts)
+            self._queued.discard(n.id)
             bound.info("notification_delivered")
             return
         kind, reason, retryable = error
+        # Any answer but 2xx is retried on the schedule (a 404 or 401 during the tenant's deploy or
+        # secret rotation too, as Standard Webhooks senders do); only the tenant's own settings
+        # (no URL, a blocked or malformed one, a bad secret) make a failure final at once.
         final = not retryable or n.attempts > len(self._schedule_s)
         (bound.warning if final else bound.info)("notification_failed", error_kind=kind, reason=reason, final=final)
         text = f"{kind}: {reason}" if reason else kind
         if final:
-            await self._outbox.give_up(n.id, text)
+            await self._outbox.give_up(n.id, n.attempts, text)
+            self._queued.discard(n.id)
         else:
-            await self._outbox.retry_in(n.id, self._delay(n.attempts), text)
+            await self._outbox.retry_in(n.id, n.attempts, self._delay(n.attempts), text)
 
     def _delay(self, attempts: int) -> float:
         return self._schedule_s[min(attempts, len(self._schedule_s)) - 1] if self._schedule_s else self._poll_s
@@ -293,6 +312,8 @@ class Notifier:
             )
         except UpstreamMalformed:
             return None  # a 2xx with a body that is not JSON: delivered all the same
+        except DestinationBlocked as exc:
+            return (exc.kind, exc.reason, False)
         except ToolError as exc:
-            return (exc.kind, exc.reason, exc.retryable)
+            return (exc.kind, exc.reason, True)
         return None

@@ -52,21 +52,26 @@ class NotificationRepo:
         return [PendingNotification(id=r["id"], tenant_id=r["tenant_id"], event_type=r["event_type"],
                                     payload=r["payload"], attempts=r["attempts"]) for r in rows]
 
-    async def delivered(self, id: str) -> None:
+    # Outcomes are written only by the attempt that holds the claim: a process whose lease ran out
+    # while it sent (another process claimed the event again) changes nothing.
+    _OPEN = "id = $1 AND attempts = $2 AND delivered_at IS NULL AND failed_at IS NULL"
+
+    async def delivered(self, id: str, attempt: int) -> None:
         with translate("recording a delivered notification"):
             await self._pool.execute(
-                "UPDATE ce_notifications SET delivered_at = now(), last_error = NULL WHERE id = $1", id)
+                f"UPDATE ce_notifications SET delivered_at = now(), last_error = NULL WHERE {self._OPEN}", id, attempt)
 
-    async def retry_in(self, id: str, delay_s: float, error: str) -> None:
+    async def retry_in(self, id: str, attempt: int, delay_s: float, error: str) -> None:
         with translate("scheduling a notification retry"):
             await self._pool.execute(
-                "UPDATE ce_notifications SET next_attempt_at = now() + make_interval(secs => $2), last_error = $3 "
-                "WHERE id = $1", id, delay_s, error[:500])
+                "UPDATE ce_notifications SET next_attempt_at = now() + make_interval(secs => $3), last_error = $4 "
+                f"WHERE {self._OPEN}", id, attempt, delay_s, error[:500])
 
-    async def give_up(self, id: str, error: str) -> None:
+    async def give_up(self, id: str, attempt: int, error: str) -> None:
         with translate("recording a failed notification"):
             await self._pool.execute(
-                "UPDATE ce_notifications SET failed_at = now(), last_error = $2 WHERE id = $1", id, error[:500])
+                f"UPDATE ce_notifications SET failed_at = now(), last_error = $3 WHERE {self._OPEN}",
+                id, attempt, error[:500])
 
     async def settled(self, ids: list[str]) -> set[str]:
         """Which of `ids` are delivered or given up."""
@@ -77,8 +82,10 @@ class NotificationRepo:
         return {r["id"] for r in rows}
 
     async def prune(self, older_than_s: float) -> int:
-        """Delete delivered notifications older than `older_than_s`; returns how many."""
+        """Delete notifications delivered or given up more than `older_than_s` ago (their
+        payloads hold contact details); returns how many."""
         with translate("pruning notifications"):
             done = await self._pool.execute(
-                "DELETE FROM ce_notifications WHERE delivered_at < now() - make_interval(secs => $1)", older_than_s)
+                "DELETE FROM ce_notifications WHERE coalesce(delivered_at, failed_at) < now() - make_interval(secs => $1)",
+                older_than_s)
         return int(done.split()[-1])

@@ -10,10 +10,12 @@ from collections import Counter
 from contextlib import asynccontextmanager
 
 import msgspec
+import pytest
 from structlog.testing import capture_logs
 
 from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier, verify
+from services.tools.errors import UpstreamUnreachable
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
 from storage.repos.builtins import BuiltinRepos
@@ -42,11 +44,12 @@ async def row(pool, event_id: str):
     return await pool.fetchrow("SELECT * FROM ce_notifications WHERE id = $1", event_id)
 
 
-async def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_back(pool, make_tenant):
+@pytest.mark.parametrize("status", [503, 404, 401])  # down, mid-deploy, mid secret rotation
+async def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_back(pool, make_tenant, status):
     tenant, _ = await make_tenant("outbox")
     async with receiver() as rec, services(pool) as (_, configs):
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
-        rec.status = 503  # down
+        rec.status = status
         async with notifier(pool, configs) as n:
             event_id = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 7}, tenant_id=tenant.id)
             assert event_id is not None
@@ -161,15 +164,17 @@ async def test_a_lead_whose_event_was_lost_gets_it_when_the_call_is_retried_and_
         svc = BuiltinServices(BuiltinRepos(pool), configs, client, notifier=n)
         c = ctx(tenant.id)  # one idempotency key: the retried call is the same call
         args = {"name": "Jane", "email": "jane@example.com"}
-        first = await svc.leads.collect(args, c)  # the lead row is written, its event is not
-        assert await queued(pool, tenant.id) == 0
-        again = await svc.leads.collect(args, c)  # the turn is retried with the same message
+        with pytest.raises(UpstreamUnreachable, match="saved but the team could not be notified") as failed:
+            await svc.leads.collect(args, c)  # the lead row is written, its event is not: said in-band
+        assert failed.value.retryable
+        assert await queued(pool, tenant.id) == 0 and len(await svc.repos.leads.list(tenant.id)) == 1
+        again = await svc.leads.collect(args, c)  # the call is made again (a retried turn, or a new one)
         third = await svc.leads.collect(args, c)
-        assert first.result["lead_id"] == again.result["lead_id"] == third.result["lead_id"]
+        assert again.result["lead_id"] == third.result["lead_id"]
         await rec.wait(1)
         await n.drain(5)
         await asyncio.sleep(0.2)
         await n.close(timeout_s=0)
     assert await queued(pool, tenant.id) == 1
     assert len(rec.requests) == 1
-    assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == first.result["lead_id"]
+    assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == again.result["lead_id"]
