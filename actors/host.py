@@ -69,6 +69,10 @@ class SessionMoved(Overloaded):
         )
 
 
+#: how long stop() waits for admitted turns beyond the gate timeout before it stops anyway
+STOP_GRACE_S = 5.0
+
+
 class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     idle_seconds: float = 300.0
     output_gate: bool = True
@@ -142,13 +146,22 @@ class SessionHost:
         state that could no longer be saved (a retry on the next host would run them again).
         """
         self._closing = True
+        # Bounded: an admitted turn leaves within the gate timeout (replied, or told its reply
+        # could not be saved yet); past that something is stuck, and stopping matters more.
+        deadline = time.monotonic() + self._settings.gate_timeout_s + STOP_GRACE_S
+        pause = 0.05
         while not self._drained.is_set():
+            if time.monotonic() > deadline:
+                log.error("stop_gave_up_waiting", turns=self._running)
+                break
             try:  # now, not after the group-commit window: admitted turns wait on their gate
                 await self.flush_all()
+                pause = 0.05
             except Exception as exc:  # noqa: BLE001 - the gate times such turns out; try again
-                log.warning("flush_failed", error=type(exc).__name__, during="stop")
+                log.warning("flush_failed", error=type(exc).__name__, during="stop", retry_in_s=pause)
+                pause = min(pause * 2, 1.0)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), 0.05)
+                await asyncio.wait_for(self._drained.wait(), pause)
         for entry in list(self._sessions.values()):
             async with entry.lock:
                 pass

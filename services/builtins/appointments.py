@@ -290,7 +290,7 @@ class AppointmentStore(Protocol):
     async def busy(self, tenant_id: str, service: str, start: datetime, end: datetime) -> list[tuple[datetime, datetime]]: ...
     async def book(self, tenant_id: str, service: str, starts_at: datetime, ends_at: datetime, *,
                    session_id: str | None, contact_name: str | None = None, contact_email: str | None = None,
-                   idempotency_key: str | None = None) -> tuple[Any, bool]: ...
+                   idempotency_key: str | None = None, announce: Any = None) -> tuple[Any, bool]: ...
     async def booked_by(self, tenant_id: str, service: str, starts_at: datetime, session_id: str) -> Any: ...
 
 
@@ -410,12 +410,20 @@ class AppointmentService:
             )
         lead = await self._leads.for_session(ctx.tenant_id, ctx.session_id) if self._leads else None
         config = await self._configs.config_for(ctx.tenant_id)
+        announce = self._notifier.announcer(config, EVENT, tenant_id=ctx.tenant_id, about=lambda row: (row.id, {
+            "appointment_id": row.id, "session_id": ctx.session_id, "service": row.service,
+            "starts_at": row.starts_at.isoformat(), "ends_at": row.ends_at.isoformat(),
+            "timezone": schedule.service.timezone, "contact_name": row.contact_name,
+            "contact_email": row.contact_email,
+        }))
         try:
             booking, created = await self._store.book(
                 ctx.tenant_id, schedule.service.name, start, start + schedule.duration,
                 session_id=ctx.session_id, contact_name=getattr(lead, "name", None),
                 contact_email=getattr(lead, "email", None), idempotency_key=ctx.idempotency_key,
+                announce=announce,
             )
+            announce.done()
         except SlotTaken:
             mine = await self._store.booked_by(ctx.tenant_id, schedule.service.name, start, ctx.session_id)
             if mine is not None:  # this conversation already holds exactly this slot
@@ -429,13 +437,6 @@ class AppointmentService:
                 f"Booked appointment: {schedule.service.name} on {schedule.show(booking.starts_at)} "
                 f"({schedule.service.timezone})"
             ))
-        # a replay too: one event per booking, by its key (heals a crash between row and event)
-        await self._notifier.emit(config, EVENT, {
-            "appointment_id": booking.id, "session_id": ctx.session_id, "service": booking.service,
-            "starts_at": booking.starts_at.isoformat(), "ends_at": booking.ends_at.isoformat(),
-            "timezone": schedule.service.timezone, "contact_name": booking.contact_name,
-            "contact_email": booking.contact_email,
-        }, tenant_id=ctx.tenant_id, key=str(booking.id))
         return self._booked(schedule, booking)
 
     @staticmethod

@@ -76,7 +76,7 @@ class FormStore(Protocol):
     async def get(self, tenant_id: str, name: str) -> Any: ...
     async def list(self, tenant_id: str) -> list[Any]: ...
     async def submit(self, tenant_id: str, session_id: str | None, form_name: str, data: dict[str, Any], *,
-                     idempotency_key: str | None = None) -> tuple[Any, bool]: ...
+                     idempotency_key: str | None = None, announce: Any = None) -> tuple[Any, bool]: ...
 
 
 class FormService:
@@ -126,15 +126,15 @@ class FormService:
                 advice="Ask the customer for the missing or corrected answers, then call submit_form again with all the data.",
             )
         config = await self._configs.config_for(ctx.tenant_id)
+        announce = self._notifier.announcer(config, EVENT, tenant_id=ctx.tenant_id, about=lambda row: (row.id, {
+            "submission_id": row.id, "session_id": ctx.session_id, "form": form.name,
+            "data": data, "created_at": row.created_at.isoformat(),
+        }))
         submission, created = await self._store.submit(
-            ctx.tenant_id, ctx.session_id, form.name, data, idempotency_key=ctx.idempotency_key
+            ctx.tenant_id, ctx.session_id, form.name, data, idempotency_key=ctx.idempotency_key, announce=announce,
         )
+        announce.done()
         if created and self._memory is not None:
             answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
             await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
-        # a replay too: one event per submission, by its key (heals a crash between row and event)
-        await self._notifier.emit(config, EVENT, {
-            "submission_id": submission.id, "session_id": ctx.session_id, "form": form.name,
-            "data": data, "created_at": submission.created_at.isoformat(),
-        }, tenant_id=ctx.tenant_id, key=str(submission.id))
         return {"submission_id": submission.id, "status": "submitted", "form": form.name}

@@ -41,7 +41,7 @@ DEFINITION = PythonTool(
 
 class HandoffStore(Protocol):
     async def record(self, tenant_id: str, session_id: str, reason: str | None, *,
-                     idempotency_key: str | None = None) -> tuple[Any, bool]: ...
+                     idempotency_key: str | None = None, announce: Any = None) -> tuple[Any, bool]: ...
 
 
 class HandoffService:
@@ -54,12 +54,12 @@ class HandoffService:
         """The handler of escalate_to_human: stores the handoff and notifies the tenant."""
         reason = clip(str(args.get("reason") or "the customer asked for a person"), 1000)
         config = await self._configs.config_for(ctx.tenant_id)
+        announce = self._notifier.announcer(config, EVENT, tenant_id=ctx.tenant_id, about=lambda row: (row.id, {
+            "handoff_id": row.id, "session_id": ctx.session_id, "contact_id": known_contact(ctx),
+            "reason": reason, "created_at": row.created_at.isoformat(),
+        }))
         handoff, _created = await self._store.record(
-            ctx.tenant_id, ctx.session_id, reason, idempotency_key=ctx.idempotency_key
+            ctx.tenant_id, ctx.session_id, reason, idempotency_key=ctx.idempotency_key, announce=announce,
         )
-        # a replay too: one event per handoff, by its key (heals a crash between row and event)
-        await self._notifier.emit(config, EVENT, {
-            "handoff_id": handoff.id, "session_id": ctx.session_id, "contact_id": known_contact(ctx),
-            "reason": reason, "created_at": handoff.created_at.isoformat(),
-        }, tenant_id=ctx.tenant_id, key=str(handoff.id))
+        announce.done()
         return {"handoff_id": handoff.id, "status": "handed over to the team"}

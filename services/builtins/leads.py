@@ -124,7 +124,7 @@ def validate_name(raw: Any) -> str:
 class LeadStore(Protocol):
     async def create(self, tenant_id: str, session_id: str, *, name: str, email: str, phone: str | None,
                      notes: str | None, fact: str | None = None, contact_id: str | None = None,
-                     language: str = "simple") -> tuple[Any, bool]: ...
+                     language: str = "simple", announce: Any = None) -> tuple[Any, bool]: ...
 
 
 class LeadService:
@@ -148,20 +148,20 @@ class LeadService:
         if notes:
             fact += f". Interested in: {notes}"
         language = await self._text_config(ctx.language) if self._text_config else "simple"
+        announce = self._notifier.announcer(config, EVENT, tenant_id=ctx.tenant_id, about=lambda lead: (lead.id, {
+            "lead_id": lead.id, "session_id": ctx.session_id, "name": lead.name, "email": lead.email,
+            "phone": lead.phone, "notes": lead.notes, "created_at": lead.created_at.isoformat(),
+        }))
         lead, created = await self._store.create(
             ctx.tenant_id, ctx.session_id, name=name, email=email, phone=phone, notes=notes,
-            fact=fact, contact_id=email, language=language,
+            fact=fact, contact_id=email, language=language, announce=announce,
         )
+        announce.done()
         if not created and (lead.email or "").lower() != email:
             raise PolicyDenied(
                 "a lead was already saved in this conversation",
                 advice="Do not call collect_lead again; tell the customer their details are already with the team.",
             )
-        # every call that ends with this lead (a replay too): one event per lead, by its key
-        await self._notifier.emit(config, EVENT, {
-            "lead_id": lead.id, "session_id": ctx.session_id, "name": lead.name, "email": lead.email,
-            "phone": lead.phone, "notes": lead.notes, "created_at": lead.created_at.isoformat(),
-        }, tenant_id=ctx.tenant_id, key=str(lead.id))
         variables = {}
         if not ctx.variables.get(config.contact_id_variable):
             variables[config.contact_id_variable] = email

@@ -22,7 +22,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -36,8 +35,8 @@ from services.tools.errors import (
     DestinationBlocked,
     ToolError,
     UpstreamMalformed,
-    UpstreamUnreachable,
 )
+from storage.repos.notifications import NewNotification
 
 log = structlog.get_logger(__name__)
 
@@ -126,13 +125,39 @@ class WebhookPoster(Protocol):
 class Outbox(Protocol):
     """storage.repos.notifications.NotificationRepo: where events wait until delivered."""
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> bool: ...
+    async def enqueue(self, n: NewNotification) -> bool: ...
     async def claim_due(self, limit: int, lease_s: float) -> list[Any]: ...
     async def delivered(self, id: str, attempt: int) -> None: ...
     async def retry_in(self, id: str, attempt: int, delay_s: float, error: str) -> None: ...
     async def give_up(self, id: str, attempt: int, error: str) -> None: ...
     async def settled(self, ids: list[str]) -> set[str]: ...
     async def prune(self, older_than_s: float) -> int: ...
+
+
+class Announcer:
+    """Builds a tool's event from the row it wrote (see Notifier.announcer)."""
+
+    def __init__(self, notifier: Notifier, config: BotConfig, event_type: str, tenant_id: str,
+                 about: Callable[[Any], tuple[Any, dict[str, Any]]]) -> None:
+        self._notifier = notifier
+        self._on = bool(config.notification_webhook) and notifier.sends
+        self._event_type = event_type
+        self._tenant_id = tenant_id
+        self._about = about
+        self._built: list[str] = []
+
+    def __call__(self, row: Any) -> NewNotification | None:
+        if not self._on:
+            return None
+        key, data = self._about(row)
+        n = self._notifier.build(self._tenant_id, self._event_type, key, data)
+        self._built.append(n.id)
+        return n
+
+    def done(self) -> None:
+        """The row's transaction committed: deliver what it queued."""
+        self._notifier.announced(self._built)
+        self._built = []
 
 
 class ConfigSource(Protocol):
@@ -179,38 +204,42 @@ class Notifier:
         if self._loop_task is None and self._client is not None:
             self._loop_task = asyncio.create_task(self._run(), name="notifications")
 
-    async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str,
-                   key: str | None = None) -> str | None:
-        """Queue `event_type` for the tenant's webhook; returns the event id (the `webhook-id`),
-        or None when the tenant has no webhook. Raises UpstreamUnreachable (a retryable tool
-        error) when the event cannot be written to the outbox.
+    def announcer(self, config: BotConfig, event_type: str, *, tenant_id: str,
+                  about: Callable[[Any], tuple[Any, dict[str, Any]]]) -> Announcer:
+        """For a tool that writes a row: `about(row)` gives (the row's id, the event's data). Pass
+        the announcer to the repository, which queues the event in the row's transaction (the row
+        and its event are written together or not at all), then call `done()`."""
+        return Announcer(self, config, event_type, tenant_id, about)
 
-        With `key` (what the event is about, e.g. the lead's id) the id is derived from it and an
-        event already queued under it is not queued again: a tool emits on every call that ends
-        with its row, first run or replay, so a crash between the row and the event heals on the
-        retry, and the tenant still hears of each row once."""
-        if not config.notification_webhook or self._client is None:
-            return None
-        msg_id = event_id(tenant_id, event_type, key) if key is not None else f"msg_{secrets.token_urlsafe(18)}"
+    def build(self, tenant_id: str, event_type: str, key: Any, data: dict[str, Any]) -> NewNotification:
+        """The event about `key`; its id (the `webhook-id`) derives from it, so a replayed call
+        that reaches the same row queues nothing new."""
         stamp = int(self._now())
         event = Event(type=event_type, timestamp=datetime.fromtimestamp(stamp, UTC).isoformat(), data=data)
-        try:
-            queued = await self._outbox.enqueue(id=msg_id, tenant_id=tenant_id, event_type=event_type,
-                                                payload=msgspec.to_builtins(event))
-        except Exception as exc:
-            # The tool's own row is written; its event is not. Fail the call (in-band, retryable):
-            # the next call ending with the same row queues the event under the same id.
-            log.error("notification_failed", tenant_id=tenant_id, event_type=event_type, webhook_id=msg_id,
-                      error_kind="not_queued", error=type(exc).__name__, final=False)
-            raise UpstreamUnreachable(
-                "the change was saved but the team could not be notified yet",
-                advice="Tell the customer it is saved; if they ask again, the notice is sent then.",
-            ) from exc
-        if queued:
-            self._queued.add(msg_id)
+        return NewNotification(id=event_id(tenant_id, event_type, str(key)), tenant_id=tenant_id,
+                               event_type=event_type, payload=msgspec.to_builtins(event))
+
+    def announced(self, ids: list[str]) -> None:
+        """Events were queued (committed): deliver them now."""
+        if ids:
+            self._queued.update(ids)
             self.start()
             self._wake.set()
-        return msg_id
+
+    async def emit(self, config: BotConfig, event_type: str, data: dict[str, Any], *, tenant_id: str,
+                   key: Any) -> str | None:
+        """Queue an event on its own (not tied to a row's transaction); returns its id, or None
+        when the tenant has no webhook. Raises the storage error when it cannot be queued."""
+        if not config.notification_webhook or self._client is None:
+            return None
+        n = self.build(tenant_id, event_type, key, data)
+        if await self._outbox.enqueue(n):
+            self.announced([n.id])
+        return n.id
+
+    @property
+    def sends(self) -> bool:
+        return self._client is not None
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait up to `timeout_s` until every event this notifier queued is delivered or given up."""

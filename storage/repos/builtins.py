@@ -11,6 +11,7 @@ ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
 
@@ -20,8 +21,20 @@ import msgspec
 from services.errors import ChatEngineError, NotFound
 from storage.errors import translate
 from storage.records import session_uid
+from storage.repos.notifications import NewNotification, insert_notification
 
 # ------------------------------------------------------------------------------------ records
+
+
+#: builds the event a new row announces (services.builtins.notify.Announcer), or None
+Announce = Callable[[Any], NewNotification | None]
+
+
+async def _announce(conn: Any, announce: Announce | None, record: Any) -> None:
+    """Queue the event about a row just written, on the row's own connection and transaction:
+    the row and its event commit together or not at all."""
+    if announce is not None and (n := announce(record)) is not None:
+        await insert_notification(conn, n)
 
 
 class MemoryHit(msgspec.Struct, frozen=True, kw_only=True):
@@ -247,8 +260,10 @@ class LeadRepo:
     async def create(
         self, tenant_id: str, session_id: str, *, name: str, email: str, phone: str | None,
         notes: str | None, fact: str | None = None, contact_id: str | None = None, language: str = "simple",
+        announce: Announce | None = None,
     ) -> tuple[LeadRecord, bool]:
-        """Insert the session's lead and, in the same transaction, its memory fact.
+        """Insert the session's lead and, in the same transaction, its memory fact and the event
+        `announce(lead)` builds (see `_announce`).
 
         Returns (the session's lead, True) when this call wrote it, or (the lead stored earlier
         in this session, False): a session has at most one lead.
@@ -273,6 +288,7 @@ class LeadRepo:
                         "VALUES ($1, $2, $3, 'fact', $4, $5::regconfig)",
                         tenant_id, contact_id, session_id, fact, language,
                     )
+                await _announce(conn, announce, _lead(row))
         return _lead(row), True
 
     async def for_session(self, tenant_id: str, session_id: str) -> LeadRecord | None:
@@ -338,10 +354,10 @@ class FormRepo:
 
     async def submit(
         self, tenant_id: str, session_id: str | None, form_name: str, data: dict[str, Any],
-        *, idempotency_key: str | None = None,
+        *, idempotency_key: str | None = None, announce: Announce | None = None,
     ) -> tuple[SubmissionRecord, bool]:
-        """Store a (validated) submission. Returns (row, True), or (the row an earlier call with
-        the same idempotency key in this session stored, False)."""
+        """Store a (validated) submission, with its event in the same transaction. Returns (row,
+        True), or (the row an earlier call with the same idempotency key in this session stored, False)."""
         cols = "id, form_name, session_id, data, created_at"
         with translate("saving a form submission"):
             async with self._pool.acquire() as conn, conn.transaction():
@@ -353,6 +369,7 @@ class FormRepo:
                     tenant_id, session_id, form_name, data, idempotency_key,
                 )
                 if row is not None:
+                    await _announce(conn, announce, SubmissionRecord(**dict(row)))
                     return SubmissionRecord(**dict(row)), True
                 row = await conn.fetchrow(
                     f"SELECT {cols} FROM ce_form_submissions "
@@ -435,11 +452,12 @@ class AppointmentRepo:
     async def book(
         self, tenant_id: str, service: str, starts_at: datetime, ends_at: datetime, *,
         session_id: str | None, contact_name: str | None = None, contact_email: str | None = None,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, announce: Announce | None = None,
     ) -> tuple[AppointmentRecord, bool]:
-        """Book [starts_at, ends_at). Returns (row, True), or (the row an earlier call with the same
-        idempotency key in this session booked, False). Raises SlotTaken when any booking of the
-        service overlaps: of many concurrent attempts on one slot exactly one succeeds."""
+        """Book [starts_at, ends_at), with its event in the same transaction. Returns (row, True),
+        or (the row an earlier call with the same idempotency key in this session booked, False).
+        Raises SlotTaken when any booking of the service overlaps: of many concurrent attempts on
+        one slot exactly one succeeds."""
         with translate("booking an appointment"):
             async with self._pool.acquire() as conn:
                 if idempotency_key is not None:
@@ -451,13 +469,15 @@ class AppointmentRepo:
                     if row is not None:
                         return AppointmentRecord(**dict(row)), False
                 try:
-                    row = await conn.fetchrow(
-                        "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
-                        "contact_name, contact_email, idempotency_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
-                        f"RETURNING {_APPOINTMENT_COLUMNS}",
-                        tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
-                        idempotency_key,
-                    )
+                    async with conn.transaction():
+                        row = await conn.fetchrow(
+                            "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
+                            "contact_name, contact_email, idempotency_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+                            f"RETURNING {_APPOINTMENT_COLUMNS}",
+                            tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
+                            idempotency_key,
+                        )
+                        await _announce(conn, announce, AppointmentRecord(**dict(row)))
                 except asyncpg.ExclusionViolationError:
                     raise SlotTaken(
                         f"{service} at {starts_at.isoformat()} overlaps an existing booking",
@@ -507,10 +527,11 @@ class HandoffRepo:
         self._pool = pool
 
     async def record(
-        self, tenant_id: str, session_id: str, reason: str | None, *, idempotency_key: str | None = None
+        self, tenant_id: str, session_id: str, reason: str | None, *, idempotency_key: str | None = None,
+        announce: Announce | None = None,
     ) -> tuple[HandoffRecord, bool]:
-        """Store a handoff request. Returns (row, True), or (the row of an earlier call with the
-        same idempotency key in this session, False)."""
+        """Store a handoff request, with its event in the same transaction. Returns (row, True), or
+        (the row of an earlier call with the same idempotency key in this session, False)."""
         cols = "id, session_id, reason, created_at"
         with translate("recording a handoff"):
             async with self._pool.acquire() as conn, conn.transaction():
@@ -522,6 +543,7 @@ class HandoffRepo:
                     tenant_id, session_id, reason, idempotency_key,
                 )
                 if row is not None:
+                    await _announce(conn, announce, HandoffRecord(**dict(row)))
                     return HandoffRecord(**dict(row)), True
                 row = await conn.fetchrow(
                     f"SELECT {cols} FROM ce_handoffs WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",

@@ -14,6 +14,26 @@ import msgspec
 from storage.errors import translate
 
 
+class NewNotification(msgspec.Struct, frozen=True, kw_only=True):
+    """An event to queue: written by the repository that writes the row it is about, in the same
+    transaction (services.builtins.notify.Announcer builds it from that row)."""
+
+    id: str
+    tenant_id: str
+    event_type: str
+    payload: dict[str, Any]
+
+
+_INSERT = ("INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4) "
+           "ON CONFLICT (id) DO NOTHING")
+
+
+async def insert_notification(conn: Any, n: NewNotification) -> bool:
+    """Queue `n` on `conn` (inside the caller's transaction); False when its id is already queued."""
+    done = await conn.execute(_INSERT, n.id, n.tenant_id, n.event_type, n.payload)
+    return done.endswith(" 1")
+
+
 class PendingNotification(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant_id: str
@@ -36,15 +56,10 @@ class NotificationRepo:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
 
-    async def enqueue(self, *, id: str, tenant_id: str, event_type: str, payload: dict[str, Any]) -> bool:
-        """Queue the event; False when an event with this id is already queued (or sent)."""
+    async def enqueue(self, n: NewNotification) -> bool:
+        """Queue the event on its own; False when an event with this id is already queued (or sent)."""
         with translate("queueing a notification"):
-            done = await self._pool.execute(
-                "INSERT INTO ce_notifications (id, tenant_id, event_type, payload) VALUES ($1, $2, $3, $4) "
-                "ON CONFLICT (id) DO NOTHING",
-                id, tenant_id, event_type, payload,
-            )
-        return done.endswith(" 1")
+            return await insert_notification(self._pool, n)
 
     async def claim_due(self, limit: int, lease_s: float) -> list[PendingNotification]:
         with translate("claiming notifications"):

@@ -1,7 +1,7 @@
 """Tenant notifications through the outbox (ce_notifications) on the real Postgres: an endpoint that
 is down for a while gets the event when it is back; an event claimed by a process that died is sent
-by the next one; two delivering processes send each event once; a schedule that ends gives up; an
-event lost between a tool's row and its own is queued when the call is retried, once."""
+by the next one; two delivering processes send each event once; a schedule that ends gives up; a
+tool's row and its event are written in one transaction."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier, verify
-from services.tools.errors import UpstreamUnreachable
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
-from storage.repos.builtins import BuiltinRepos
-from storage.repos.notifications import NotificationRepo
+from storage.repos.notifications import NewNotification, NotificationRepo
 from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receiver, services
 
 
@@ -51,7 +48,8 @@ async def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_back(pool,
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
         rec.status = status
         async with notifier(pool, configs) as n:
-            event_id = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 7}, tenant_id=tenant.id)
+            event_id = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 7}, tenant_id=tenant.id,
+                                    key=7)
             assert event_id is not None
             await rec.wait(2)
             rec.status = 204  # back
@@ -69,8 +67,9 @@ async def test_an_event_claimed_by_a_process_that_died_is_sent_by_the_next_after
     async with receiver() as rec:
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
         outbox = NotificationRepo(pool)
-        await outbox.enqueue(id="msg_orphan", tenant_id=tenant.id, event_type="lead.created",
-                             payload={"type": "lead.created", "timestamp": "2026-12-02T00:00:00+00:00", "data": {}})
+        await outbox.enqueue(NewNotification(
+            id="msg_orphan", tenant_id=tenant.id, event_type="lead.created",
+            payload={"type": "lead.created", "timestamp": "2026-12-02T00:00:00+00:00", "data": {}}))
         # the first process claims it for 3 s, then dies before sending
         (claimed,) = await outbox.claim_due(10, lease_s=3.0)
         assert claimed.id == "msg_orphan" and claimed.attempts == 1
@@ -114,7 +113,7 @@ async def test_two_delivering_processes_send_each_event_once(pool, make_tenant):
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
         config = configs.configs[tenant.id]
         async with notifier(pool, configs) as a, notifier(pool, configs) as b:
-            ids = [await (a if i % 2 else b).emit(config, "form.submitted", {"i": i}, tenant_id=tenant.id)
+            ids = [await (a if i % 2 else b).emit(config, "form.submitted", {"i": i}, tenant_id=tenant.id, key=i)
                    for i in range(30)]
             await asyncio.gather(a.drain(10), b.drain(10))
     sent = Counter(h["webhook-id"] for h, _ in rec.requests)
@@ -129,7 +128,8 @@ async def test_when_the_schedule_ends_the_event_is_given_up_and_logged(pool, mak
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
         with capture_logs() as logs:
             async with notifier(pool, configs, schedule_s=(0.02, 0.02)) as n:
-                event_id = await n.emit(configs.configs[tenant.id], "handoff.requested", {}, tenant_id=tenant.id)
+                event_id = await n.emit(configs.configs[tenant.id], "handoff.requested", {}, tenant_id=tenant.id,
+                                        key="h1")
                 await n.drain(10)
         stored = await row(pool, event_id)
     assert len(rec.requests) == 3 and stored["failed_at"] is not None and stored["delivered_at"] is None
@@ -138,43 +138,22 @@ async def test_when_the_schedule_ends_the_event_is_given_up_and_logged(pool, mak
     assert [e["final"] for e in failures] == [False, False, True]
 
 
-class FailFirstEnqueue:
-    """The outbox as a host sees it when it dies between the tool's row and the event's row."""
-
-    def __init__(self, inner: NotificationRepo) -> None:
-        self.inner = inner
-        self.failures = 1
-
-    async def enqueue(self, **event) -> bool:
-        if self.failures:
-            self.failures -= 1
-            raise ConnectionError("the host died here")
-        return await self.inner.enqueue(**event)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
-async def test_a_lead_whose_event_was_lost_gets_it_when_the_call_is_retried_and_only_once(pool, make_tenant):
+async def test_a_lead_and_its_event_are_written_together_or_not_at_all(pool, make_tenant):
     tenant, _ = await make_tenant("outbox")
-    configs = FakeConfigs()
-    async with receiver() as rec, WebhookClient(policy=policy_from_entries(("127.0.0.1/32",))) as client:
+    async with receiver() as rec, services(pool) as (svc, configs):
         configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
-        n = Notifier(client, FailFirstEnqueue(NotificationRepo(pool)), configs, schedule_s=(0.05,), poll_s=0.05)
-        svc = BuiltinServices(BuiltinRepos(pool), configs, client, notifier=n)
-        c = ctx(tenant.id)  # one idempotency key: the retried call is the same call
+        c = ctx(tenant.id)
         args = {"name": "Jane", "email": "jane@example.com"}
-        with pytest.raises(UpstreamUnreachable, match="saved but the team could not be notified") as failed:
-            await svc.leads.collect(args, c)  # the lead row is written, its event is not: said in-band
-        assert failed.value.retryable
-        assert await queued(pool, tenant.id) == 0 and len(await svc.repos.leads.list(tenant.id)) == 1
-        again = await svc.leads.collect(args, c)  # the call is made again (a retried turn, or a new one)
-        third = await svc.leads.collect(args, c)
-        assert again.result["lead_id"] == third.result["lead_id"]
+        broken = svc.notifier.build  # the event cannot be queued (here: a payload that cannot be encoded)
+        svc.notifier.build = lambda *a, **k: msgspec.structs.replace(broken(*a, **k), payload={"bad": object()})
+        with pytest.raises(Exception):  # noqa: B017 - whatever the storage error, nothing is kept
+            await svc.leads.collect(args, c)
+        assert await svc.repos.leads.list(tenant.id) == [] and await queued(pool, tenant.id) == 0
+        svc.notifier.build = broken
+        first = await svc.leads.collect(args, c)  # the call made again: lead and event, together
+        again = await svc.leads.collect(args, c)  # a replay reaches the same lead: no second event
+        assert first.result["lead_id"] == again.result["lead_id"]
         await rec.wait(1)
-        await n.drain(5)
-        await asyncio.sleep(0.2)
-        await n.close(timeout_s=0)
-    assert await queued(pool, tenant.id) == 1
-    assert len(rec.requests) == 1
-    assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == again.result["lead_id"]
+        await svc.notifier.drain(5)
+    assert await queued(pool, tenant.id) == 1 and len(rec.requests) == 1
+    assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == first.result["lead_id"]
