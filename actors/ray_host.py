@@ -107,7 +107,7 @@ class SessionHostActor:
                 # one working connection. Ten each, as a shard host has, and a few dozen live
                 # dedicated sessions use up Postgres's max_connections (TooManyConnectionsError).
                 pool_size = DEDICATED_POOL_SIZE if self._dedicated else SHARD_POOL_SIZE
-                self._runtime = await Runtime.open(self._settings, pool_size=pool_size)
+                self._runtime = await Runtime.open(self._settings, pool_size=pool_size, light=self._dedicated)
                 host = SessionHost(
                     name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
                     jobs=self._runtime.jobs,

@@ -12,6 +12,7 @@ rounds that follow a tool result.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -71,6 +72,7 @@ TURN_CACHE = 64
 HANDOFF_MARKER = "[[HANDOFF]]"
 HANDOFF_TOOL = "escalate_to_human"
 MARKER_HANDOFF_REASON = "the assistant asked for a human"
+HANDOFF_RECORD_S = 10.0  # how long a [[HANDOFF]] waits to record its handoff
 JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
 CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session (per-session limits)
 HANDED_OFF_REPLY = (
@@ -596,8 +598,8 @@ async def _record_handoff(state: SessionState, env: TurnEnv, message_id: str, re
     second row). Best effort: the session is handed over either way (its own state says so)."""
     if env.handoff is None:
         return
-    try:
-        await env.handoff({"reason": reason}, _context(state, env, message_id))
+    try:  # bounded: the turn holds its session while it waits
+        await asyncio.wait_for(env.handoff({"reason": reason}, _context(state, env, message_id)), HANDOFF_RECORD_S)
     except Exception as exc:  # noqa: BLE001 - the contact still gets the handover reply
         log.warning("handoff_not_recorded", session_id=state.session_id, error=type(exc).__name__)
 

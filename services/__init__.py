@@ -9,5 +9,5 @@ A process that joins a cluster (RAY_ADDRESS set) is left alone: its node address
 
 import os
 
-if not os.environ.get("RAY_ADDRESS"):
+if (os.environ.get("RAY_ADDRESS") or "").strip() in ("", "local"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

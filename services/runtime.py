@@ -44,15 +44,18 @@ class Runtime:
         self.pool: Any = None
         self.listener: Any = None
         self.webhooks: WebhookClient | None = None
+        self.light = False  # a dedicated session actor: background work kept small
         self._closing = False
 
     @classmethod
-    async def open(cls, settings: Settings, *, listen: bool = True, pool_size: int = 10) -> Runtime:
+    async def open(cls, settings: Settings, *, listen: bool = True, pool_size: int = 10, light: bool = False
+                   ) -> Runtime:
         """Connect everything. Raises ConfigError/StorageError with a sentence saying what to fix."""
         if not settings.database_url:
             raise ConfigError("DATABASE_URL is not set for this process; set it or use 'chat-engine run'",
                               variable="DATABASE_URL")
         rt = cls(settings)
+        rt.light = light
         rt.pool = await create_pool(settings.database_url, min_size=1, max_size=pool_size)
         rt.tenants_repo = TenantRepo(rt.pool)
         rt.tools = ToolRepo(rt.pool)

@@ -26,7 +26,14 @@ from services.builtins.forms import FormService
 from services.builtins.handoff import HandoffService
 from services.builtins.leads import LeadService
 from services.builtins.memory import MemoryService
-from services.builtins.notify import Notifier, WebhookPoster
+from services.builtins.notify import (
+    CLAIM_BATCH,
+    LIGHT_BATCH,
+    LIGHT_POLL_S,
+    POLL_S,
+    Notifier,
+    WebhookPoster,
+)
 from services.tools.model import ToolDefinition
 from services.tools.registry import HandlerRegistry
 from storage.repos.builtins import BuiltinRepos
@@ -98,7 +105,11 @@ def install(runtime: Any) -> Callable[[str], Awaitable[tuple[ToolDefinition, ...
     `runtime.registry`, keep them as `runtime.builtin_services`; returns the source of the
     definitions each tenant is offered (read when its catalog loads)."""
     repos = BuiltinRepos(runtime.pool)
-    services = BuiltinServices(repos, _RuntimeConfigs(runtime), runtime.webhooks)
+    configs = _RuntimeConfigs(runtime)
+    light = runtime.light  # a dedicated session actor: see notify.LIGHT_POLL_S
+    notifier = Notifier(runtime.webhooks, NotificationRepo(runtime.pool), configs,
+                        poll_s=LIGHT_POLL_S if light else POLL_S, batch=LIGHT_BATCH if light else CLAIM_BATCH)
+    services = BuiltinServices(repos, configs, runtime.webhooks, notifier=notifier)
     services.register(runtime.registry)
     services.notifier.start()  # also delivers what an earlier process queued and did not send
     runtime.builtin_services = services

@@ -48,6 +48,10 @@ RETRY_SCHEDULE_S = (5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 360
 POLL_S = 2.0  # how often the loop looks for due events queued by other processes
 LEASE_S = 60.0  # a claimed event is claimed again after this if its process died meanwhile
 CLAIM_BATCH = 32
+#: a dedicated session actor (a process per live session, two connections) delivers what it
+#: queues at once, and looks for other processes' due events rarely and a few at a time
+LIGHT_POLL_S = 30.0
+LIGHT_BATCH = 4
 PRUNE_EVERY_POLLS = 1800  # about an hour of idle polls
 KEEP_S = 7 * 86400.0  # delivered and given-up events (their payloads hold contact details) are deleted after
 DRAIN_BATCH = 1000
@@ -184,6 +188,7 @@ class Notifier:
         attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
         schedule_s: tuple[float, ...] = RETRY_SCHEDULE_S,
         poll_s: float = POLL_S,
+        batch: int = CLAIM_BATCH,
         lease_s: float = LEASE_S,
         now: Callable[[], float] = time.time,
     ) -> None:
@@ -193,6 +198,7 @@ class Notifier:
         self._attempt_timeout_s = attempt_timeout_s
         self._schedule_s = schedule_s
         self._poll_s = poll_s
+        self._batch = batch
         self._lease_s = max(lease_s, attempt_timeout_s * 2)
         self._now = now
         self._wake = asyncio.Event()
@@ -266,7 +272,7 @@ class Notifier:
         while True:
             self._wake.clear()  # before the claim: an emit during it wakes the next wait
             try:
-                batch = await self._outbox.claim_due(CLAIM_BATCH, self._lease_s)
+                batch = await self._outbox.claim_due(self._batch, self._lease_s)
                 if batch:
                     for n, outcome in zip(batch, await asyncio.gather(
                             *(self._attempt(n) for n in batch), return_exceptions=True), strict=True):

@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from services.botconfig import Backend, BotConfig, Intent
+from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
 from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, Overloaded
 from services.gateway.bodies import (
     ToolCreate,
@@ -44,6 +45,7 @@ MAX_TEXT = 16_000
 MAX_BODY = 256 * 1024
 KEY_CACHE_TTL_S = 30.0
 RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
+BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 
 
 class SessionRouter(Protocol):
@@ -348,6 +350,10 @@ async def create_tool(request: web.Request) -> web.Response:
     if body.name in RESERVED_TOOL_NAMES:
         # GET /v1/tools/contract is the contract report, so a tool of that name could never be read
         raise InvalidInput(f"name {body.name!r} is reserved by the API; choose another - at `$.name`", path="$.name")
+    if body.name in BUILTIN_TOOL_NAMES:
+        # a built-in wins over a tenant tool of its name, so such a tool would never run
+        raise InvalidInput(f"name {body.name!r} is a built-in tool of the engine; choose another - at `$.name`",
+                           path="$.name")
     definition = definition_from_body(body, encrypt=_encrypt(deps), policy=deps.webhook_policy)
     data = msgspec.to_builtins(definition)
     version = await deps.tools.create(request[TENANT], definition.name, body.type, data)

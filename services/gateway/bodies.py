@@ -235,7 +235,7 @@ def check_url(url: str, *, field: str = "webhook_url", policy: DestinationPolicy
             f"{field} must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.{field}`",
             path=f"$.{field}",
         )
-    if parts.username or parts.password:
+    if parts.username is not None or parts.password is not None:  # even an empty `@`
         raise InvalidInput(
             f"{field} must not carry credentials; put them in auth_header - at `$.{field}`", path=f"$.{field}",
         )

@@ -301,6 +301,8 @@ async def test_tool_errors_are_problem_json_naming_the_field(stack, api):
     assert status == 404 and "/v1/no-such-route" in problem["detail"] and "openapi" in problem["detail"]
     status, problem, _ = await api.post("/v1/tools", {**good, "name": "contract"})
     assert status == 422 and "reserved" in problem["detail"], "GET /v1/tools/contract could never read it"
+    status, problem, _ = await api.post("/v1/tools", {**good, "name": "submit_form"})
+    assert status == 422 and "is a built-in tool of the engine" in problem["detail"], problem  # it would never run
 
     assert [t["name"] for t in (await api.get("/v1/tools"))[1]["tools"]] == ["check_order"]
 
