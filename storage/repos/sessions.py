@@ -125,7 +125,13 @@ class SessionRepo:
         # is simply bumped by the next activation). Measured in README § Performance (growth).
         with translate("activating a session"):
             async with self._pool.acquire() as conn:
-                row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
+                try:
+                    row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
+                except asyncpg.UniqueViolationError:
+                    # Two first activations raced: ON CONFLICT arbitrates on `id` only, so the
+                    # loser can trip the (tenant_id, session_key) key instead. The row exists
+                    # now: taken again, this activation bumps its epoch like any other.
+                    row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
                 state = await conn.fetchrow(_LOAD_STATE, tenant_id, uid, history_limit, ACTIVATION_TURNS)
         return ActivatedSession(
             tenant_id=tenant_id,
