@@ -125,13 +125,9 @@ class SessionRepo:
         # is simply bumped by the next activation). Measured in README § Performance (growth).
         with translate("activating a session"):
             async with self._pool.acquire() as conn:
-                try:
-                    row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
-                except asyncpg.UniqueViolationError:
-                    # Two first activations raced: ON CONFLICT arbitrates on `id` only, so the
-                    # loser can trip the (tenant_id, session_key) key instead. The row exists
-                    # now: taken again, this activation bumps its epoch like any other.
-                    row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
+                # racing first activations: the primary key is the row's only unique key
+                # (migration 013), so ON CONFLICT settles every race as an epoch bump
+                row = await conn.fetchrow(_ACTIVATE, uid, tenant_id, session_id, owner)
                 state = await conn.fetchrow(_LOAD_STATE, tenant_id, uid, history_limit, ACTIVATION_TURNS)
         return ActivatedSession(
             tenant_id=tenant_id,

@@ -146,7 +146,7 @@ async def test_a_never_activated_session_is_refused(sessions, make_tenant):
 
 async def test_racing_activations_get_distinct_epochs_and_only_the_last_can_write(sessions, pool, make_tenant):
     tenant, _ = await make_tenant()
-    for _ in range(10):  # first activations racing: the session row is created by one of them
+    for _ in range(25):  # first activations racing: the session row is created by one of them
         fresh = sid()
         raced = await asyncio.gather(*(sessions.activate(tenant.id, fresh, owner=f"h{i}") for i in range(8)))
         assert sorted(lease.epoch for lease in raced) == list(range(1, 9))
