@@ -220,7 +220,8 @@ def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: 
     return view
 
 
-def check_url(url: str, *, field: str = "webhook_url", policy: DestinationPolicy | None = None) -> None:
+def check_url(url: str, *, field: str = "webhook_url", policy: DestinationPolicy | None = None,
+              example: str = "https://example.com/api/orders/{order_id}") -> None:
     """Raise InvalidInput (at `$.{field}`) unless `url` is an http(s) URL without credentials and
     without holes in its host; with `policy`, also when its host is an IP literal (or a legacy
     numeric form) that the SSRF guard would refuse at call time."""
@@ -232,7 +233,7 @@ def check_url(url: str, *, field: str = "webhook_url", policy: DestinationPolicy
         parts, netloc = None, ""
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise InvalidInput(
-            f"{field} must be an http(s) URL such as https://example.com/api/orders/{{order_id}} - at `$.{field}`",
+            f"{field} must be an http(s) URL such as {example} - at `$.{field}`",
             path=f"$.{field}",
         )
     if parts.username is not None or parts.password is not None:  # even an empty `@`

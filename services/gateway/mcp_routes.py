@@ -78,7 +78,7 @@ def check_url(request: web.Request, url: str) -> str:
         raise InvalidInput("url is longer than 2048 characters - at `$.url`", path="$.url")
     if "{" in url or "}" in url:
         raise InvalidInput("url must be a plain URL without { or } - at `$.url`", path="$.url")
-    check_destination(url, field="url", policy=request.app[DEPS].webhook_policy)
+    check_destination(url, field="url", policy=request.app[DEPS].webhook_policy, example="https://mcp.example.com/mcp")
     return url
 
 

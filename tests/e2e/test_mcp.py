@@ -195,6 +195,8 @@ async def test_registrations_are_validated(api, shop):
     for body in bad:
         status, problem = await api.request("POST", "/v1/mcp-servers", body)
         assert status == 422, (body, problem)
+    status, problem = await api.request("POST", "/v1/mcp-servers", {"name": "shop", "url": "ftp://example.com/mcp"})
+    assert "such as https://mcp.example.com/mcp - at `$.url`" in problem["detail"], problem
     await api.register(shop)
     status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "shop", "url": shop.url})
     assert status == 409
