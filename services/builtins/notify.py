@@ -150,6 +150,11 @@ class Announcer:
         self._about = about
         self._built: list[str] = []
 
+    def __bool__(self) -> bool:
+        """False when nothing would be announced (the tenant has no webhook): the repository
+        then writes its row alone, in one statement."""
+        return self._on
+
     def __call__(self, row: Any) -> NewNotification | None:
         if not self._on:
             return None

@@ -7,6 +7,8 @@
     GET    /v1/appointment-services             GET/DELETE /v1/appointment-services/{name}
     GET    /v1/appointments?service=&since=
     GET    /v1/leads                            GET /v1/handoffs
+    GET    /v1/notifications?status=pending|delivered|failed
+    POST   /v1/notifications/{id}/retry         a given-up notification, on a fresh schedule
 
 Tenant-scoped like every /v1 route: the tenant comes from the API key (request[TENANT]). Errors
 are raised as domain errors and become problem+json in services.gateway.app's middleware.
@@ -132,6 +134,31 @@ async def list_handoffs(request: web.Request) -> web.Response:
     return json_response({"handoffs": [_view(r) for r in rows]})
 
 
+# -- notifications (the outbox of tenant events) -------------------------------------------------
+
+_STATUSES = ("pending", "delivered", "failed")
+
+
+async def list_notifications(request: web.Request) -> web.Response:
+    status = request.query.get("status")
+    if status is not None and status not in _STATUSES:
+        raise InvalidInput(f"status must be one of {', '.join(_STATUSES)}, got {status[:20]!r}")
+    rows = await _repos(request).notifications.list(request[TENANT], status, _limit(request))
+    return json_response({"notifications": rows})
+
+
+async def retry_notification(request: web.Request) -> web.Response:
+    event_id = request.match_info["id"]
+    try:
+        row = await _repos(request).notifications.retry(request[TENANT], event_id)
+    except ValueError as exc:
+        raise InvalidInput(f"{exc}; only a failed notification can be retried") from None
+    if row is None:
+        raise NotFound(f"notification {event_id[:64]!r} does not exist for this tenant; list them with "
+                       "GET /v1/notifications", kind="notification", key=event_id)
+    return json_response(row)
+
+
 def add_builtin_routes(app: web.Application) -> None:
     """Register the routes above on the gateway app (called once from build_app)."""
     r = app.router
@@ -147,3 +174,5 @@ def add_builtin_routes(app: web.Application) -> None:
     r.add_get("/v1/appointments", list_appointments)
     r.add_get("/v1/leads", list_leads)
     r.add_get("/v1/handoffs", list_handoffs)
+    r.add_get("/v1/notifications", list_notifications)
+    r.add_post("/v1/notifications/{id}/retry", retry_notification)

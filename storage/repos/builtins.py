@@ -11,6 +11,7 @@ ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
@@ -21,7 +22,7 @@ import msgspec
 from services.errors import ChatEngineError, NotFound
 from storage.errors import translate
 from storage.records import session_uid
-from storage.repos.notifications import NewNotification, insert_notification
+from storage.repos.notifications import NewNotification, NotificationRepo, insert_notification
 
 # ------------------------------------------------------------------------------------ records
 
@@ -394,6 +395,10 @@ class FormRepo:
 _APPOINTMENT_COLUMNS = "id, service, starts_at, ends_at, session_id, contact_name, contact_email, created_at"
 
 
+#: how often a booking is tried again after Postgres aborted it to break a deadlock
+DEADLOCK_RETRIES = 3
+
+
 class AppointmentRepo:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
@@ -469,15 +474,25 @@ class AppointmentRepo:
                     if row is not None:
                         return AppointmentRecord(**dict(row)), False
                 try:
-                    async with conn.transaction():
-                        row = await conn.fetchrow(
-                            "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
-                            "contact_name, contact_email, idempotency_key) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
-                            f"RETURNING {_APPOINTMENT_COLUMNS}",
-                            tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
-                            idempotency_key,
-                        )
-                        await _announce(conn, announce, AppointmentRecord(**dict(row)))
+                    for attempt in range(DEADLOCK_RETRIES + 1):
+                        try:
+                            # a transaction only when an event goes with the booking
+                            async with conn.transaction() if announce else contextlib.nullcontext():
+                                row = await conn.fetchrow(
+                                    "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
+                                    "contact_name, contact_email, idempotency_key) "
+                                    f"VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {_APPOINTMENT_COLUMNS}",
+                                    tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
+                                    idempotency_key,
+                                )
+                                await _announce(conn, announce, AppointmentRecord(**dict(row)))
+                            break
+                        except asyncpg.DeadlockDetectedError:
+                            # Concurrent inserts checking one exclusion constraint can wait on each
+                            # other; Postgres aborts one. Tried again, it meets the winner's
+                            # committed booking (SlotTaken) or finds the slot free.
+                            if attempt == DEADLOCK_RETRIES:
+                                raise
                 except asyncpg.ExclusionViolationError:
                     raise SlotTaken(
                         f"{service} at {starts_at.isoformat()} overlaps an existing booking",
@@ -572,6 +587,7 @@ class BuiltinRepos:
         self.forms = FormRepo(pool)
         self.appointments = AppointmentRepo(pool)
         self.handoffs = HandoffRepo(pool)
+        self.notifications = NotificationRepo(pool)
 
     async def set_up(self, tenant_id: str) -> tuple[bool, bool]:
         """Whether the tenant has (any forms, any appointment services): one read."""

@@ -52,6 +52,19 @@ RETURNING n.id, n.tenant_id, n.event_type, n.payload, n.attempts
 """
 
 
+_VIEW_COLUMNS = ("id, event_type, payload, attempts, last_error, created_at, next_attempt_at, delivered_at, "
+                 "failed_at")
+
+
+def _view(row: Any) -> dict[str, Any]:
+    status = "delivered" if row["delivered_at"] else "failed" if row["failed_at"] else "pending"
+    return {"id": row["id"], "event_type": row["event_type"], "status": status, "attempts": row["attempts"],
+            "last_error": row["last_error"], "created_at": row["created_at"],
+            "next_attempt_at": row["next_attempt_at"] if status == "pending" else None,
+            "delivered_at": row["delivered_at"], "failed_at": row["failed_at"],
+            "data": (row["payload"] or {}).get("data")}
+
+
 class NotificationRepo:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -104,3 +117,28 @@ class NotificationRepo:
                 "DELETE FROM ce_notifications WHERE coalesce(delivered_at, failed_at) < now() - make_interval(secs => $1)",
                 older_than_s)
         return int(done.split()[-1])
+
+    async def list(self, tenant_id: str, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The tenant's notifications, newest first; `status` one of pending, delivered, failed."""
+        where = {None: "", "pending": " AND delivered_at IS NULL AND failed_at IS NULL",
+                 "delivered": " AND delivered_at IS NOT NULL", "failed": " AND failed_at IS NOT NULL"}[status]
+        with translate("listing notifications"):
+            rows = await self._pool.fetch(
+                f"SELECT {_VIEW_COLUMNS} FROM ce_notifications WHERE tenant_id = $1{where} "
+                "ORDER BY created_at DESC, id LIMIT $2", tenant_id, limit)
+        return [_view(r) for r in rows]
+
+    async def retry(self, tenant_id: str, id: str) -> dict[str, Any] | None:
+        """Queue a given-up notification again (a fresh schedule); returns it, or None when the
+        tenant has no such notification. Raises ValueError when it is not given up."""
+        with translate("retrying a notification"):
+            row = await self._pool.fetchrow(
+                "UPDATE ce_notifications SET failed_at = NULL, attempts = 0, next_attempt_at = now(), last_error = NULL "
+                f"WHERE tenant_id = $1 AND id = $2 AND failed_at IS NOT NULL RETURNING {_VIEW_COLUMNS}", tenant_id, id)
+            if row is None:
+                row = await self._pool.fetchrow(
+                    f"SELECT {_VIEW_COLUMNS} FROM ce_notifications WHERE tenant_id = $1 AND id = $2", tenant_id, id)
+                if row is None:
+                    return None
+                raise ValueError(f"notification {id!r} is {_view(row)['status']}, not failed")
+        return _view(row)

@@ -6,6 +6,7 @@ contact recalls the first; escalate_to_human hands the session over."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from datetime import UTC, datetime, timedelta
 
@@ -192,6 +193,44 @@ async def test_form_and_booking_tools_are_offered_once_the_tenant_has_a_form_or_
     assert "submit_form" not in await builtins()
     reply = await api.say("offer-1", '/call submit_form {"form": "quote", "data": {}}')
     assert reply["tool_calls"][0]["success"] is False  # asked for anyway: refused in-band, nothing runs
+
+
+async def test_notifications_are_listed_and_a_given_up_one_can_be_sent_again(make_tenant_api):
+    api, other = await make_tenant_api(), await make_tenant_api()
+    async with receiver(NOTIFY_HOST) as rec:
+        # localhost passes as a name but resolves to a loopback address the guard refuses: final
+        await api.call("PUT", "/v1/bot-config", {"notification_webhook": "http://localhost:9/hooks/x",
+                                                 "notification_secret": SECRET})
+        await api.say("notify-1", "/call collect_lead " + msgspec.json.encode(
+            {"name": "Ann Lee", "email": "ann@example.com"}).decode())
+        failed: list = []
+        for _ in range(100):
+            failed = (await api.call("GET", "/v1/notifications?status=failed"))["notifications"]
+            if failed:
+                break
+            await asyncio.sleep(0.1)
+        [event] = failed
+        assert event["event_type"] == "lead.created" and event["data"]["email"] == "ann@example.com"
+        assert event["last_error"].startswith("destination_blocked") and event["attempts"] == 1
+        # another tenant sees none of it and cannot touch it
+        assert (await other.call("GET", "/v1/notifications"))["notifications"] == []
+        await other.call("POST", f"/v1/notifications/{event['id']}/retry", expect=404)
+        await api.call("GET", "/v1/notifications?status=lost", expect=422)
+
+        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        again = await api.call("POST", f"/v1/notifications/{event['id']}/retry")
+        assert again["status"] == "pending" and again["attempts"] == 0
+        await rec.wait(1, timeout=20)  # a session host's delivery loop picks it up
+        problem = await api.call("POST", f"/v1/notifications/{event['id']}/retry", expect=422)
+        assert "only a failed notification can be retried" in problem["detail"]
+    headers, body = rec.requests[0]
+    assert headers["webhook-id"] == event["id"] and verify(SECRET, headers, body)
+    for _ in range(50):
+        [row] = (await api.call("GET", "/v1/notifications"))["notifications"]
+        if row["status"] == "delivered":
+            break
+        await asyncio.sleep(0.1)
+    assert row["status"] == "delivered" and row["delivered_at"] is not None
 
 
 async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, client, make_tenant_api):
