@@ -176,12 +176,13 @@ class ConfigSource(Protocol):
 class Notifier:
     """Queues tenant events in the outbox and delivers them from a background loop.
 
-    `emit` writes the event (it survives a crash of this process) and wakes the loop; the loop
-    claims due events (any host may: rows are leased), signs each attempt afresh with the tenant's
-    current secret and URL, and on a retryable failure schedules the next attempt from
-    `schedule_s`; when the schedule ends, or the failure is final (a blocked or malformed URL, a
-    bad secret, a 4xx), the event is given up and logged. `drain()` waits until every event this
-    notifier queued is delivered or given up (tests, shutdown).
+    An event is written with the row it is about (`announcer`, in that row's transaction) or on
+    its own (`emit`); either way it survives a crash of this process, and the loop is woken. The
+    loop claims due events (any host may: rows are leased), signs each attempt afresh with the
+    tenant's current secret and URL, and after any answer but 2xx schedules the next attempt from
+    `schedule_s`; when the schedule ends, or the failure is the tenant's own setting (a blocked,
+    missing or malformed URL, a bad secret), the event is given up and logged. `drain()` waits
+    until every event this notifier queued is delivered or given up (tests, shutdown).
     """
 
     def __init__(
