@@ -157,3 +157,18 @@ async def test_a_lead_and_its_event_are_written_together_or_not_at_all(pool, mak
         await svc.notifier.drain(5)
     assert await queued(pool, tenant.id) == 1 and len(rec.requests) == 1
     assert msgspec.json.decode(rec.requests[0][1])["data"]["lead_id"] == first.result["lead_id"]
+
+
+async def test_a_late_outcome_from_an_attempt_whose_lease_ran_out_changes_nothing(pool, make_tenant):
+    tenant, _ = await make_tenant("outbox")
+    outbox = NotificationRepo(pool)
+    await outbox.enqueue(NewNotification(id="msg_late", tenant_id=tenant.id, event_type="lead.created",
+                                         payload={"type": "lead.created", "timestamp": "t", "data": {}}))
+    (slow,) = await outbox.claim_due(10, lease_s=0.0)  # process A claims; its lease runs out at once
+    (fast,) = await outbox.claim_due(10, lease_s=60.0)  # process B claims it again and delivers
+    assert (slow.attempts, fast.attempts) == (1, 2)
+    await outbox.delivered(fast.id, fast.attempts)
+    await outbox.give_up(slow.id, slow.attempts, "upstream_timeout")  # A's answer comes in late
+    await outbox.retry_in(slow.id, slow.attempts, 5.0, "upstream_timeout")
+    stored = await row(pool, "msg_late")
+    assert stored["delivered_at"] is not None and stored["failed_at"] is None and stored["last_error"] is None
