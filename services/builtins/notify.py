@@ -53,6 +53,7 @@ CLAIM_BATCH = 32
 LIGHT_POLL_S = 30.0
 LIGHT_BATCH = 4
 PRUNE_EVERY_POLLS = 1800  # about an hour of idle polls
+FORGET_EVERY_POLLS = 30  # idle polls between forgetting the ids other processes settled
 KEEP_S = 7 * 86400.0  # delivered and given-up events (their payloads hold contact details) are deleted after
 DRAIN_BATCH = 1000
 
@@ -160,7 +161,7 @@ class Announcer:
             return None
         key, data = self._about(row)
         n = self._notifier.build(self._tenant_id, self._event_type, key, data)
-        self._built.append(n.id)
+        self._built = [n.id]  # one row per call: an attempt rolled back and tried again replaces it
         return n
 
     def done(self) -> None:
@@ -286,6 +287,8 @@ class Notifier:
                             log.warning("notification_loop_retry", webhook_id=n.id, error=type(outcome).__name__)
                     continue
                 polls += 1
+                if self._queued and polls % FORGET_EVERY_POLLS == 0:  # settled by other processes
+                    self._queued -= await self._outbox.settled(list(self._queued)[:DRAIN_BATCH])
                 if polls % PRUNE_EVERY_POLLS == 0:
                     await self._outbox.prune(KEEP_S)
             except asyncio.CancelledError:

@@ -26,6 +26,7 @@ from services.builtins.forms import check_form
 from services.errors import InvalidInput, NotFound
 from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since
 from storage.repos.builtins import BuiltinRepos
+from storage.repos.notifications import NotFailed
 
 _LIMIT_MAX = 1000
 
@@ -151,7 +152,7 @@ async def retry_notification(request: web.Request) -> web.Response:
     event_id = request.match_info["id"]
     try:
         row = await _repos(request).notifications.retry(request[TENANT], event_id)
-    except ValueError as exc:
+    except NotFailed as exc:
         raise InvalidInput(f"{exc}; only a failed notification can be retried") from None
     if row is None:
         raise NotFound(f"notification {event_id[:64]!r} does not exist for this tenant; list them with "

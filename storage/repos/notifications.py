@@ -65,6 +65,10 @@ def _view(row: Any) -> dict[str, Any]:
             "data": (row["payload"] or {}).get("data")}
 
 
+class NotFailed(Exception):
+    """A retry was asked for a notification that is pending or delivered."""
+
+
 class NotificationRepo:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -130,7 +134,7 @@ class NotificationRepo:
 
     async def retry(self, tenant_id: str, id: str) -> dict[str, Any] | None:
         """Queue a given-up notification again (a fresh schedule); returns it, or None when the
-        tenant has no such notification. Raises ValueError when it is not given up."""
+        tenant has no such notification. Raises NotFailed when it is not given up."""
         with translate("retrying a notification"):
             row = await self._pool.fetchrow(
                 "UPDATE ce_notifications SET failed_at = NULL, attempts = 0, next_attempt_at = now(), last_error = NULL "
@@ -140,5 +144,5 @@ class NotificationRepo:
                     f"SELECT {_VIEW_COLUMNS} FROM ce_notifications WHERE tenant_id = $1 AND id = $2", tenant_id, id)
                 if row is None:
                     return None
-                raise ValueError(f"notification {id!r} is {_view(row)['status']}, not failed")
+                raise NotFailed(f"notification {id!r} is {_view(row)['status']}, not failed")
         return _view(row)

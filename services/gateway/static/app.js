@@ -1189,6 +1189,9 @@ function tryItBox(selected, afterTurn) {
     const list = entries();
     list.push({ kind: 'user', text: message });
     text.value = '';
+    // cleared as the message leaves the box, not when its turn ends: whatever is typed while
+    // the turn streams is the next draft and must survive a reload
+    S.set('ce.tryit.text', '');
     let result;
     try {
       result = await stream(`/v1/sessions/${encodeURIComponent(id)}/messages`, { text: message, message_id: `dash-${crypto.randomUUID()}` }, list);
@@ -1199,12 +1202,11 @@ function tryItBox(selected, afterTurn) {
       // refused before anything ran: take the message back into the box, say why next to it
       list.pop();
       save(list); redraw();
-      text.value = message;
+      if (!text.value) { text.value = message; S.set('ce.tryit.text', message); }
       err.textContent = result.detail;
       text.setAttribute('aria-invalid', 'true');
       return;
     }
-    S.set('ce.tryit.text', '');
     afterTurn();
     if (location.hash.startsWith('#/sessions') && location.hash !== `#/sessions/${encodeURIComponent(id)}`) {
       location.hash = `#/sessions/${encodeURIComponent(id)}`;
