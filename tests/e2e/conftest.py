@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import aiohttp
+import asyncpg
 import msgspec
 import pytest_asyncio
 
@@ -73,3 +74,14 @@ async def tenant(stack, client):
     finally:
         await pool.close()
     return t.id, key.api_key, {"Authorization": f"Bearer {key.api_key}"}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def db(stack) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the stack's database (no JSON codecs: rows read as the text Postgres
+    stores). Modules that need a pool define their own `db`."""
+    conn = await asyncpg.connect(stack.settings.database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()

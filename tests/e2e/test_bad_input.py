@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-import asyncpg
 import pytest
 import pytest_asyncio
 
@@ -60,15 +59,6 @@ async def call(client, stack, headers: dict[str, str], method: str, path: str, *
             assert {"type", "title", "status", "detail"} <= body.keys() and body["status"] == r.status, body
             assert body["detail"].strip() and "Traceback" not in text and "postgres" not in text.lower(), body
         return r.status, body, text
-
-
-@pytest_asyncio.fixture(scope="module")
-async def db(stack) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 # -- bodies ----------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -92,16 +91,6 @@ def assert_problem(status: int, content_type: str, body: Any) -> None:
 @pytest_asyncio.fixture
 async def api(stack, client, tenant) -> Api:
     return Api(client, stack.gateway.url, tenant[2])
-
-
-@pytest_asyncio.fixture(scope="module")
-async def db(stack) -> AsyncIterator[asyncpg.Connection]:
-    """A plain connection (no JSON codecs: rows are read as the text Postgres stores)."""
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def tool_call_rows(db, tenant_id: str) -> list[asyncpg.Record]:

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import asyncpg
 import msgspec
 import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
 from tests.e2e.backend_support import Backend
+from tests.e2e.helpers import call_lines
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -93,10 +93,6 @@ async def new_tenant(stack) -> tuple[str, str]:
     return t.id, key.api_key
 
 
-def lines(*calls: tuple[str, dict[str, Any]]) -> str:
-    return "\n".join(f"/call {name} {json.dumps(args)}" for name, args in calls)
-
-
 @pytest_asyncio.fixture(scope="module")
 async def backend() -> AsyncIterator[Backend]:
     b = await Backend("127.0.0.2").start()
@@ -114,15 +110,6 @@ async def canary() -> AsyncIterator[Backend]:
         yield b
     finally:
         await b.stop()
-
-
-@pytest_asyncio.fixture(scope="module")
-async def db(stack) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def webhook(name: str, url: str, **kw: Any) -> dict[str, Any]:
@@ -182,7 +169,7 @@ async def test_a_stored_tool_aimed_at_a_refused_address_is_refused_in_band_when_
     assert status == 201
 
     reply = await api.chat(f"legacy-{secrets.token_hex(3)}",
-                           lines(("legacy", {"order_id": "1"}), ("search", {"q": "x"})))
+                           call_lines(("legacy", {"order_id": "1"}), ("search", {"q": "x"})))
     assert [(c["name"], c["success"]) for c in reply["tool_calls"]] == [("legacy", False), ("search", False)]
     for c in reply["tool_calls"]:
         assert c["error"].startswith(f"Tool '{c['name']}' failed: destination not allowed. "), c
@@ -196,7 +183,7 @@ async def test_a_redirect_to_a_refused_address_is_not_followed(stack, client, ba
     before = len(backend.requests)
     url = f"{backend.url}/redirect/{{order_id}}?to={canary.url}/latest/meta-data/"
     assert (await api.call("POST", "/v1/tools", webhook("hop", url)))[0] == 201
-    reply = await api.chat(f"hop-{secrets.token_hex(3)}", lines(("hop", {"order_id": "1"})))
+    reply = await api.chat(f"hop-{secrets.token_hex(3)}", call_lines(("hop", {"order_id": "1"})))
     [call] = reply["tool_calls"]
     assert not call["success"] and "redirects are not followed" in call["error"], call
     assert len(backend.requests) == before + 1 and canary.requests == []
@@ -224,7 +211,7 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
 
     theirs = {"tenant_id": b_id, "tenantId": b_id, "account_id": b_id, "accountId": b_id}
     before = len(backend.requests)
-    reply = await api.chat(f"ids-{secrets.token_hex(3)}", lines(
+    reply = await api.chat(f"ids-{secrets.token_hex(3)}", call_lines(
         ("record_order", {"order_id": "1", **theirs, "filter": {"account_id": b_id, "items": [{"tenantId": b_id}]}}),
         ("lookup", {"order_id": "2", **theirs}),
         ("search", {"q": "shoes", "customer": b_id, **theirs}),
@@ -255,7 +242,7 @@ async def test_another_tenants_workflow_job_is_404_on_both_job_routes(stack, cli
         "start_url": f"{backend.url}/ok/jobs", "parameters": {"order_id": {"type": "string"}}})
     assert status == 201
     before = len(backend.requests)
-    reply = await a.chat(f"job-{secrets.token_hex(3)}", lines(("start_refund", {"order_id": "7"})))
+    reply = await a.chat(f"job-{secrets.token_hex(3)}", call_lines(("start_refund", {"order_id": "7"})))
     assert reply["tool_calls"][0]["success"], reply
     [start] = backend.requests[before:]
     job_id = json.loads(start["body"])["job_id"]
@@ -320,12 +307,12 @@ async def test_secrets_appear_in_no_response_error_log_or_row(stack, client, bac
 
         before = len(backend.requests)
         session = f"secrets-{secrets.token_hex(3)}"
-        reply = await api.chat(session, lines(*[(n, {"order_id": "42", "q": "x"} if n == "search" else {"order_id": "42"})
+        reply = await api.chat(session, call_lines(*[(n, {"order_id": "42", "q": "x"} if n == "search" else {"order_id": "42"})
                                                 for n in ("lookup", "broken", "denied", "hop", "search")]))
         assert [c["success"] for c in reply["tool_calls"]] == [True, False, False, False, False], reply
         async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/messages",
                                headers={"Authorization": f"Bearer {key}", "Accept": "text/event-stream"},
-                               json={"text": lines(("broken", {"order_id": "43"}))}) as r:
+                               json={"text": call_lines(("broken", {"order_id": "43"}))}) as r:
             seen.append(await r.text())
         for path in (f"/v1/sessions/{session}", "/v1/analytics/tools?since=1h"):
             assert (await api.call("GET", path))[0] == 200

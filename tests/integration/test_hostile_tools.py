@@ -16,11 +16,8 @@ assert that nothing reached even that factory.
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import json
 import secrets
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,43 +50,13 @@ from storage.records import (
     session_uid,
 )
 from storage.repos import SessionRepo
+from tests.net_fakes import LoopbackOnlySockets, MapResolver
 from tests.unit.test_session_loop import ScriptedLLM
 
 ORDER = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
 
 
 # --------------------------------------------------------------------------- safety fakes
-
-
-class MapResolver:
-    """Resolver port fake: test host names -> addresses; unknown names fail as DNS would."""
-
-    def __init__(self, answers: dict[str, list[str]]) -> None:
-        self.answers = answers
-        self.calls: list[tuple[str, int]] = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        self.calls.append((host, port))
-        if host not in self.answers:
-            raise socket.gaierror(socket.EAI_NONAME, "unknown test host")
-        return list(self.answers[host])
-
-
-class LoopbackOnlySockets:
-    """aiohttp connector socket factory: loopback connects only; anything else refused, recorded."""
-
-    def __init__(self) -> None:
-        self.connects: list[str] = []
-        self.refused: list[str] = []
-
-    def __call__(self, addr_info: tuple[Any, ...]) -> socket.socket:
-        family, type_, proto, _canon, sockaddr = addr_info
-        host = str(sockaddr[0])
-        if not ipaddress.ip_address(host.split("%", 1)[0]).is_loopback:
-            self.refused.append(host)
-            raise PermissionError(errno.EACCES, "test refuses a non-loopback connect")
-        self.connects.append(host)
-        return socket.socket(family, type_, proto)
 
 
 # --------------------------------------------------------------------------- a loopback upstream

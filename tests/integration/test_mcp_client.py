@@ -12,21 +12,10 @@ from services.tools.mcp import McpToolFailed, result_value
 from services.tools.mcp_client import McpHttpClient, _PinnedBackend
 from services.tools.ssrf import CheckedDestination, DestinationPolicy
 from tests.mcp_support import ShopMcpServer
+from tests.net_fakes import MapResolver
 
 LOOPBACK_TWO = DestinationPolicy(allow=("127.0.0.2/32",))
 TOKEN = "Bearer mcp-test-token"
-
-
-class MapResolver:
-    """services.tools.ssrf.Resolver answering from a table; records what it was asked."""
-
-    def __init__(self, table: dict[str, list[str]]) -> None:
-        self.table = table
-        self.asked: list[str] = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        self.asked.append(host)
-        return self.table[host]
 
 
 class RecordingBackend(httpcore2.AsyncNetworkBackend):

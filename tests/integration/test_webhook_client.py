@@ -9,9 +9,7 @@ before a socket exists. The guard cases assert that nothing reached even that fa
 from __future__ import annotations
 
 import asyncio
-import errno
 import gzip
-import ipaddress
 import json
 import socket
 import time
@@ -39,48 +37,13 @@ from services.tools.errors import (
 from services.tools.model import BackendBindingTool, WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookResponse, WebhookToolBackend
+from tests.net_fakes import LoopbackOnlySockets, MapResolver
 
 LOOPBACK_ONLY = ("127.0.0.1/32",)
 TEN_MB = 10 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- safety fakes
-
-
-class MapResolver:
-    """Resolver port fake: test host names -> addresses; unknown names fail like DNS would."""
-
-    def __init__(self, answers: dict[str, list[list[str]] | list[str]]) -> None:
-        # a host maps to one answer, or to a sequence of answers given in turn (rebinding)
-        self.answers = answers
-        self.calls: list[tuple[str, int]] = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        self.calls.append((host, port))
-        answer = self.answers.get(host)
-        if answer is None:
-            raise socket.gaierror(socket.EAI_NONAME, "unknown test host")
-        if answer and isinstance(answer[0], list):
-            turn = sum(1 for h, _ in self.calls if h == host) - 1
-            return list(answer[min(turn, len(answer) - 1)])  # type: ignore[arg-type]
-        return list(answer)  # type: ignore[arg-type]
-
-
-class LoopbackOnlySockets:
-    """Socket factory for aiohttp's connector: loopback connects only, everything else refused."""
-
-    def __init__(self) -> None:
-        self.connects: list[str] = []
-        self.refused: list[str] = []
-
-    def __call__(self, addr_info: tuple[Any, ...]) -> socket.socket:
-        family, type_, proto, _canon, sockaddr = addr_info
-        host = str(sockaddr[0])
-        if not ipaddress.ip_address(host.split("%", 1)[0]).is_loopback:
-            self.refused.append(host)
-            raise PermissionError(errno.EACCES, "test refuses a non-loopback connect")
-        self.connects.append(host)
-        return socket.socket(family, type_, proto)
 
 
 # --------------------------------------------------------------------------- servers

@@ -1,13 +1,12 @@
 """The SSRF guard as a policy table: which addresses are refused, which the allowlist lets through.
 
-Nothing here connects anywhere: host names "resolve" through `FakeResolver`, and an accepted
+Nothing here connects anywhere: host names "resolve" through `MapResolver`, and an accepted
 public address is only checked by the policy, never contacted.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import socket
 
 import pytest
 
@@ -20,21 +19,7 @@ from services.tools.ssrf import (
     check_destination,
     refusal_rule,
 )
-
-
-class FakeResolver:
-    """Resolver port fake: a fixed map of host name -> addresses, counting lookups."""
-
-    def __init__(self, answers: dict[str, list[str]] | None = None) -> None:
-        self.answers = answers or {}
-        self.calls: list[tuple[str, int]] = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        self.calls.append((host, port))
-        if host not in self.answers:
-            raise socket.gaierror(socket.EAI_NONAME, "unknown test host")
-        return list(self.answers[host])
-
+from tests.net_fakes import MapResolver
 
 NO_ALLOW = DestinationPolicy(allow=())
 
@@ -73,7 +58,7 @@ REFUSED = [
 async def test_an_internal_address_reached_through_a_host_name_is_refused(
     address: str, rule_part: str | None
 ) -> None:
-    resolver = FakeResolver({"victim.test": [address]})
+    resolver = MapResolver({"victim.test": [address]})
     with pytest.raises(DestinationBlocked) as info:
         await check_destination("https://victim.test/api", resolver, NO_ALLOW)
     error = info.value
@@ -91,7 +76,7 @@ async def test_an_internal_ip_literal_is_refused_without_any_lookup(
     address: str, rule_part: str | None
 ) -> None:
     host = f"[{address}]" if ":" in address else address
-    resolver = FakeResolver()
+    resolver = MapResolver()
     with pytest.raises(DestinationBlocked, match="^destination not allowed$"):
         await check_destination(f"http://{host}:8080/x", resolver, NO_ALLOW)
     assert resolver.calls == []
@@ -102,7 +87,7 @@ async def test_an_internal_ip_literal_is_refused_without_any_lookup(
 )
 async def test_a_public_address_is_accepted_by_the_policy(address: str) -> None:
     # policy only: nothing here opens a connection to this address
-    resolver = FakeResolver({"shop.test": [address]})
+    resolver = MapResolver({"shop.test": [address]})
     checked = await check_destination("https://shop.test/api/orders/1?x=2", resolver, NO_ALLOW)
     assert checked == CheckedDestination(
         scheme="https",
@@ -114,14 +99,14 @@ async def test_a_public_address_is_accepted_by_the_policy(address: str) -> None:
 
 
 async def test_every_address_is_checked_one_internal_answer_refuses_the_host() -> None:
-    resolver = FakeResolver({"mixed.test": ["93.184.216.34", "10.0.0.1"]})
+    resolver = MapResolver({"mixed.test": ["93.184.216.34", "10.0.0.1"]})
     with pytest.raises(DestinationBlocked) as info:
         await check_destination("https://mixed.test/", resolver, NO_ALLOW)
     assert "10.0.0.1" in info.value.detail
 
 
 async def test_the_host_is_resolved_exactly_once_and_all_addresses_are_kept() -> None:
-    resolver = FakeResolver(
+    resolver = MapResolver(
         {"shop.test": ["93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946", "93.184.216.34"]}
     )
     checked = await check_destination("http://shop.test:8080/a", resolver, NO_ALLOW)
@@ -131,7 +116,7 @@ async def test_the_host_is_resolved_exactly_once_and_all_addresses_are_kept() ->
 
 async def test_allowlist_cidr_lets_covered_addresses_through_and_nothing_else() -> None:
     policy = DestinationPolicy(allow=("10.0.0.0/8",))
-    resolver = FakeResolver({"backend.test": ["10.0.0.1"], "other.test": ["192.168.1.1"]})
+    resolver = MapResolver({"backend.test": ["10.0.0.1"], "other.test": ["192.168.1.1"]})
     checked = await check_destination("http://backend.test/x", resolver, policy)
     assert checked.addresses == ["10.0.0.1"]
     with pytest.raises(DestinationBlocked):
@@ -140,7 +125,7 @@ async def test_allowlist_cidr_lets_covered_addresses_through_and_nothing_else() 
 
 async def test_allowlist_cidr_covers_the_ipv4_mapped_form() -> None:
     policy = DestinationPolicy(allow=("127.0.0.0/8",))
-    checked = await check_destination("http://[::ffff:127.0.0.1]:9000/", FakeResolver(), policy)
+    checked = await check_destination("http://[::ffff:127.0.0.1]:9000/", MapResolver(), policy)
     assert [ipaddress.ip_address(a) for a in checked.addresses] == [
         ipaddress.ip_address("::ffff:127.0.0.1")
     ]
@@ -148,7 +133,7 @@ async def test_allowlist_cidr_covers_the_ipv4_mapped_form() -> None:
 
 async def test_allowlist_host_name_allows_that_host_whatever_it_resolves_to() -> None:
     policy = DestinationPolicy(allow=("Demo-Backend.internal",))
-    resolver = FakeResolver(
+    resolver = MapResolver(
         {"demo-backend.internal": ["10.1.2.3", "127.0.0.1"], "evil.internal": ["10.1.2.3"]}
     )
     checked = await check_destination("http://DEMO-BACKEND.internal./api", resolver, policy)
@@ -161,7 +146,7 @@ async def test_allowlist_host_name_allows_that_host_whatever_it_resolves_to() ->
 async def test_allowlisting_a_host_name_does_not_allow_its_address_under_another_name() -> None:
     policy = DestinationPolicy(allow=("backend.internal",))
     with pytest.raises(DestinationBlocked):
-        await check_destination("http://10.1.2.3/api", FakeResolver(), policy)
+        await check_destination("http://10.1.2.3/api", MapResolver(), policy)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +174,7 @@ async def test_allowlisting_a_host_name_does_not_allow_its_address_under_another
 async def test_malformed_or_non_http_urls_are_refused_before_any_lookup(
     url: str, rule: str
 ) -> None:
-    resolver = FakeResolver({"shop.test": ["93.184.216.34"]})
+    resolver = MapResolver({"shop.test": ["93.184.216.34"]})
     with pytest.raises(DestinationBlocked, match="^destination not allowed$") as info:
         await check_destination(url, resolver, NO_ALLOW)
     assert info.value.rule == rule
@@ -198,16 +183,16 @@ async def test_malformed_or_non_http_urls_are_refused_before_any_lookup(
 
 async def test_a_host_that_does_not_resolve_is_unreachable_not_blocked() -> None:
     with pytest.raises(UpstreamUnreachable, match="could not be resolved"):
-        await check_destination("https://nowhere.test/", FakeResolver(), NO_ALLOW)
+        await check_destination("https://nowhere.test/", MapResolver(), NO_ALLOW)
 
 
 async def test_a_host_resolving_to_nothing_is_unreachable() -> None:
     with pytest.raises(UpstreamUnreachable, match="could not be resolved"):
-        await check_destination("https://empty.test/", FakeResolver({"empty.test": []}), NO_ALLOW)
+        await check_destination("https://empty.test/", MapResolver({"empty.test": []}), NO_ALLOW)
 
 
 async def test_unicode_host_names_are_checked_in_their_idna_form() -> None:
-    resolver = FakeResolver({"xn--bcher-kva.test": ["93.184.216.34"]})
+    resolver = MapResolver({"xn--bcher-kva.test": ["93.184.216.34"]})
     checked = await check_destination("https://bücher.test/", resolver, NO_ALLOW)
     assert checked.host == "xn--bcher-kva.test"
 
