@@ -63,17 +63,10 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest_asyncio.fixture
 async def tenant(stack, client):
     """A new tenant on the stack: (tenant_id, api_key, headers)."""
-    import secrets
+    from tests.e2e.helpers import new_tenant
 
-    from storage.pool import create_pool
-    from storage.repos import TenantRepo
-
-    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-    try:
-        t, key = await TenantRepo(pool).create_tenant(f"e2e-{secrets.token_hex(4)}")
-    finally:
-        await pool.close()
-    return t.id, key.api_key, {"Authorization": f"Bearer {key.api_key}"}
+    tenant_id, api_key = await new_tenant(stack)
+    return tenant_id, api_key, {"Authorization": f"Bearer {api_key}"}
 
 
 @pytest_asyncio.fixture(scope="module")

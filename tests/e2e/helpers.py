@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections import Counter
 from typing import Any
 
@@ -17,6 +18,19 @@ from aiohttp import web
 from storage.records import session_uid
 
 NOTED = "order_noted"
+
+
+async def new_tenant(stack: Any, prefix: str = "e2e") -> tuple[str, str]:
+    """A new tenant on the stack's database: (tenant_id, api_key)."""
+    from storage.pool import create_pool
+    from storage.repos import TenantRepo
+
+    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
+    try:
+        t, key = await TenantRepo(pool).create_tenant(f"{prefix}-{secrets.token_hex(4)}")
+    finally:
+        await pool.close()
+    return t.id, key.api_key
 
 
 def call_lines(*calls: tuple[str, dict[str, Any]]) -> str:

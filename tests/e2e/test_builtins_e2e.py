@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from services.builtins.notify import verify
+from tests.e2e.helpers import new_tenant
 from tests.integration.builtins_support import SECRET, receiver
 
 pytestmark = pytest.mark.e2e
@@ -262,13 +263,6 @@ async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, clie
 @pytest.fixture
 def make_tenant_api(stack, client):
     async def make() -> Api:
-        from storage.pool import create_pool
-        from storage.repos import TenantRepo
-
-        pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-        try:
-            _t, key = await TenantRepo(pool).create_tenant(f"e2e-other-{secrets.token_hex(4)}")
-        finally:
-            await pool.close()
-        return Api(client, stack.gateway.url, {"Authorization": f"Bearer {key.api_key}"})
+        _, key = await new_tenant(stack, "e2e-other")
+        return Api(client, stack.gateway.url, {"Authorization": f"Bearer {key}"})
     return make

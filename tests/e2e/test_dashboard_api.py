@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.helpers import new_tenant
+
 pytestmark = pytest.mark.e2e
 
 
@@ -140,13 +142,6 @@ async def test_calls_over_time_refuses_a_bad_range_saying_what_to_send(stack, cl
 def make_other(stack, client):
     """Headers of another new tenant on the same stack."""
     async def make() -> dict[str, str]:
-        from storage.pool import create_pool
-        from storage.repos import TenantRepo
-
-        pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-        try:
-            _, key = await TenantRepo(pool).create_tenant(f"e2e-other-{secrets.token_hex(4)}")
-        finally:
-            await pool.close()
-        return {"Authorization": f"Bearer {key.api_key}"}
+        _, key = await new_tenant(stack, "e2e-other")
+        return {"Authorization": f"Bearer {key}"}
     return make

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 from typing import Any
 
 import pytest
@@ -37,24 +36,14 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from tests.e2e.helpers import new_tenant
+
 PROBLEM_JSON = "application/problem+json"
 #: examples per operation and mode: enough to find the edges, bounded for a 2-core CI machine
 BODY_EXAMPLES = 50
 OTHER_EXAMPLES = 12
 NOT_FUZZED = ("/v1/mcp-servers",)  # a tenant's catalog connects to its MCP servers: not with fuzzed URLs
 UNAUTHENTICATED = ("/healthz", "/readyz", "/metrics")
-
-
-async def _new_tenant(stack, prefix: str) -> str:
-    from storage.pool import create_pool
-    from storage.repos import TenantRepo
-
-    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-    try:
-        _, key = await TenantRepo(pool).create_tenant(f"{prefix}-{secrets.token_hex(4)}")
-    finally:
-        await pool.close()
-    return key.api_key
 
 
 def _own_checks(response, keys: tuple[str, ...]) -> list[str]:
@@ -130,8 +119,8 @@ async def test_every_operation_of_the_openapi_document_survives_generated_input(
     async with client.get(f"{stack.gateway.url}/openapi.json") as r:
         assert r.status == 200
         document = json.loads(await r.text())
-    admin_key = await _new_tenant(stack, "fuzz-admin")
-    chat_key = await _new_tenant(stack, "fuzz-chat")
+    _, admin_key = await new_tenant(stack, "fuzz-admin")
+    _, chat_key = await new_tenant(stack, "fuzz-chat")
     failures, sent = await asyncio.to_thread(_fuzz, document, stack.gateway.url, admin_key, chat_key)
     assert not failures, "\n\n".join(failures)
     assert sent > 200, f"only {sent} requests were generated"

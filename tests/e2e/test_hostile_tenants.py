@@ -37,7 +37,7 @@ import pytest_asyncio
 from structlog.testing import capture_logs
 
 from tests.e2e.backend_support import Backend
-from tests.e2e.helpers import call_lines
+from tests.e2e.helpers import call_lines, new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -81,18 +81,6 @@ class Api:
         return reply
 
 
-async def new_tenant(stack) -> tuple[str, str]:
-    from storage.pool import create_pool
-    from storage.repos import TenantRepo
-
-    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-    try:
-        t, key = await TenantRepo(pool).create_tenant(f"hostile-{secrets.token_hex(4)}")
-    finally:
-        await pool.close()
-    return t.id, key.api_key
-
-
 @pytest_asyncio.fixture(scope="module")
 async def backend() -> AsyncIterator[Backend]:
     b = await Backend("127.0.0.2").start()
@@ -121,7 +109,7 @@ def webhook(name: str, url: str, **kw: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("url", BLOCKED_URLS)
 async def test_a_url_aimed_inside_the_network_is_refused_at_registration_on_every_field(stack, client, url):
-    _, key = await new_tenant(stack)
+    _, key = await new_tenant(stack, "hostile")
     api = Api(client, stack.gateway.url, key)
     plain = url.replace("{order_id}", "x")
     attempts = [
@@ -154,7 +142,7 @@ async def test_a_stored_tool_aimed_at_a_refused_address_is_refused_in_band_when_
     from storage.pool import create_pool
     from storage.repos import BotConfigRepo, ToolRepo
 
-    tenant_id, key = await new_tenant(stack)
+    tenant_id, key = await new_tenant(stack, "hostile")
     api = Api(client, stack.gateway.url, key)
     legacy = definition_from_body(ToolCreate(**webhook("legacy", f"{canary.url}/steal/{{order_id}}")), encrypt=str)
     pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
@@ -178,7 +166,7 @@ async def test_a_stored_tool_aimed_at_a_refused_address_is_refused_in_band_when_
 
 
 async def test_a_redirect_to_a_refused_address_is_not_followed(stack, client, backend, canary):
-    _, key = await new_tenant(stack)
+    _, key = await new_tenant(stack, "hostile")
     api = Api(client, stack.gateway.url, key)
     before = len(backend.requests)
     url = f"{backend.url}/redirect/{{order_id}}?to={canary.url}/latest/meta-data/"
@@ -194,8 +182,8 @@ async def test_a_redirect_to_a_refused_address_is_not_followed(stack, client, ba
 async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_the_trusted_ones(
     stack, client, backend
 ):
-    a_id, a_key = await new_tenant(stack)
-    b_id, _ = await new_tenant(stack)
+    a_id, a_key = await new_tenant(stack, "hostile")
+    b_id, _ = await new_tenant(stack, "hostile")
     api = Api(client, stack.gateway.url, a_key)
     for body in (
         webhook("record_order", f"{backend.url}/ok/record", method="POST", mutability="read", parameters={
@@ -234,8 +222,8 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
 # -- another tenant's jobs -----------------------------------------------------------------------------------
 
 async def test_another_tenants_workflow_job_is_404_on_both_job_routes(stack, client, backend):
-    _, a_key = await new_tenant(stack)
-    _, b_key = await new_tenant(stack)
+    _, a_key = await new_tenant(stack, "hostile")
+    _, b_key = await new_tenant(stack, "hostile")
     a, b = Api(client, stack.gateway.url, a_key), Api(client, stack.gateway.url, b_key)
     status, _ = await a.call("POST", "/v1/tools", {
         "name": "start_refund", "type": "workflow", "description": "start a refund", "mutability": "read",
@@ -279,7 +267,7 @@ def _ray_logs(since: float) -> dict[str, str]:
 
 
 async def test_secrets_appear_in_no_response_error_log_or_row(stack, client, backend, canary, db, caplog):
-    tenant_id, key = await new_tenant(stack)
+    tenant_id, key = await new_tenant(stack, "hostile")
     seen: list[str] = []
     api = Api(client, stack.gateway.url, key, seen)
     webhook_secret = f"Bearer sk-SECRET-canary-{secrets.token_hex(8)}"

@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from storage.records import session_uid
+from tests.e2e.helpers import new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -46,18 +47,6 @@ class Api:
         status, reply = await self.call("POST", f"/v1/sessions/{session_id}/messages", {"text": text})
         assert status == 200, reply
         return reply
-
-
-async def new_tenant(stack, prefix: str) -> tuple[str, str]:
-    from storage.pool import create_pool
-    from storage.repos import TenantRepo
-
-    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
-    try:
-        t, key = await TenantRepo(pool).create_tenant(f"{prefix}-{secrets.token_hex(4)}")
-    finally:
-        await pool.close()
-    return t.id, key.api_key
 
 
 @pytest_asyncio.fixture(scope="module")
