@@ -27,6 +27,13 @@ from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
 log = structlog.get_logger(__name__)
 
 DEMO_TENANT = "demo"
+DEMO_FORM = {
+    "type": "object", "required": ["name", "email", "message"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "minLength": 1}, "email": {"type": "string", "minLength": 3},
+                   "message": {"type": "string", "minLength": 1, "maxLength": 2000}},
+}
+DEMO_SERVICE = {"duration_minutes": 30, "timezone": "UTC",
+                "opening_hours": {d: ["09:00", "17:00"] for d in ("mon", "tue", "wed", "thu", "fri")}}
 DEMO_STORE_HOST = "127.0.0.2"  # its own loopback address, so the allowlist admits it and nothing else
 DEMO_STORE_PORT = 8090
 
@@ -187,6 +194,15 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
         },
         "backend": {"base_url": store_url, "openapi": DEMO_OPENAPI},
     })
+    # A form and a bookable service, so the demo offers every built-in (submit_form and the
+    # booking tools wait for a tenant's first form and service).
+    from services.builtins.appointments import service_from_body
+    from services.builtins.forms import check_form
+    from storage.repos.builtins import BuiltinRepos
+
+    builtins = BuiltinRepos(pool)
+    await builtins.forms.put(tenant.id, "contact", check_form("contact", DEMO_FORM))
+    await builtins.appointments.put_service(tenant.id, service_from_body("consultation", DEMO_SERVICE))
     env_file.write_text(f"CE_URL=http://{settings.host}:{settings.port}\nCE_API_KEY={key}\n")
     env_file.chmod(0o600)
     return key
