@@ -27,7 +27,15 @@ import ray
 import structlog
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from actors.ray_host import HostError, HostResult, SessionHostActor, event_decoder, result_decoder
+from actors.lane import LaneAddress, LaneBroken, LaneClient
+from actors.ray_host import (
+    LANE_METHODS,
+    HostError,
+    HostResult,
+    SessionHostActor,
+    event_decoder,
+    result_decoder,
+)
 from actors.sharding import HOST_PREFIX, host_name, parse_host_name, rendezvous_index, route
 from services.errors import ChatEngineError, ConfigError, Overloaded
 from services.settings import Settings
@@ -103,6 +111,11 @@ class Placement:
         self._encoded = msgspec.json.encode(msgspec.structs.replace(settings, shards=self._state.shards))
         self._handles: dict[str, Any] = {}
         self._missing: dict[str, float] = {}  # shard host name -> when a turn first found it missing
+        # Turns go to a shard host over its lane (actors/lane.py) when it has one: name -> client,
+        # None for a host without a lane; the lookups under way, so that a burst asks once.
+        self._use_lanes = settings.host_lane and self._mode == "sharded"
+        self._lanes: dict[str, LaneClient | None] = {}
+        self._lane_lookups: dict[str, asyncio.Future[LaneClient | None]] = {}
 
     @property
     def mode(self) -> str:
@@ -153,6 +166,41 @@ class Placement:
 
     def _forget(self, name: str) -> None:
         self._handles.pop(name, None)
+        self._drop_lane(name)
+
+    def _drop_lane(self, name: str) -> None:
+        lane = self._lanes.pop(name, None)
+        if lane is not None:
+            lane.close()
+
+    def close_lanes(self) -> None:
+        """Close every lane connection (turns still waiting on one raise LaneBroken)."""
+        for name in list(self._lanes):
+            self._drop_lane(name)
+
+    async def _lane(self, name: str, handle: Any) -> LaneClient | None:
+        """The lane client of host `name`: its address is asked of the host (a Ray call) once,
+        and again after the connection failed (a restarted host listens on another port)."""
+        lane = self._lanes.get(name)
+        if lane is not None and not lane.broken:
+            return lane
+        if lane is None and name in self._lanes:
+            return None  # the host has no lane
+        lookup = self._lane_lookups.get(name)
+        if lookup is None:
+            lookup = self._lane_lookups[name] = asyncio.ensure_future(self._lookup_lane(name, handle))
+            lookup.add_done_callback(lambda _: self._lane_lookups.pop(name, None))
+        return await asyncio.shield(lookup)
+
+    async def _lookup_lane(self, name: str, handle: Any) -> LaneClient | None:
+        self._drop_lane(name)
+        try:
+            raw = await handle.lane.remote()
+        except AttributeError:  # a host of an earlier version, without a lane: Ray's path only
+            raw = None
+        lane = None if raw is None else LaneClient(msgspec.json.decode(raw, type=LaneAddress))
+        self._lanes[name] = lane
+        return lane
 
     def _routed_handle(self, name: str) -> Any:
         """The handle a turn goes to. A shard host that does not exist is not created here at
@@ -189,8 +237,15 @@ class Placement:
             name = self.actor_name(tenant_id, session_id)
             handle = self._routed_handle(name)
             try:
+                if self._use_lanes and method in LANE_METHODS:
+                    lane = await self._lane(name, handle)
+                    if lane is not None:
+                        return await lane.call(method, *args)
                 return await getattr(handle, method).remote(*args)
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
+                # A broken lane is a host that died, is restarting or was retired, as Ray's errors
+                # are. The turn may have run: the retry carries its message id, and the host
+                # answers a message id it has answered with the stored reply.
                 self._forget(name)
                 if attempt:
                     raise Overloaded(
@@ -318,6 +373,7 @@ class Placement:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(h, no_restart=True)
         self._handles.clear()
+        self.close_lanes()
 
 
     # -- rescaling (the operator's path: `chat-engine scale N`) ---------------------------------

@@ -19,6 +19,7 @@ import ray
 import structlog
 
 from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved, TurnNotSaved
+from actors.lane import LaneAddress, LaneServer
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
@@ -44,6 +45,9 @@ class HostResult(msgspec.Struct, frozen=True, kw_only=True):
 
 SHARD_POOL_SIZE = 10  # Postgres connections of a shard host (thousands of sessions)
 DEDICATED_POOL_SIZE = 2  # of a dedicated actor (one session: the listener and one working)
+
+#: the calls a gateway may send over a shard host's lane (actors/lane.py): the turns
+LANE_METHODS = frozenset({"send", "decide"})
 
 result_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(HostResult)
@@ -78,6 +82,7 @@ class SessionHostActor:
         self._init_lock: asyncio.Lock | None = None
         self._watchdog: asyncio.Task | None = None
         self._turns = 0  # turns (send/decide/stream) running in this actor now
+        self._turn_calls = 0  # turns this actor was asked to run, by any path
         # A shard host owns the sessions its index wins under the shard state in force (read from
         # Postgres when it starts, then pushed by every rescale); a dedicated actor owns its one.
         parsed = None if dedicated else parse_host_name(name)
@@ -85,6 +90,8 @@ class SessionHostActor:
         self._shard_state: ShardState | None = None
         self._stopping = False  # shutdown() began: never build a new SessionHost in this process again
         self._last_call = time.monotonic()  # of a turn (send, decide, stream): how long it has been idle
+        self._lane: LaneServer | None = None
+        self._lane_address: LaneAddress | None = None
 
     async def _ensure(self) -> SessionHost:
         if self._host is not None:
@@ -128,6 +135,9 @@ class SessionHostActor:
                     self._shard_state = await self._stored_shard_state()
                     host.set_ownership(self._owns)
                 self._host = host
+                if not self._dedicated and self._settings.host_lane:
+                    self._lane = LaneServer(self._lane_dispatch, LANE_METHODS)
+                    self._lane_address = await self._lane.start(ray.util.get_node_ip_address())
                 if self._dedicated:
                     self._watchdog = asyncio.create_task(self._exit_when_idle())
         return self._host
@@ -135,6 +145,15 @@ class SessionHostActor:
     async def ready(self) -> str:
         await self._ensure()
         return self._name
+
+    async def lane(self) -> bytes | None:
+        """The address (with its token) of this host's turn lane (encoded LaneAddress), or None
+        when it has none (a dedicated actor, or CE_HOST_LANE=off): turns then come through Ray."""
+        await self._ensure()
+        return None if self._lane_address is None else msgspec.json.encode(self._lane_address)
+
+    async def _lane_dispatch(self, method: str, args: list[Any]) -> bytes:
+        return await getattr(self, method)(*args)
 
     # -- shard ownership ------------------------------------------------------------------------
 
@@ -173,6 +192,7 @@ class SessionHostActor:
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
         self._turns += 1
+        self._turn_calls += 1
         self._last_call = time.monotonic()
         try:
             host = await self._ensure()
@@ -187,6 +207,7 @@ class SessionHostActor:
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
     ) -> bytes:
         self._turns += 1
+        self._turn_calls += 1
         self._last_call = time.monotonic()
         try:
             host = await self._ensure()
@@ -203,6 +224,7 @@ class SessionHostActor:
     ):
         """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
         self._turns += 1
+        self._turn_calls += 1
         self._last_call = time.monotonic()
         try:
             try:
@@ -245,7 +267,8 @@ class SessionHostActor:
                     "node_id": ray.get_runtime_context().get_node_id()}
         state = self._shard_state
         return {**self._host.stats(), "pid": os.getpid(), "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
-                "idle_s": round(time.monotonic() - self._last_call, 3),
+                "idle_s": round(time.monotonic() - self._last_call, 3), "turn_calls": self._turn_calls,
+                "lane_calls": 0 if self._lane is None else self._lane.calls,
                 **({"shards": state.shards, "shard_generation": state.generation} if state is not None else {})}
 
     async def shutdown(self) -> bool:
@@ -253,6 +276,9 @@ class SessionHostActor:
         self._stopping = True
         if self._host is not None:
             await self._host.stop()
+            if self._lane is not None:  # after stop(): every admitted turn has its reply written
+                await self._lane.close()
+                self._lane = self._lane_address = None
             await self._runtime.close()
             self._host = None
         if getattr(self, "_tracing", None) is not None:

@@ -168,6 +168,7 @@ async def _serve(settings: Settings) -> None:
             await _wait_for_signal()
         finally:
             await gateway.close()
+            placement.close_lanes()
     finally:
         if shards is not None:
             await shards.close()

@@ -19,6 +19,7 @@ from services.settings import Settings
         ({"CE_SHARDS": "four"}, "CE_SHARDS", r"CE_SHARDS must be a whole number, got 'four'"),
         ({"CE_SHARDS": "0"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got 0"),
         ({"CE_SHARDS": "-3"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got -3"),
+        ({"CE_HOST_LANE": "sometimes"}, "CE_HOST_LANE", r"CE_HOST_LANE must be 'on' or 'off', got 'sometimes'"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(env, variable, message):
@@ -51,3 +52,9 @@ def test_defaults_and_valid_values():
     assert (s.placement, s.shards, s.database_url) == ("dedicated", 8, None)
     assert Settings.from_env({}).placement == "sharded"
     assert Settings.from_env({"CE_SHARDS": "  "}).shards == 4  # blank counts as unset
+
+
+def test_the_turn_lane_is_on_unless_switched_off():
+    assert Settings.from_env({}).host_lane is True
+    assert Settings.from_env({"CE_HOST_LANE": "Off"}).host_lane is False
+    assert Settings.from_env({"CE_HOST_LANE": "1"}).host_lane is True

@@ -1,0 +1,97 @@
+"""The turn lane end to end (actors/lane.py): the real gateway and shard hosts on a local Ray.
+
+Turns the gateway routes reach the hosts over their lanes, not Ray's task path; the lane listens
+on the node's loopback address and runs nothing for a connection without the host's token; with
+CE_HOST_LANE=off the same turns go through Ray; a host restarted by Ray gets a new lane the
+gateway finds by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import pytest
+import ray
+
+from actors.lane import LaneAddress, LaneBroken, LaneClient
+from actors.placement import NAMESPACE, Placement
+from tests.e2e.helpers import call_lines, register_order_tools, send
+
+pytestmark = pytest.mark.e2e
+
+
+async def host_counts(placement) -> dict[str, tuple[int, int]]:
+    """host -> (turn calls by any path, turn calls over the lane)."""
+    return {s["host"]: (s["turn_calls"], s["lane_calls"]) for s in await placement.stats()}
+
+
+def delta(after: dict, before: dict) -> tuple[int, int]:
+    return (sum(a[0] for a in after.values()) - sum(b[0] for b in before.values()),
+            sum(a[1] for a in after.values()) - sum(b[1] for b in before.values()))
+
+
+async def test_gateway_turns_go_over_the_hosts_lanes_and_through_ray_when_switched_off(stack, client, tenant):
+    tenant_id, _key, headers = tenant
+    url = stack.gateway.url
+    await register_order_tools(client, url, headers, stack.demo_store.url)
+    text = call_lines(("check_order", {"order_id": "1001"}))
+    sessions = [f"lane-{i}" for i in range(12)]  # both hosts get some
+    assert len({stack.placement.actor_name(tenant_id, s) for s in sessions}) == 2
+
+    before = await host_counts(stack.placement)
+    sent = await asyncio.gather(*(send(client, url, headers, s, text, f"{s}-m0") for s in sessions))
+    assert all(s.reply is not None and s.reply["tool_calls"][0]["success"] for s in sent), [s.failures for s in sent]
+    assert delta(await host_counts(stack.placement), before) == (12, 12)  # every turn, over the lane
+
+    # the same hosts, a gateway-side placement with the lane switched off: Ray's task path
+    off = Placement(msgspec.structs.replace(stack.settings, host_lane=False))
+    before = await host_counts(stack.placement)
+    reply = await off.send(tenant_id, sessions[0], text, "lane-off-m1")
+    assert reply.tool_calls[0].success and reply.message_id == "lane-off-m1"
+    assert delta(await host_counts(stack.placement), before) == (1, 0)
+    # a message id answered over the lane is answered again through Ray: the stored reply
+    again = await off.send(tenant_id, sessions[1], "ignored", f"{sessions[1]}-m0")
+    assert again.replay and again.reply == sent[1].reply["reply"]
+
+
+async def test_a_hosts_lane_is_on_loopback_and_refuses_a_connection_without_its_token(stack):
+    name = stack.placement.actor_name("t", "s")
+    raw = await ray.get_actor(name, namespace=NAMESPACE).lane.remote()
+    address = msgspec.json.decode(raw, type=LaneAddress)
+    assert address.host == "127.0.0.1" and address.port > 0 and len(address.token) >= 40
+
+    before = await host_counts(stack.placement)
+    forged = LaneClient(msgspec.structs.replace(address, token="x" * len(address.token)))
+    with pytest.raises(LaneBroken):
+        await forged.call("send", "t", "s", "run me", None)
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(b"\x00\x00\x00\x05hello")  # not the token either
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    assert delta(await host_counts(stack.placement), before) == (0, 0)
+
+
+async def test_a_host_restarted_by_ray_gets_a_new_lane_and_the_gateway_finds_it(stack, client, tenant):
+    tenant_id, _key, headers = tenant
+    url = stack.gateway.url
+    await register_order_tools(client, url, headers, stack.demo_store.url)
+    text = call_lines(("check_order", {"order_id": "1002"}))
+    session = "lane-restart"
+    name = stack.placement.actor_name(tenant_id, session)
+    handle = ray.get_actor(name, namespace=NAMESPACE)
+    first = await send(client, url, headers, session, text, "lr-m0")
+    assert first.reply is not None, first.failures
+    old = msgspec.json.decode(await handle.lane.remote(), type=LaneAddress)
+    pid = {s["host"]: s["pid"] for s in await stack.placement.stats()}[name]
+
+    os.kill(pid, signal.SIGKILL)
+    later = await send(client, url, headers, session, text, "lr-m1", retries=60)
+    assert later.reply is not None and later.reply["tool_calls"][0]["success"], later.failures
+    assert all(status == 503 for status, _ra, _b in later.failures), later.failures
+    new = msgspec.json.decode(await handle.lane.remote(), type=LaneAddress)
+    assert (new.port, new.token) != (old.port, old.token)
+    stats = {s["host"]: s for s in await stack.placement.stats()}[name]
+    assert stats["pid"] != pid and stats["lane_calls"] >= 1  # the gateway's turn came over the new lane

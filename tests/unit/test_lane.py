@@ -1,0 +1,137 @@
+"""The turn lane (actors/lane.py): a real server and client on 127.0.0.1, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from actors.lane import MAX_FRAME, LaneAddress, LaneBroken, LaneClient, LaneError, LaneServer, frame
+
+
+class Host:
+    """A dispatcher whose calls finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list]] = []
+        self.gates: dict[str, asyncio.Event] = {}
+
+    async def dispatch(self, method: str, args: list) -> bytes:
+        self.calls.append((method, args))
+        gate = self.gates.get(args[0]) if args else None
+        if gate is not None:
+            await gate.wait()
+        if method == "boom":
+            raise RuntimeError("a bug in the dispatcher")
+        return msgspec.json.encode({"method": method, "args": args})
+
+
+@pytest.fixture
+async def lane():
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send", "decide", "boom"}))
+    address = await server.start("127.0.0.1")
+    client = LaneClient(address)
+    yield host, server, client
+    client.close()
+    await server.close()
+
+
+async def test_a_call_runs_on_the_host_and_returns_its_reply(lane):
+    host, _, client = lane
+    body = await client.call("send", "t1", "s1", "hello", None)
+    assert msgspec.json.decode(body) == {"method": "send", "args": ["t1", "s1", "hello", None]}
+    edited = {"slot": "2026-12-03T10:00", "nested": [1, {"a": None}]}
+    body = await client.call("decide", "t1", "s1", "ap_1", True, edited)
+    assert msgspec.json.decode(body)["args"][-1] == edited
+    assert [m for m, _ in host.calls] == ["send", "decide"]
+
+
+async def test_calls_are_multiplexed_and_replies_come_back_out_of_order(lane):
+    host, _, client = lane
+    host.gates["slow"] = asyncio.Event()
+    slow = asyncio.create_task(client.call("send", "slow"))
+    fast = [await client.call("send", f"fast{i}") for i in range(5)]  # not stuck behind "slow"
+    assert [msgspec.json.decode(b)["args"][0] for b in fast] == [f"fast{i}" for i in range(5)]
+    assert not slow.done()
+    host.gates["slow"].set()
+    assert msgspec.json.decode(await slow)["args"] == ["slow"]
+    many = await asyncio.gather(*(client.call("send", f"c{i}") for i in range(200)))
+    assert [msgspec.json.decode(b)["args"][0] for b in many] == [f"c{i}" for i in range(200)]
+
+
+async def test_a_method_the_lane_does_not_carry_is_refused_without_running(lane):
+    host, _, client = lane
+    with pytest.raises(LaneError, match="does not carry 'shutdown'"):
+        await client.call("shutdown")
+    assert host.calls == []
+    with pytest.raises(LaneError, match="failed to run"):  # a dispatcher bug: an error, no secrets
+        await client.call("boom", "x")
+    assert msgspec.json.decode(await client.call("send", "after")) is not None  # the connection lives on
+
+
+async def test_a_connection_without_the_token_is_closed_before_any_call_runs(lane):
+    host, _, client = lane
+    forged = LaneClient(LaneAddress(host=client.address.host, port=client.address.port, token="guess"))
+    with pytest.raises(LaneBroken):
+        await forged.call("send", "t1", "s1", "steal", None)
+    # raw bytes that are not a hello: closed as well
+    reader, writer = await asyncio.open_connection(client.address.host, client.address.port)
+    writer.write(b"GET / HTTP/1.1\r\n\r\n")
+    assert await reader.read() == b""
+    writer.close()
+    assert host.calls == []
+    assert forged.broken
+
+
+async def test_an_oversized_frame_closes_the_connection(lane):
+    host, _, client = lane
+    reader, writer = await asyncio.open_connection(client.address.host, client.address.port)
+    writer.write(frame(msgspec.msgpack.encode(client.address.token)))
+    writer.write((MAX_FRAME + 1).to_bytes(4, "big"))
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    assert host.calls == []
+
+
+async def test_closing_the_server_lets_running_calls_reply_first(lane):
+    host, server, client = lane
+    host.gates["stuck"] = asyncio.Event()
+    stuck = asyncio.create_task(client.call("send", "stuck"))
+    await asyncio.sleep(0.05)
+    assert host.calls  # it reached the host
+    closing = asyncio.create_task(server.close())  # waits for the running call...
+    await asyncio.sleep(0.05)
+    assert not closing.done() and not stuck.done()
+    host.gates["stuck"].set()  # ...which finishes and writes its reply before the connection closes
+    assert msgspec.json.decode(await stuck)["args"] == ["stuck"]
+    await closing
+    await asyncio.sleep(0.05)
+    assert client.broken
+    with pytest.raises(LaneBroken):
+        await client.call("send", "after close")
+
+
+async def test_waiting_calls_raise_lane_broken_when_the_connection_goes(lane, monkeypatch):
+    host, server, client = lane
+    monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.05)
+    host.gates["stuck"] = asyncio.Event()
+    stuck = [asyncio.create_task(client.call("send", "stuck")) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    await server.close()  # the calls outlive the grace: their connection is closed under them
+    for call in stuck:
+        with pytest.raises(LaneBroken):
+            await asyncio.wait_for(call, 5)
+    host.gates["stuck"].set()
+
+
+async def test_a_host_that_is_not_listening_is_lane_broken_at_once():
+    server = LaneServer(Host().dispatch, frozenset({"send"}))
+    address = await server.start("127.0.0.1")
+    await server.close()
+    client = LaneClient(address)
+    with pytest.raises(LaneBroken, match="cannot connect"):
+        await client.call("send", "x")
+    with pytest.raises(LaneBroken):
+        await client.call("send", "x")  # spent: the owner must fetch the address again
