@@ -13,6 +13,7 @@ address carries a random token, the connection's first frame must present it, an
 that does not is closed before anything is read from it. The lane is no wider than Ray's own
 ports on the same node.
 
+When no connection can be made (LaneUnreachable) nothing was sent and the caller uses Ray's path.
 When a connection fails, every call waiting on it raises LaneBroken: the caller does not know
 whether the turn ran, and retries it through Ray under the same message id (the host answers a
 repeated message id with its stored reply; a host that died is Ray's to report).
@@ -62,6 +63,10 @@ class _Reply(msgspec.Struct, array_like=True):
 
 class LaneBroken(ConnectionError):
     """The connection failed before the reply came: the call may or may not have run."""
+
+
+class LaneUnreachable(LaneBroken):
+    """No connection could be made: nothing was sent, so nothing ran."""
 
 
 class LaneError(RuntimeError):
@@ -205,7 +210,7 @@ class LaneClient:
                     reader, writer = await asyncio.open_connection(self.address.host, self.address.port)
                 except OSError as exc:
                     self.broken = True
-                    raise LaneBroken(f"cannot connect to the host's lane: {exc}") from exc
+                    raise LaneUnreachable(f"cannot connect to the host's lane: {exc}") from exc
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read(reader))

@@ -27,7 +27,7 @@ import ray
 import structlog
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from actors.lane import LaneAddress, LaneBroken, LaneClient
+from actors.lane import LaneAddress, LaneBroken, LaneClient, LaneUnreachable
 from actors.ray_host import (
     LANE_METHODS,
     HostError,
@@ -62,6 +62,9 @@ RETIRE_QUIET_S = 1.0
 RETIRE_DRAIN_S = 15.0
 #: a shard host a turn finds missing is created by the gateway only after this long (see _routed_handle)
 MISSING_HOST_GRACE_S = 10.0
+#: a host whose lane could not be connected to gets its turns through Ray for this long (a
+#: network that lets Ray's ports through but not the lane's: turns still flow, a little slower)
+LANE_RETRY_S = 30.0
 
 RemoteHost = ray.remote(SessionHostActor)
 
@@ -116,6 +119,7 @@ class Placement:
         self._use_lanes = settings.host_lane and self._mode == "sharded"
         self._lanes: dict[str, LaneClient | None] = {}
         self._lane_lookups: dict[str, asyncio.Future[LaneClient | None]] = {}
+        self._unreachable: dict[str, tuple[LaneAddress, float]] = {}  # name -> (address, retry after)
 
     @property
     def mode(self) -> str:
@@ -185,7 +189,9 @@ class Placement:
         if lane is not None and not lane.broken:
             return lane
         if lane is None and name in self._lanes:
-            return None  # the host has no lane
+            unreachable = self._unreachable.get(name)
+            if unreachable is None or time.monotonic() < unreachable[1]:
+                return None  # the host has no lane, or it could not be reached a moment ago
         lookup = self._lane_lookups.get(name)
         if lookup is None:
             lookup = self._lane_lookups[name] = asyncio.ensure_future(self._lookup_lane(name, handle))
@@ -198,9 +204,22 @@ class Placement:
             raw = await handle.lane.remote()
         except AttributeError:  # a host of an earlier version, without a lane: Ray's path only
             raw = None
-        lane = None if raw is None else LaneClient(msgspec.json.decode(raw, type=LaneAddress))
+        address = None if raw is None else msgspec.json.decode(raw, type=LaneAddress)
+        unreachable = self._unreachable.pop(name, None)
+        if address is not None and unreachable is not None and unreachable[0] == address \
+                and time.monotonic() < unreachable[1]:
+            self._unreachable[name] = unreachable  # the same process, still unreachable: Ray's path
+            address = None
+        lane = None if address is None else LaneClient(address)
         self._lanes[name] = lane
         return lane
+
+    def _lane_unreachable(self, name: str, lane: LaneClient, exc: LaneUnreachable) -> None:
+        """Nothing was sent: this turn and the host's next ones for LANE_RETRY_S go through Ray
+        (a host that died and came back listens elsewhere: its new address is used at once)."""
+        self._lanes.pop(name, None)
+        self._unreachable[name] = (lane.address, time.monotonic() + LANE_RETRY_S)
+        log.warning("session_host_lane_unreachable", host=name, error=str(exc), retry_in_s=LANE_RETRY_S)
 
     def _routed_handle(self, name: str) -> Any:
         """The handle a turn goes to. A shard host that does not exist is not created here at
@@ -240,7 +259,10 @@ class Placement:
                 if self._use_lanes and method in LANE_METHODS:
                     lane = await self._lane(name, handle)
                     if lane is not None:
-                        return await lane.call(method, *args)
+                        try:
+                            return await lane.call(method, *args)
+                        except LaneUnreachable as exc:
+                            self._lane_unreachable(name, lane, exc)
                 return await getattr(handle, method).remote(*args)
             except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors

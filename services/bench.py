@@ -659,7 +659,9 @@ class Bench:
     # -- one measured run ----------------------------------------------------------------------
 
     async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None,
-                      concurrency: int | None = None) -> dict[str, Any]:
+                      concurrency: int | None = None, via_ray: bool = False) -> dict[str, Any]:
+        """One timed run. `via_ray` (sharded, gate on): a second gateway over the same hosts that
+        sends turns through Ray's actor task path instead of the hosts' lanes (CE_HOST_LANE=off)."""
         a = self.args
         self.run_no += 1
         tag = f"b{os.getpid()}-{self.run_no}-{way[:3]}-{'on' if gate else 'off'}"
@@ -679,7 +681,10 @@ class Bench:
             if a.profile_python:
                 spec.profile = str(Path(a.profile_python) / f"inprocess-{'on' if gate else 'off'}.html")
         elif way == "sharded":
-            if gate:
+            if via_ray:
+                placement, gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), prefix)
+                url = gateway.url
+            elif gate:
                 placement, url = self.stack.placement, self.stack.gateway.url
             else:
                 placement, gateway = await self.gateway_for(settings, prefix)
@@ -739,6 +744,9 @@ class Bench:
         if way == "dedicated" or (way == "sharded" and not gate):
             await placement.shutdown_hosts()
             await self.close_gateway(gateway)
+        elif via_ray:
+            placement.close_lanes()
+            await self.close_gateway(gateway)
         n = max(done["messages"], 1)
         result = {
             "msgs_per_s": done["msgs_per_s"], "p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"],
@@ -751,7 +759,7 @@ class Bench:
         }
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
-        label = (f"{way:<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
+        label = (f"{way + ('/ray' if via_ray else ''):<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
                  + (f" x{concurrency}" if concurrency != a.concurrency else ""))
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
@@ -844,15 +852,19 @@ class Bench:
                 peak = min(out[True]["ways"]["inprocess"]["msgs_per_s"], out[True]["ways"]["sharded"]["msgs_per_s"])
             rate = max(1.0, peak / 2)
             n = max(200, int(rate * a.half_load_seconds))
-            hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": []}
+            # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
+            hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
             for _r in range(a.repeat):
-                for way in ("inprocess", "sharded"):
-                    hruns[way].append(await self.run_way(way, True, rate=rate, messages=n))
+                for way, rows in hruns.items():
+                    rows.append(await self.run_way(
+                        way.removesuffix("_ray"), True, rate=rate, messages=n, via_ray=way.endswith("_ray")))
             hal = {w: _median_ways(v) for w, v in hruns.items()}
             half = {
                 "rate_msgs_per_s": rate, "ways": hal,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
+                "added_p50_ms_via_ray": hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"],
+                "added_p99_ms_via_ray": hal["sharded_ray"]["p99_ms"] - hal["inprocess"]["p99_ms"],
             }
         return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "peak": peaks, "runs": {
             "gate_on": runs[True], "gate_off": runs.get(False)}}
@@ -1094,6 +1106,9 @@ def print_table(doc: dict[str, Any]) -> None:
               f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
               f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
               f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
+        if "added_p50_ms_via_ray" in half:
+            print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
+                  f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
     det = doc["detail"]["gate_on"]
     if "sharded" in det:
         print(f"group commit at {doc['detail']['config']['concurrency']} clients (sharded, gate on): "

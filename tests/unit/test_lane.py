@@ -7,7 +7,16 @@ import asyncio
 import msgspec
 import pytest
 
-from actors.lane import MAX_FRAME, LaneAddress, LaneBroken, LaneClient, LaneError, LaneServer, frame
+from actors.lane import (
+    MAX_FRAME,
+    LaneAddress,
+    LaneBroken,
+    LaneClient,
+    LaneError,
+    LaneServer,
+    LaneUnreachable,
+    frame,
+)
 
 
 class Host:
@@ -131,7 +140,95 @@ async def test_a_host_that_is_not_listening_is_lane_broken_at_once():
     address = await server.start("127.0.0.1")
     await server.close()
     client = LaneClient(address)
-    with pytest.raises(LaneBroken, match="cannot connect"):
+    with pytest.raises(LaneUnreachable, match="cannot connect"):  # nothing was sent
         await client.call("send", "x")
     with pytest.raises(LaneBroken):
         await client.call("send", "x")  # spent: the owner must fetch the address again
+
+
+# -- the gateway's side: Placement._call with stand-ins for Ray's actor handles ----------------------
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+class FakeHostHandle:
+    """Answers `lane.remote()` with `address` and counts turns that came through "Ray"."""
+
+    def __init__(self, address: LaneAddress) -> None:
+        self.address = address
+        self.lookups = 0
+        self.ray_turns: list[tuple] = []
+        self.lane = _Method(self._lane)
+        self.send = _Method(self._send)
+
+    async def _lane(self) -> bytes:
+        self.lookups += 1
+        return msgspec.json.encode(self.address)
+
+    async def _send(self, *args) -> bytes:
+        self.ray_turns.append(args)
+        return b"via ray"
+
+
+async def test_an_unreachable_lane_sends_turns_through_ray_until_the_host_listens_elsewhere(monkeypatch):
+    from actors import placement as placement_module
+    from actors.placement import Placement
+    from services.settings import Settings
+
+    closed = LaneServer(Host().dispatch, frozenset({"send"}))
+    dead_address = await closed.start("127.0.0.1")
+    await closed.close()  # nothing listens there: a firewall, say, or a host that died
+    p = Placement(Settings(shards=1))
+    name = p.actor_name("t", "s")
+    fake = FakeHostHandle(dead_address)
+    p._routed_handle = lambda _name: fake  # no Ray here
+
+    assert await p._call("t", "s", "send", "t", "s", "one", "m1") == b"via ray"  # nothing lost, no error
+    assert await p._call("t", "s", "send", "t", "s", "two", "m2") == b"via ray"
+    assert await p._call("t", "s", "send", "t", "s", "three", "m3") == b"via ray"
+    assert [t[2] for t in fake.ray_turns] == ["one", "two", "three"]
+    assert fake.lookups == 2  # asked once more, got the same address: not tried again for a while
+
+    # the host comes back listening elsewhere (a restart): its lane is used at once
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake.address = await server.start("127.0.0.1")
+    monkeypatch.setattr(placement_module, "LANE_RETRY_S", 0.0)
+    p._unreachable[name] = (dead_address, 0.0)  # the window has passed
+    body = await p._call("t", "s", "send", "t", "s", "four", "m4")
+    assert msgspec.json.decode(body)["args"][2] == "four" and len(fake.ray_turns) == 3
+    assert [m for m, _ in host.calls] == ["send"]
+    p.close_lanes()
+    await server.close()
+
+
+async def test_a_lane_that_breaks_mid_call_is_retried_once_then_503(monkeypatch):
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    host = Host()
+    host.gates["t"] = asyncio.Event()  # every call hangs on the host...
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    address = await server.start("127.0.0.1")
+    monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
+    p = Placement(Settings(shards=1))
+    fake = FakeHostHandle(address)
+    p._routed_handle = lambda _name: fake  # no Ray here
+    call = asyncio.create_task(p._call("t", "s", "send", "t", "s", "hello", "m1"))
+    await asyncio.sleep(0.1)
+    await server.close()  # ...and the host goes away under it (its calls outlive the grace)
+    server2 = LaneServer(host.dispatch, frozenset({"send"}))  # back, and it dies again
+    fake.address = await server2.start("127.0.0.1")
+    await asyncio.sleep(0.4)  # the retry reached it
+    assert len(host.calls) == 2
+    await server2.close()
+    with pytest.raises(Overloaded, match="retry with the same message_id"):
+        await asyncio.wait_for(call, 5)
+    assert fake.ray_turns == [] and fake.lookups == 2
+    host.gates["t"].set()
