@@ -82,6 +82,15 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight: int = 5000  # turns admitted at once per host; beyond: 503 (admission control)
     max_backoff_s: float = 2.0
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> HostSettings:
+        """From the engine's Settings (services.settings): what a host process runs with."""
+        return cls(
+            idle_seconds=settings.idle_seconds, output_gate=settings.output_gate,
+            flush_interval_s=settings.flush_interval_ms / 1000,
+            max_inflight=settings.host_max_inflight,
+        )
+
 
 class _Entry:
     __slots__ = ("last_used", "lock", "queued", "stale", "state")

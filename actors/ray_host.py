@@ -118,12 +118,7 @@ class SessionHostActor:
                 host = SessionHost(
                     name=self._name, store=self._runtime.sessions, tenants=self._runtime.tenants,
                     jobs=self._runtime.jobs,
-                    settings=HostSettings(
-                        idle_seconds=self._settings.idle_seconds,
-                        output_gate=self._settings.output_gate,
-                        flush_interval_s=self._settings.flush_interval_ms / 1000,
-                        max_inflight=self._settings.host_max_inflight,
-                    ),
+                    settings=HostSettings.from_settings(self._settings),
                 )
                 await host.start()
                 # Everything imported and built so far (Ray's and the runtime's modules: a large
