@@ -31,6 +31,11 @@ class GatewayMetrics:
         self.flushed_sessions = Gauge(
             "ce_flushed_sessions", "Session deltas written per host since start", ["host"], registry=r
         )
+        self.host_turns = Gauge("ce_host_turns", "Turns a host was asked to run since start", ["host"], registry=r)
+        self.lane_turns = Gauge(
+            "ce_host_lane_turns", "Of those, turns that came over the host's lane (not Ray's task path)",
+            ["host"], registry=r,
+        )
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
         if reply.replay:  # the stored answer to a repeated message id: nothing ran
@@ -61,6 +66,8 @@ class GatewayMetrics:
             self.flush_ms.labels(host).set(s["last_flush_ms"])
             self.flushes.labels(host).set(s["flushes"])
             self.flushed_sessions.labels(host).set(s["flushed_sessions"])
+            self.host_turns.labels(host).set(s.get("turn_calls", 0))
+            self.lane_turns.labels(host).set(s.get("lane_calls", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -45,6 +45,12 @@ async def test_gateway_turns_go_over_the_hosts_lanes_and_through_ray_when_switch
     sent = await asyncio.gather(*(send(client, url, headers, s, text, f"{s}-m0") for s in sessions))
     assert all(s.reply is not None and s.reply["tool_calls"][0]["success"] for s in sent), [s.failures for s in sent]
     assert delta(await host_counts(stack.placement), before) == (12, 12)  # every turn, over the lane
+    async with client.get(f"{url}/metrics") as r:  # what an operator sees
+        scraped = {line.split(" ")[0]: float(line.split(" ")[1]) for line in (await r.text()).splitlines()
+                   if line.startswith(("ce_host_turns{", "ce_host_lane_turns{"))}
+    for host in {stack.placement.actor_name(tenant_id, s) for s in sessions}:
+        lane_turns = scraped[f'ce_host_lane_turns{{host="{host}"}}']
+        assert 0 < lane_turns <= scraped[f'ce_host_turns{{host="{host}"}}']
 
     # the same hosts, a gateway-side placement with the lane switched off: Ray's task path
     off = Placement(msgspec.structs.replace(stack.settings, host_lane=False))
