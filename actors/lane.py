@@ -166,8 +166,12 @@ class LaneServer:
             except Exception as exc:
                 log.error("lane_dispatch_failed", method=call.method, exc_info=exc)
                 reply = _Reply(id=call.id, error="the session host failed to run this call")
+        payload = _encode(reply)
+        if len(payload) > MAX_FRAME:  # the gateway would drop the connection, and every call on it
+            log.error("lane_reply_too_large", method=call.method, size=len(payload))
+            payload = _encode(_Reply(id=call.id, error=f"the reply of {len(payload)} bytes exceeds the lane's frame limit"))
         if not writer.is_closing():
-            writer.write(frame(_encode(reply)))
+            writer.write(frame(payload))
 
 
 class LaneClient:

@@ -33,6 +33,8 @@ class Host:
             await gate.wait()
         if method == "boom":
             raise RuntimeError("a bug in the dispatcher")
+        if args == ["big"]:
+            return b"y" * 1000
         return msgspec.json.encode({"method": method, "args": args})
 
 
@@ -92,6 +94,15 @@ async def test_a_connection_without_the_token_is_closed_before_any_call_runs(lan
     writer.close()
     assert host.calls == []
     assert forged.broken
+
+
+async def test_a_reply_too_large_for_a_frame_is_an_error_and_the_connection_lives_on(lane, monkeypatch):
+    host, _, client = lane
+    monkeypatch.setattr("actors.lane.MAX_FRAME", 200)
+    with pytest.raises(LaneError, match="exceeds the lane's frame limit"):
+        await client.call("send", "big")
+    assert msgspec.json.decode(await client.call("send", "small"))["args"] == ["small"]
+    assert len(host.calls) == 2
 
 
 async def test_an_oversized_frame_closes_the_connection(lane):
