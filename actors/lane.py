@@ -37,6 +37,9 @@ _LENGTH = struct.Struct(">I")
 #: largest frame either side accepts (a turn's text is at most 16 KB; a reply carries tool
 #: results, bounded far below this); a larger length prefix means a broken peer: the connection closes
 MAX_FRAME = 16 * 1024 * 1024
+#: how long a gateway waits for a lane's TCP connection (a network that drops the packets, rather
+#: than refusing them, would otherwise hold the turn for the OS's connect timeout of minutes)
+CONNECT_TIMEOUT_S = 2.0
 #: how long a connection may take to present its token
 HELLO_TIMEOUT_S = 5.0
 #: how long `LaneServer.close` waits for the replies of calls still running
@@ -211,10 +214,11 @@ class LaneClient:
                 raise LaneBroken("the lane to this host failed; ask the host for its address again")
             if self._writer is None:
                 try:
-                    reader, writer = await asyncio.open_connection(self.address.host, self.address.port)
-                except OSError as exc:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
+                except (OSError, TimeoutError) as exc:
                     self.broken = True
-                    raise LaneUnreachable(f"cannot connect to the host's lane: {exc}") from exc
+                    raise LaneUnreachable(f"cannot connect to the host's lane: {exc or type(exc).__name__}") from exc
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read(reader))

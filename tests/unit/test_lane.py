@@ -243,3 +243,16 @@ async def test_a_lane_that_breaks_mid_call_is_retried_once_then_503(monkeypatch)
         await asyncio.wait_for(call, 5)
     assert fake.ray_turns == [] and fake.lookups == 2
     host.gates["t"].set()
+
+
+async def test_a_connect_that_hangs_is_unreachable_after_the_connect_timeout(monkeypatch):
+    async def dropped(*_args, **_kwargs):  # a network that drops the SYNs: no answer at all
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr("actors.lane.CONNECT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("actors.lane.asyncio.open_connection", dropped)
+    client = LaneClient(LaneAddress(host="127.0.0.1", port=9, token="t"))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(LaneUnreachable, match="TimeoutError"):
+        await asyncio.wait_for(client.call("send", "x"), 5)
+    assert asyncio.get_running_loop().time() - started < 2
