@@ -218,7 +218,7 @@ class LaneClient:
                         asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
                 except (OSError, TimeoutError) as exc:
                     self.broken = True
-                    raise LaneUnreachable(f"cannot connect to the host's lane: {exc or type(exc).__name__}") from exc
+                    raise LaneUnreachable(f"cannot connect to the host's lane: {str(exc) or type(exc).__name__}") from exc
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read(reader))
