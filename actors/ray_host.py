@@ -70,6 +70,22 @@ def to_host_error(exc: BaseException) -> HostError:
     return HostError(kind="internal", message="the session host failed to run this turn; retry shortly")
 
 
+def normal_priority() -> int:
+    """Run this process's threads at niceness 0 if Ray started it niced (its worker_niceness is
+    15 unless RAY_worker_niceness says otherwise); returns the niceness the host runs at. Lowering
+    niceness needs root or CAP_SYS_NICE: without them the host says so and runs as it is."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current <= 0:
+        return current
+    try:
+        for tid in os.listdir("/proc/self/task"):  # Linux: niceness is per thread
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except (PermissionError, FileNotFoundError, ProcessLookupError) as exc:
+        log.warning("session_host_niced", niceness=current, error=type(exc).__name__,
+                    fix="set RAY_worker_niceness=0 in the environment of every Ray node (the image does)")
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class SessionHostActor:
     """Wrapped by `ray.remote` in `actors.placement`; one per shard or per dedicated session."""
 
@@ -107,6 +123,7 @@ class SessionHostActor:
                 from services.runtime import Runtime
 
                 configure_logging(fmt=self._settings.log_format, level=self._settings.log_level)
+                self._niceness = normal_priority()
                 from services.tracing import configure_tracing
 
                 self._tracing = configure_tracing(self._settings.otlp_endpoint, service_name=f"chat-engine.{self._name}")
@@ -261,7 +278,7 @@ class SessionHostActor:
                     "last_flush_ms": 0.0, "dirty": 0, "pid": os.getpid(),
                     "node_id": ray.get_runtime_context().get_node_id()}
         state = self._shard_state
-        return {**self._host.stats(), "pid": os.getpid(), "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
+        return {**self._host.stats(), "pid": os.getpid(), "niceness": self._niceness, "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
                 "idle_s": round(time.monotonic() - self._last_call, 3), "turn_calls": self._turn_calls,
                 "lane_calls": 0 if self._lane is None else self._lane.calls,
                 **({"shards": state.shards, "shard_generation": state.generation} if state is not None else {})}

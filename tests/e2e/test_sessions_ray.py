@@ -146,6 +146,16 @@ async def test_the_local_ray_under_the_stack_is_on_loopback(stack):
     assert hosts and {h["node_id"] for h in hosts} <= {n["NodeID"] for n in nodes}, hosts
 
 
+async def test_session_hosts_run_at_normal_priority_not_rays_worker_niceness(stack):
+    # Ray starts workers at niceness 15, behind Postgres, the gateway and Ray's daemons on the
+    # same cores; the engine's local Ray starts them at 0 (services/__init__.py).
+    hosts = await stack.placement.stats()
+    assert hosts and all(h["niceness"] == 0 for h in hosts), hosts
+    for h in hosts:  # every thread of the host process, as the kernel sees it
+        for tid in os.listdir(f"/proc/{h['pid']}/task"):
+            assert os.getpriority(os.PRIO_PROCESS, int(tid)) == 0, (h["host"], tid)
+
+
 async def test_200_sessions_x_3_messages_through_sharded_hosts_are_stored_exactly_once(stack, client, tenant, db):
     tenant_id, _key, headers = tenant
     url = stack.gateway.url

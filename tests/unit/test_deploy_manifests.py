@@ -35,6 +35,7 @@ FOREIGN_ENV = {
     "RAY_AUTH_TOKEN": "Ray token authentication (read by Ray)",
     "POD_IP": "the downward API, for `ray start --node-ip-address`",
     "PYTHONUNBUFFERED": "Python itself",
+    "RAY_worker_niceness": "Ray's raylet: the niceness it starts worker processes at",
 }
 
 
