@@ -447,6 +447,28 @@ class Meter:
         return cpu, extra, self.peak_rss / 2**20
 
 
+class Steal:
+    """The share of the machine's CPU time the hypervisor gave to others (`steal` in /proc/stat)
+    from construction to `percent()`: a run with a large share measured the neighbours, not us."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return 0, 0
+        return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+    def percent(self) -> float:
+        steal, total = self._read()
+        d_total = total - self._start[1]
+        return 100.0 * (steal - self._start[0]) / d_total if d_total > 0 else 0.0
+
+
 def rss_mb(pids: set[int]) -> float:
     import psutil
 
@@ -721,6 +743,7 @@ class Bench:
             meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids, **quiet)
             profiler = self._profile_start(way, gate, placement, worker.pid)
             meter.start()
+            stolen = Steal()
             worker.write(b"go")
             watch = asyncio.create_task(self._watch(placement))
             try:
@@ -728,6 +751,7 @@ class Bench:
             finally:
                 watch.cancel()
             cpu, helper_cpu, peak = meter.stop()
+            steal = stolen.percent()
             await self._profile_stop(profiler)
         finally:
             await worker.close()
@@ -760,7 +784,7 @@ class Bench:
             "msgs_per_s": done["msgs_per_s"], "p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"],
             "p99_ms": done["p99_ms"], "cpu_s_per_msg": cpu / n, "peak_rss_mb": peak,
             "errors": done["errors"], "messages": done["messages"], "elapsed_s": done["elapsed_s"],
-            "helper_cpu_s_per_msg": helper_cpu / n, "flushes": flushes,
+            "helper_cpu_s_per_msg": helper_cpu / n, "flushes": flushes, "steal_pct": steal,
             **{f"cpu_{k}_ms_per_msg": v * 1000 / n for k, v in split.items()},
             "msgs_per_flush": done["messages"] / flushes if flushes else 0.0,
             "sessions_per_flush": flushed / flushes if flushes else 0.0,
@@ -771,7 +795,8 @@ class Bench:
                  + (f" x{concurrency}" if concurrency != a.concurrency else ""))
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
-              f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}",
+              f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}"
+              f"  steal {steal:.0f}%",
               file=sys.stderr)
         print("      cpu ms/msg: " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in split.items()), file=sys.stderr)
         return result
