@@ -9,9 +9,11 @@ pickling structs, and errors travel as data (`HostError`) rather than as pickled
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -108,6 +110,7 @@ class SessionHostActor:
         self._last_call = time.monotonic()  # of a turn (send, decide, stream): how long it has been idle
         self._lane: LaneServer | None = None
         self._lane_address: LaneAddress | None = None
+        self._niceness: int | None = None  # the process's niceness once started (normal_priority)
 
     async def _ensure(self) -> SessionHost:
         if self._host is not None:
@@ -202,43 +205,43 @@ class SessionHostActor:
         run with the same database, model and secrets whatever the operator's shell holds."""
         return msgspec.json.encode(self._settings)
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Count a turn (send, decide, stream) while it runs: the idle watchdog and stats read it."""
         self._turns += 1
         self._turn_calls += 1
         self._last_call = time.monotonic()
         try:
-            host = await self._ensure()
-            reply = await host.send(tenant_id, session_id, text, message_id)
-            return result_encoder.encode(HostResult(reply=reply))
-        except Exception as exc:  # noqa: BLE001 - errors travel as data
-            return self._error(exc)
+            yield
         finally:
             self._turns -= 1
+
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+        with self._turn():
+            try:
+                host = await self._ensure()
+                reply = await host.send(tenant_id, session_id, text, message_id)
+                return result_encoder.encode(HostResult(reply=reply))
+            except Exception as exc:  # noqa: BLE001 - errors travel as data
+                return self._error(exc)
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
     ) -> bytes:
-        self._turns += 1
-        self._turn_calls += 1
-        self._last_call = time.monotonic()
-        try:
-            host = await self._ensure()
-            reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
-            return result_encoder.encode(HostResult(reply=reply))
-        except Exception as exc:  # noqa: BLE001
-            return self._error(exc)
-        finally:
-            self._turns -= 1
+        with self._turn():
+            try:
+                host = await self._ensure()
+                reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
+                return result_encoder.encode(HostResult(reply=reply))
+            except Exception as exc:  # noqa: BLE001
+                return self._error(exc)
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None,
     ):
         """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
-        self._turns += 1
-        self._turn_calls += 1
-        self._last_call = time.monotonic()
-        try:
+        with self._turn():
             try:
                 host = await self._ensure()
             except Exception as exc:  # noqa: BLE001
@@ -251,8 +254,6 @@ class SessionHostActor:
                     event = StreamEvent(event="error", data={
                         **event.data, "shard_state": msgspec.to_builtins(self._shard_state)})
                 yield result_encoder.encode(event)
-        finally:
-            self._turns -= 1
 
     async def view(self, tenant_id: str, session_id: str) -> bytes | None:
         host = await self._ensure()
