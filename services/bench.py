@@ -448,20 +448,18 @@ class Meter:
 
 
 class Steal:
-    """The share of the machine's CPU time the hypervisor gave to others (`steal` in /proc/stat)
-    from construction to `percent()`: a run with a large share measured the neighbours, not us."""
+    """The share of the machine's CPU time the hypervisor gave to others (`steal`, psutil's
+    cpu_times) from construction to `percent()`: a run with a large share measured the neighbours."""
 
     def __init__(self) -> None:
         self._start = self._read()
 
     @staticmethod
-    def _read() -> tuple[int, int]:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return 0, 0
-        return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+    def _read() -> tuple[float, float]:
+        import psutil
+
+        t = psutil.cpu_times()
+        return getattr(t, "steal", 0.0), sum(t[:8])  # guest time is already inside user
 
     def percent(self) -> float:
         steal, total = self._read()
