@@ -8,7 +8,9 @@ Durable Object semantics, enforced here:
   across hosts through the store's lease epoch: a refused flush evicts the stale copy;
 - turns of a session run one after another under its lock; a bounded mailbox beyond that;
 - the flusher writes the dirty state of all sessions in one transaction every few milliseconds;
-  with the output gate on, a reply is released only once the flush holding it committed;
+  with the output gate on, a reply is released only once the flush holding it committed. It waits
+  the group-commit window only while another turn is running (Postgres's commit_delay with
+  commit_siblings = 1): a turn alone on its host is flushed at once;
 - Postgres away: deltas go back into their sessions, the flusher retries with backoff and replies
   wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost.
 """
@@ -125,6 +127,7 @@ class SessionHost:
         self._closing = False
         self._on_flush = on_flush
         self._running = 0
+        self._busy = 0  # turns running their session's code now (not queued, not at the gate)
         self._drained = asyncio.Event()  # set while no admitted turn is out (stop() waits for it)
         self._drained.set()
         #: which sessions this host may hold (sharded hosts: its shard under the current view);
@@ -359,7 +362,11 @@ class SessionHost:
                 raise SessionMoved(session_id)
             if not evicted:
                 structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
-                reply = await run(entry, env)
+                self._busy += 1
+                try:
+                    reply = await run(entry, env)
+                finally:
+                    self._busy -= 1
                 entry.last_used = time.monotonic()
                 if entry.stale:  # taken over while it ran: this copy's state will never be written
                     raise _lease_lost(session_id)
@@ -479,8 +486,10 @@ class SessionHost:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._settings.flush_interval_s:
-                await asyncio.sleep(self._settings.flush_interval_s)  # the group-commit window
+            if self._settings.flush_interval_s and self._busy:
+                # The group-commit window, only when a running turn may join this flush. A turn
+                # alone on its host would wait it out for nothing (light load: every turn).
+                await asyncio.sleep(self._settings.flush_interval_s)
             try:
                 await self._flush_once()
                 backoff = 0.05

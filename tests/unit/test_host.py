@@ -126,6 +126,34 @@ async def test_fifty_sessions_sending_at_once_share_a_few_flushes(world):
     assert host.flushes == store.commits and host.flushed_sessions == 50
 
 
+async def test_a_turn_alone_on_its_host_is_flushed_without_waiting_out_the_group_commit_window(world):
+    # A window far longer than the bound: waiting it out would fail the wait_for below.
+    host = await world.host(flush_interval_s=60.0)
+    for n in range(3):  # each turn alone: each flushed at once, in a transaction of its own
+        reply = await asyncio.wait_for(host.send("t1", "s1", f"hello {n}", f"m{n}"), T)
+        assert reply.reply == f"echo: hello {n}"
+    assert world.store.deltas_per_flush == [1, 1, 1]
+    assert set(world.store.turns[KEY]) == {"m0", "m1", "m2"}
+
+
+async def test_a_turn_finishing_while_another_runs_waits_the_window_and_both_share_one_flush(world):
+    store, model = world.store, world.model
+    slow = model.hold("slow")
+    host = await world.host(flush_interval_s=1.0)
+    running = asyncio.create_task(host.send("t1", "s2", "slow", "m-slow"))
+    await asyncio.wait_for(model.entered("slow").wait(), T)
+    fast = asyncio.create_task(host.send("t1", "s1", "fast", "m-fast"))
+    await eventually(lambda: ("exit", "fast") in model.log)
+    await spin()
+    assert not fast.done(), "a turn was released before the window of the other running turn closed"
+    assert store.commits == 0
+
+    slow.set()  # the other turn reaches the gate within the window: one flush holds both
+    replies = await asyncio.wait_for(asyncio.gather(fast, running), T)
+    assert [r.reply for r in replies] == ["echo: fast", "echo: slow"]
+    assert store.deltas_per_flush == [2]
+
+
 # -- Postgres away -------------------------------------------------------------------------------
 
 
@@ -463,12 +491,21 @@ async def test_a_turn_admitted_just_before_stop_runs_nothing_once_stop_has_begun
 
 
 async def test_stop_flushes_state_that_was_not_yet_written(world):
-    store = world.store
+    store, model = world.store, world.model
+    slow = model.hold("slow")
     host = await world.host(output_gate=False, flush_interval_s=30.0)
+    # another turn running keeps the flusher in its (long) group-commit window
+    other = asyncio.create_task(host.send("t1", "s2", "slow", "m2"))
+    await asyncio.wait_for(model.entered("slow").wait(), T)
     await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
     assert store.turns[KEY] == {}
-    await asyncio.wait_for(host.stop(), T)
+    stopping = asyncio.create_task(host.stop())
+    await spin()
+    slow.set()
+    await asyncio.wait_for(stopping, T)
+    assert (await other).reply == "echo: slow"
     assert "m1" in store.turns[KEY] and store.texts(KEY) == ["hello", "echo: hello"]
+    assert "m2" in store.turns[("t1", "s2")]
 
 
 # -- streaming -----------------------------------------------------------------------------------
