@@ -1211,7 +1211,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-peak", action="store_true", help="skip the peak-load sweep of ways a and b")
     p.add_argument("--peak-concurrency", default="16,32,64,128,256",
                    help="clients at a time tried for the peak, until msgs/s grows by less than 5%%")
-    p.add_argument("--half-load-seconds", type=float, default=8.0)
+    p.add_argument("--half-load-seconds", type=float, default=20.0,
+                   help="length of each open-loop half-peak run: its p99 is the 1%% tail of rate x seconds messages")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
     p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")
