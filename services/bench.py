@@ -885,8 +885,11 @@ class Bench:
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
-            for _r in range(a.repeat):
-                for way, rows in hruns.items():
+            for r in range(a.repeat):
+                # every other round in reverse order (ABC CBA ...): the machine's drift over a
+                # round weighs on each way alike instead of always on the last one
+                order = list(hruns.items())
+                for way, rows in order if r % 2 == 0 else reversed(order):
                     rows.append(await self.run_way(
                         way.removesuffix("_ray"), True, rate=rate, messages=n, via_ray=way.endswith("_ray")))
             hal = {w: _median_ways(v) for w, v in hruns.items()}
