@@ -227,6 +227,10 @@ async def cluster(fresh_db, model, backend):
         "CE_WEBHOOK_ALLOW": f"{BACKEND_HOST}/32", "CE_SHARDS": "2", "CE_HOST": "127.0.0.1",
         "CE_PORT": str(free_port()), "CE_LOG_FORMAT": "json", "CE_LOG_LEVEL": "warning",
         "CE_FLUSH_INTERVAL_MS": "2", "CE_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1",
+        # These tests move sessions under traffic; admission is tested elsewhere. Fourteen
+        # sessions sending back to back exceed the default 100 messages/s per tenant whenever
+        # turns are quick, and a 429 would then read as a lost message.
+        "CE_TENANT_RATE": "0",
     }
     c = Cluster(root, env, address)
     log = None
