@@ -13,7 +13,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -216,25 +216,22 @@ class SessionHostActor:
         finally:
             self._turns -= 1
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+    async def _reply(self, turn: Callable[[SessionHost], Awaitable[TurnReply]]) -> bytes:
+        """Run one turn (send or decide) on this host; its reply, or its error, as bytes."""
         with self._turn():
             try:
-                host = await self._ensure()
-                reply = await host.send(tenant_id, session_id, text, message_id)
+                reply = await turn(await self._ensure())
                 return result_encoder.encode(HostResult(reply=reply))
             except Exception as exc:  # noqa: BLE001 - errors travel as data
                 return self._error(exc)
 
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
+        return await self._reply(lambda host: host.send(tenant_id, session_id, text, message_id))
+
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
     ) -> bytes:
-        with self._turn():
-            try:
-                host = await self._ensure()
-                reply = await host.decide(tenant_id, session_id, approval_id, approve, edited)
-                return result_encoder.encode(HostResult(reply=reply))
-            except Exception as exc:  # noqa: BLE001
-                return self._error(exc)
+        return await self._reply(lambda host: host.decide(tenant_id, session_id, approval_id, approve, edited))
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
