@@ -705,15 +705,12 @@ class Bench:
             if a.profile_python:
                 spec.profile = str(Path(a.profile_python) / f"inprocess-{'on' if gate else 'off'}.html")
         elif way == "sharded":
-            if via_ray:
-                placement, gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), prefix)
-                url = gateway.url
-            elif gate:
-                placement, url = self.stack.placement, self.stack.gateway.url
-            else:
-                placement, gateway = await self.gateway_for(settings, prefix)
-                url = gateway.url
-            spec.url = url
+            if gate and not via_ray:
+                placement, spec.url = self.stack.placement, self.stack.gateway.url
+            else:  # gate off: hosts of their own; via Ray: the stack's hosts, a gateway without lanes
+                own = msgspec.structs.replace(settings, host_lane=False) if via_ray else settings
+                placement, gateway = await self.gateway_for(own, prefix)
+                spec.url = gateway.url
         else:
             dedicated = msgspec.structs.replace(settings, placement="dedicated", idle_seconds=600.0)
             placement, gateway = await self.gateway_for(dedicated, prefix)
