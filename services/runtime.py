@@ -167,5 +167,7 @@ class Runtime:
             await self.builtin_services.close()  # queued notifications get a second; the rest wait in the outbox
         if self.webhooks is not None:
             await self.webhooks.close()
+        if getattr(self, "llm", None) is not None:
+            await self.llm.close()
         if self.pool is not None:
             await self.pool.close()

@@ -46,3 +46,11 @@ async def test_the_listener_resubscribes_after_its_connection_is_killed(fresh_db
     finally:
         await admin.close()
         await rt.close()
+
+
+async def test_closing_the_runtime_closes_its_model_client(fresh_db):
+    url = await fresh_db()
+    rt = await Runtime.open(Settings(database_url=url, anthropic_base_url="http://127.0.0.1:9"))
+    assert not rt.llm.is_closed()
+    await rt.close()
+    assert rt.llm.is_closed()

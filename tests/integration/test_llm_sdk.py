@@ -336,6 +336,18 @@ async def test_unknown_route_answers_in_the_api_error_shape(sdk: anthropic.Async
     assert caught.value.type == "not_found_error"
 
 
+async def test_calls_run_on_the_aiohttp_transport_and_close_with_the_adapter(server: LocalModelServer):
+    client = make_anthropic_client("local", server.url, max_retries=0)
+    # The SDK keeps its HTTP client as `_client`; ours is its aiohttp one, not its httpx default.
+    assert isinstance(client._client, anthropic.DefaultAioHttpClient)
+    adapter = AnthropicLLM(client)
+    _, response = await collect(adapter, request("hello there"))
+    assert response.stop_reason == "end_turn"
+    assert not adapter.is_closed()
+    await adapter.close()
+    assert adapter.is_closed() and client.is_closed()
+
+
 def test_factory_refuses_to_guess_a_model():
     with pytest.raises(ConfigError, match="ANTHROPIC_API_KEY") as caught:
         make_anthropic_client(None, None)

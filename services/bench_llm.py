@@ -1,0 +1,115 @@
+"""`python -m services.bench_llm`: what one streamed model call costs the caller, per HTTP transport.
+
+The anthropic SDK can send its requests over httpx (its default) or over aiohttp
+(`anthropic.DefaultAioHttpClient`, what `make_anthropic_client` uses). Both run here against the
+local model on loopback, through `AnthropicLLM` (the engine's adapter, events read the way a turn
+reads them), in alternating rounds so that the machine's drift weighs on both alike. Reported per
+transport and concurrency: the caller's CPU per call (this thread's CPU time, so the model
+server's work is not counted) and the wall time per call, medians over the rounds.
+
+A program that reports numbers, not a test. The local model runs in a process of its own (started
+here unless `--url` names one); pin this one to a core (`taskset -c 1`) for steadier figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+
+import anthropic
+
+from services.llm.anthropic_client import LOCAL_API_KEY, AnthropicLLM
+from services.llm.port import ChatMessage, LLMRequest, TextBlock
+
+TRANSPORTS = ("httpx", "aiohttp")
+REQUEST = LLMRequest(
+    model="claude-haiku-4-5", max_tokens=256, system="You are Mia, the assistant of Acme Store.",
+    messages=[ChatMessage(role="user", content=[TextBlock(text="hello there, how are you?")])],
+)
+
+
+def client_for(transport: str, url: str) -> anthropic.AsyncAnthropic:
+    extra = {"http_client": anthropic.DefaultAioHttpClient()} if transport == "aiohttp" else {}
+    return anthropic.AsyncAnthropic(api_key=LOCAL_API_KEY, base_url=url, max_retries=0, **extra)
+
+
+async def timed_calls(llm: AnthropicLLM, calls: int, concurrency: int, warm: int) -> tuple[float, float]:
+    """(caller CPU ms per call, wall ms per call as one client sees it) over `calls` calls."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with gate:
+            async for _event in llm.stream(REQUEST):
+                pass
+
+    for _ in range(warm):
+        await one()
+    cpu, wall = time.thread_time(), time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(calls)))
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    return cpu / calls * 1000, wall / calls * concurrency * 1000
+
+
+async def compare(url: str, rounds: int, calls: int, concurrencies: list[int]) -> dict[tuple[str, int], list]:
+    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(rounds):
+        for transport in TRANSPORTS if r % 2 == 0 else reversed(TRANSPORTS):
+            for concurrency in concurrencies:
+                client = client_for(transport, url)
+                try:
+                    rows.setdefault((transport, concurrency), []).append(
+                        await timed_calls(AnthropicLLM(client), calls, concurrency, warm=30))
+                finally:
+                    await client.close()
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    server = None
+    url = args.url
+    if url is None:  # a process of its own, so that its CPU is not the caller's
+        server = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.llm.local_model", "--port", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        async with asyncio.timeout(30):
+            while url is None:
+                line = (await server.stdout.readline()).decode()  # type: ignore[union-attr]
+                if not line:
+                    raise SystemExit("the local model exited before it listened")
+                if line.startswith("local model listening on "):
+                    url = line.split()[-1]
+    try:
+        rows = await compare(url, args.rounds, args.calls, args.concurrency)
+    finally:
+        if server is not None:
+            server.terminate()
+            await server.wait()
+    print(f"{'transport':<9} {'clients':>7} {'CPU ms/call':>12} {'range':>13} {'wall ms/call':>13}")
+    for (transport, concurrency), runs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cpu = [c for c, _ in runs]
+        print(f"{transport:<9} {concurrency:>7} {statistics.median(cpu):>12.3f} "
+              f"{min(cpu):>6.3f}-{max(cpu):.3f} {statistics.median(w for _, w in runs):>13.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m services.bench_llm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running local model (python -m services.llm.local_model --port N); "
+                   "without it one is started in a process of its own")
+    p.add_argument("--rounds", type=int, default=6, help="alternating rounds; figures are medians")
+    p.add_argument("--calls", type=int, default=500, help="timed calls per transport, concurrency and round")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
+                   help="calls in flight at once, comma-separated")
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_async(args))
+    else:
+        uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
