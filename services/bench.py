@@ -10,7 +10,9 @@ gate is fixed when a host is created, so those hosts have their own names: Place
 Then the peak load of (a) and (b): clients at a time doubled (16, 32, 64, ...) until msgs/s grows
 by less than 5%, with the group commit (messages per flush transaction) at each way's peak. Then
 (a) and (b) again, open loop at half the lower of the two peaks, for the latency the gateway +
-Ray hop adds. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
+Ray hop adds: one worker sends for (a), for (b) over the hosts' lanes and for (b) through Ray's
+task path by turns, slice after slice, so that the machine's drift falls on all three alike.
+`--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
 
 Processes: this one runs the stack (embedded Postgres, local Ray, session hosts, gateways); the
 local model and the demo store run in two helper processes (they stand for the model API and the
@@ -109,9 +111,9 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
 
 
 async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str]
-                    ) -> dict[str, Any]:
+                    ) -> tuple[list[float], int, float]:
     """Messages sent at a fixed rate whatever the replies do; latency counted from the
-    scheduled send time (no coordinated omission)."""
+    scheduled send time (no coordinated omission). Returns (latencies in ms, errors, seconds)."""
     latencies: list[float] = []
     errors = 0
 
@@ -132,7 +134,26 @@ async def open_loop(send: Send, sessions: list[str], rate: float, total: int, te
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(sessions[k % len(sessions)], due)))
     await asyncio.gather(*tasks)
-    return _summary(latencies, errors, time.perf_counter() - started)
+    return latencies, errors, time.perf_counter() - started
+
+
+def slice_order(ways: list[str], index: int) -> list[str]:
+    """The order slice `index` runs the ways in: as given, then reversed, by turns (ABC CBA ...),
+    so that no way always follows the same one."""
+    return list(ways) if index % 2 == 0 else ways[::-1]
+
+
+def interleaved_summary(slices: list[dict[str, tuple[list[float], int, float]]], base: str) -> dict[str, Any]:
+    """Open-loop runs of several ways taken in turns, slice by slice: (latencies, errors, seconds)
+    per way per slice. Per way, the summary of all its slices pooled; per other way, the median
+    over slices of its p50 minus `base`'s p50 in the same slice (a paired estimate: a slow minute
+    of the machine falls on both sides of each difference)."""
+    ways = list(slices[0]) if slices else []
+    pooled = {w: _summary([x for s in slices for x in s[w][0]], sum(s[w][1] for s in slices),
+                          sum(s[w][2] for s in slices)) for w in ways}
+    paired = {w: statistics.median(percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices)
+              for w in ways if w != base}
+    return {"ways": pooled, "paired_added_p50_ms": paired}
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -156,11 +177,11 @@ def _summary(latencies: list[float], errors: int, elapsed: float) -> dict[str, A
 # =============================================================================================
 
 class WorkerSpec(msgspec.Struct, kw_only=True):
-    mode: str  # "inprocess" | "http"
+    mode: str  # "inprocess" | "http" | "interleaved" (the ways of `way_sessions`, slice by slice)
     sessions: list[str]
     concurrency: int
     messages: int
-    rate: float | None = None  # open loop at this rate; None: closed loop
+    rate: float | None = None  # interleaved: open loop at this rate (the other modes: closed loop)
     warm_rounds: int = 1  # messages per session before timing (activation + caches)
     text: str = "order"  # "order" (one tool round) | "hello" (one model round)
     url: str | None = None
@@ -169,19 +190,25 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     settings: bytes | None = None  # services.settings.Settings as JSON (way a)
     profile: str | None = None  # pyinstrument HTML report of the timed phase here (way a)
     gc_after_warm: str | None = None  # "freeze" | "collect": GC experiments on the warmed worker
+    way_sessions: dict[str, list[str]] = {}  # interleaved: way -> its sessions ("inprocess" runs here)
+    urls: dict[str, str] = {}  # interleaved: way -> its gateway's URL (every way but "inprocess")
+    slices: int = 10  # interleaved: each way's messages are sent in this many slices, ways in turns
 
 
 async def _worker(spec: WorkerSpec) -> None:
     text = order_text if spec.text == "order" else (lambda: HELLO_TEXT)
     tool_round = spec.text == "order"
+    if spec.mode == "interleaved":
+        await _interleaved_worker(spec, text, tool_round)
+        return
     close: Callable[[], Awaitable[None]]
     stats: Callable[[], dict[str, Any]] = dict
     if spec.mode == "inprocess":
         send, close, stats = await _inprocess_sender(spec, tool_round)
     else:
-        send, close = await _http_sender(spec, tool_round)
+        send, close = await _http_sender(spec, spec.url or "", tool_round)
     try:
-        await _warm(send, spec, text)
+        await _warm(send, spec.sessions, spec.concurrency, spec.warm_rounds, text)
         if spec.gc_after_warm == "freeze":
             gc.freeze()
         elif spec.gc_after_warm == "collect":
@@ -191,10 +218,7 @@ async def _worker(spec: WorkerSpec) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
         before = stats()
         profiler = _start_profiler(spec.profile)
-        if spec.rate:
-            result = await open_loop(send, spec.sessions, spec.rate, spec.messages, text)
-        else:
-            result = await closed_loop(send, spec.sessions, spec.concurrency, spec.messages, text)
+        result = await closed_loop(send, spec.sessions, spec.concurrency, spec.messages, text)
         _stop_profiler(profiler, spec.profile)
         after = stats()
         result["host"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("flushes", "flushed_sessions")}
@@ -204,22 +228,57 @@ async def _worker(spec: WorkerSpec) -> None:
         await close()
 
 
-async def _warm(send: Send, spec: WorkerSpec, text: Callable[[], str]) -> None:
-    """Every session activated and used `warm_rounds` times, never more than `concurrency` at once."""
-    gate = asyncio.Semaphore(max(spec.concurrency, 1))
+async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_round: bool) -> None:
+    """Open loop at `spec.rate` for every way of `spec.way_sessions`, in turns: slice after slice,
+    each way sends its share of `spec.messages` and waits for its replies before the next way
+    starts, so the ways never overlap and drift on the machine weighs on all of them alike."""
+    senders: dict[str, Send] = {}
+    closers: list[Callable[[], Awaitable[None]]] = []
+    try:
+        for way in spec.way_sessions:
+            if way == "inprocess":
+                send, close, _stats = await _inprocess_sender(spec, tool_round)
+            else:
+                send, close = await _http_sender(spec, spec.urls[way], tool_round)
+            senders[way] = send
+            closers.append(close)
+        for way, sessions in spec.way_sessions.items():
+            await _warm(senders[way], sessions, spec.concurrency, spec.warm_rounds, text)
+        _ERRORS.clear()
+        _say({"event": "ready", "pid": os.getpid()})
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+        per_slice = max(1, spec.messages // spec.slices)
+        slices = []
+        for index in range(spec.slices):
+            row = {}
+            for way in slice_order(list(senders), index):
+                row[way] = await open_loop(senders[way], spec.way_sessions[way], spec.rate or 1.0, per_slice, text)
+            slices.append(row)
+        result = interleaved_summary(slices, base="inprocess")
+        result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
+        result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
+        _say({"event": "done", **result})
+    finally:
+        for close in closers:
+            await close()
+
+
+async def _warm(send: Send, sessions: list[str], concurrency: int, rounds: int, text: Callable[[], str]) -> None:
+    """Every session activated and used `rounds` times, never more than `concurrency` at once."""
+    gate = asyncio.Semaphore(max(concurrency, 1))
     failures = 0
 
     async def one(sid: str) -> None:
         nonlocal failures
         async with gate:
-            for _ in range(spec.warm_rounds):
+            for _ in range(rounds):
                 for _attempt in range(5):
                     if await send(sid, text()):
                         break
                     failures += 1
                     await asyncio.sleep(0.5)
 
-    await asyncio.gather(*(one(s) for s in spec.sessions))
+    await asyncio.gather(*(one(s) for s in sessions))
     if failures:
         _say({"event": "warn", "detail": f"{failures} warm-up messages failed and were retried"})
 
@@ -261,14 +320,13 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     return send, close, host.stats
 
 
-async def _http_sender(spec: WorkerSpec, tool_round: bool):
+async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0 if spec.rate else max(spec.concurrency, 1) * 2,
                                      force_close=False)
     client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
     headers = {"Authorization": f"Bearer {spec.api_key}", "Content-Type": "application/json"}
-    base = spec.url
     encode = msgspec.json.encode
     decode = msgspec.json.decode
 
@@ -682,10 +740,9 @@ class Bench:
 
     # -- one measured run ----------------------------------------------------------------------
 
-    async def run_way(self, way: str, gate: bool, *, rate: float | None = None, messages: int | None = None,
-                      concurrency: int | None = None, via_ray: bool = False) -> dict[str, Any]:
-        """One timed run. `via_ray` (sharded, gate on): a second gateway over the same hosts that
-        sends turns through Ray's actor task path instead of the hosts' lanes (CE_HOST_LANE=off)."""
+    async def run_way(self, way: str, gate: bool, *, messages: int | None = None,
+                      concurrency: int | None = None) -> dict[str, Any]:
+        """One timed closed-loop run of one way."""
         a = self.args
         self.run_no += 1
         tag = f"b{os.getpid()}-{self.run_no}-{way[:3]}-{'on' if gate else 'off'}"
@@ -694,7 +751,7 @@ class Bench:
         n_sessions = a.dedicated_sessions if way == "dedicated" else max(a.sessions, concurrency)
         sessions = [f"{tag}-{i}" for i in range(n_sessions)]
         spec = WorkerSpec(mode="inprocess" if way == "inprocess" else "http", sessions=sessions,
-                          concurrency=concurrency, messages=messages or a.messages, rate=rate,
+                          concurrency=concurrency, messages=messages or a.messages,
                           warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key)
         settings = msgspec.structs.replace(self.settings, output_gate=gate)
         placement = None
@@ -705,11 +762,10 @@ class Bench:
             if a.profile_python:
                 spec.profile = str(Path(a.profile_python) / f"inprocess-{'on' if gate else 'off'}.html")
         elif way == "sharded":
-            if gate and not via_ray:
+            if gate:
                 placement, spec.url = self.stack.placement, self.stack.gateway.url
-            else:  # gate off: hosts of their own; via Ray: the stack's hosts, a gateway without lanes
-                own = msgspec.structs.replace(settings, host_lane=False) if via_ray else settings
-                placement, gateway = await self.gateway_for(own, prefix)
+            else:  # gate off: hosts of their own
+                placement, gateway = await self.gateway_for(settings, prefix)
                 spec.url = gateway.url
         else:
             dedicated = msgspec.structs.replace(settings, placement="dedicated", idle_seconds=600.0)
@@ -731,11 +787,7 @@ class Bench:
                 rss_set = {worker.pid}
                 cpu_exclude = set()
                 before = {}
-            # An open-loop run measures latency, and in ways b and c the meter's thread shares the
-            # gateway's process (and GIL): there it samples every 2 s and scans /proc only at the
-            # start and the end, so its bursts do not land in the gateway's tail latency.
-            quiet = {"interval": 2.0, "refresh": 1_000_000} if rate else {}
-            meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids, **quiet)
+            meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids)
             profiler = self._profile_start(way, gate, placement, worker.pid)
             meter.start()
             stolen = Steal()
@@ -771,9 +823,6 @@ class Bench:
         if way == "dedicated" or (way == "sharded" and not gate):
             await placement.shutdown_hosts()
             await self.close_gateway(gateway)
-        elif via_ray:
-            placement.close_lanes()
-            await self.close_gateway(gateway)
         n = max(done["messages"], 1)
         result = {
             "msgs_per_s": done["msgs_per_s"], "p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"],
@@ -786,8 +835,7 @@ class Bench:
         }
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
-        label = (f"{way + ('/ray' if via_ray else ''):<9} gate {'on ' if gate else 'off'}" + (f" @{rate:.0f}/s" if rate else "")
-                 + (f" x{concurrency}" if concurrency != a.concurrency else ""))
+        label = f"{way:<9} gate {'on ' if gate else 'off'}" + (f" x{concurrency}" if concurrency != a.concurrency else "")
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
               f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}"
@@ -795,6 +843,46 @@ class Bench:
               file=sys.stderr)
         print("      cpu ms/msg: " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in split.items()), file=sys.stderr)
         return result
+
+    async def run_interleaved(self, rate: float, messages: int) -> dict[str, Any]:
+        """The half-peak latency run: open loop at `rate`, gate on, three ways from one worker taking
+        turns slice by slice (--half-load-slices): (a) in the worker, (b) through the stack's
+        gateway and the hosts' lanes, and (b) through a second gateway over the same hosts that
+        sends turns on Ray's actor task path (CE_HOST_LANE=off). Run one after another, each for
+        the whole run, the ways met different machines: a slow minute fell on one of them only
+        (README § Performance, runs 6-9). Each way sends `messages` in all."""
+        a = self.args
+        self.run_no += 1
+        tag = f"b{os.getpid()}-{self.run_no}-half"
+        settings = msgspec.structs.replace(self.settings, output_gate=True)
+        ray_placement, ray_gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), "")
+        urls = {"sharded": self.stack.gateway.url, "sharded_ray": ray_gateway.url}
+        ways = ("inprocess", *urls)
+        spec = WorkerSpec(
+            mode="interleaved", sessions=[], concurrency=a.concurrency, messages=messages, rate=rate,
+            warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key,
+            settings=msgspec.json.encode(settings), urls=urls, slices=a.half_load_slices,
+            way_sessions={w: [f"{tag}-{w}-{i}" for i in range(max(a.sessions, a.concurrency))] for w in ways})
+        worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
+        try:
+            await worker.expect("ready")
+            stolen = Steal()
+            worker.write(b"go")
+            done = await worker.expect("done")
+            steal = stolen.percent()
+        finally:
+            await worker.close()
+            ray_placement.close_lanes()
+            await self.close_gateway(ray_gateway)
+        for way, row in done["ways"].items():
+            print(f"  {way.replace('_ray', '/ray'):<11} gate on  @{rate:.0f}/s in {a.half_load_slices} slices: "
+                  f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
+                  f"errors {row['errors']}  steal {steal:.0f}%", file=sys.stderr)
+        print("      p50 minus in process, median over slices: " + ", ".join(
+            f"{w} {v:+.1f} ms" for w, v in done["paired_added_p50_ms"].items()), file=sys.stderr)
+        if done.get("error_kinds"):
+            print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
+        return {**done, "steal_pct": steal}
 
     async def _watch(self, placement: Any) -> None:
         """Say what the hosts are doing when a run takes far longer than it should."""
@@ -882,16 +970,19 @@ class Bench:
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
-            for r in range(a.repeat):
-                # every other round in reverse order (ABC CBA ...): the machine's drift over a
-                # round weighs on each way alike instead of always on the last one
-                order = list(hruns.items())
-                for way, rows in order if r % 2 == 0 else reversed(order):
-                    rows.append(await self.run_way(
-                        way.removesuffix("_ray"), True, rate=rate, messages=n, via_ray=way.endswith("_ray")))
+            rounds = []
+            for _r in range(a.repeat):
+                done = await self.run_interleaved(rate, n)
+                rounds.append(done)
+                for way, rows in hruns.items():
+                    rows.append(done["ways"][way])
             hal = {w: _median_ways(v) for w, v in hruns.items()}
             half = {
-                "rate_msgs_per_s": rate, "ways": hal,
+                "rate_msgs_per_s": rate, "slices": a.half_load_slices, "ways": hal,
+                "paired_added_p50_ms": statistics.median(r["paired_added_p50_ms"]["sharded"] for r in rounds),
+                "paired_added_p50_ms_via_ray": statistics.median(
+                    r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
+                "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
                 "added_p50_ms_via_ray": hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"],
@@ -1143,10 +1234,13 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"{gate}: median of per-round ratios " + ", ".join(f"{w} {r:.2f}" for w, r in paired.items()))
     half = doc.get("half_load")
     if half:
-        print(f"\nhalf peak load ({half['rate_msgs_per_s']:.0f} msg/s, open loop): gateway + Ray add "
+        print(f"\nhalf peak load ({half['rate_msgs_per_s']:.0f} msg/s, open loop, the ways in turns over {half['slices']} slices): gateway + Ray add "
               f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
               f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
               f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
+        if "paired_added_p50_ms" in half:
+            print(f"  p50 added, median over {half['slices']} slices of each slice's difference: "
+                  f"{half['paired_added_p50_ms']:+.1f} ms")
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
@@ -1212,7 +1306,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peak-concurrency", default="16,32,64,128,256",
                    help="clients at a time tried for the peak, until msgs/s grows by less than 5%%")
     p.add_argument("--half-load-seconds", type=float, default=20.0,
-                   help="length of each open-loop half-peak run: its p99 is the 1%% tail of rate x seconds messages")
+                   help="each way's share of an open-loop half-peak run: its p99 is the 1%% tail of rate x seconds messages")
+    p.add_argument("--half-load-slices", type=int, default=10,
+                   help="slices the half-peak run is cut into, the ways taking turns slice by slice")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
     p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")
