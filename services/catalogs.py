@@ -123,16 +123,9 @@ class TenantCatalogs:
 
     def attach_mcp(self, source: Any) -> None:
         """Add the tools of the tenant's MCP servers (services.tools.mcp.McpCatalogSource) to
-        every catalog loaded from now on; their registrations join the catalog stamp."""
+        every catalog loaded from now on. Their registrations are already in the catalog stamp
+        (ToolRepo.catalog_stamp reads them in the same statement, one round trip per turn)."""
         self._mcp = source
-        base = self._stamp
-        if base is not None:
-
-            async def stamp(tenant_id: str) -> str:
-                tools, servers = await asyncio.gather(base(tenant_id), source.stamp(tenant_id))
-                return f"{tools}|{servers}"
-
-            self._stamp = stamp
 
     async def _load_mcp(self, tenant_id: str) -> Any:
         return None if self._mcp is None else await self._mcp.load(tenant_id)

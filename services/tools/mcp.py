@@ -115,8 +115,6 @@ class McpServerStore(Protocol):
 
     async def list(self, tenant_id: str) -> list[McpServerRecord]: ...
 
-    async def stamp(self, tenant_id: str) -> str: ...
-
 
 class SecretOpener(Protocol):
     def decrypt(self, token: str) -> str: ...
@@ -317,10 +315,6 @@ class McpCatalogSource:
         self._secret_box = secret_box
         self._list_timeout_s = list_timeout_s
         self.retry_after_s = retry_after_s
-
-    async def stamp(self, tenant_id: str) -> str:
-        """A fingerprint of the tenant's registrations (changes with any write)."""
-        return await self._store.stamp(tenant_id)
 
     async def load(self, tenant_id: str) -> McpLoad:
         servers = [s for s in await self._store.list(tenant_id) if s.enabled]

@@ -123,11 +123,3 @@ class McpServerRepo:
                     raise _not_found(name)
                 await conn.execute(_NOTIFY, tenant_id)
 
-    async def stamp(self, tenant_id: str) -> str:
-        """A fingerprint of the tenant's registrations: changes with every committed write."""
-        with translate("checking mcp servers"):
-            return await self._pool.fetchval(
-                "SELECT md5(coalesce(string_agg(name || ':' || updated_at::text, ',' ORDER BY name), '')) "
-                "FROM ce_mcp_servers WHERE tenant_id = $1",
-                tenant_id,
-            )

@@ -34,7 +34,10 @@ _STAMP = (
     "|| '|' || coalesce((SELECT updated_at::text FROM ce_bot_config WHERE tenant_id = $1), '') "
     # which built-ins are offered: submit_form once a form exists, the booking tools once a service does
     "|| '|' || EXISTS (SELECT 1 FROM ce_forms WHERE tenant_id = $1)::text "
-    "|| EXISTS (SELECT 1 FROM ce_appointment_services WHERE tenant_id = $1)::text)"
+    "|| EXISTS (SELECT 1 FROM ce_appointment_services WHERE tenant_id = $1)::text "
+    # the MCP servers it registered (their tools join the catalog): any create, update or delete
+    "|| '|' || coalesce((SELECT string_agg(name || ':' || updated_at::text, ',' ORDER BY name) "
+    "FROM ce_mcp_servers WHERE tenant_id = $1), ''))"
 )
 
 
@@ -246,9 +249,10 @@ class ToolRepo:
 
     async def catalog_stamp(self, tenant_id: str) -> str:
         """A fingerprint of everything a tenant's catalog is built from: its live tools (name,
-        version, switch, last change), its bot config's last change, and whether it has forms and
-        appointment services (which built-ins it is offered). Any committed write through this
-        module, BotConfigRepo, or the first/last form or service changes it; one indexed read."""
+        version, switch, last change), its bot config's last change, whether it has forms and
+        appointment services (which built-ins it is offered), and its MCP server registrations.
+        Any committed write through this module, BotConfigRepo, McpServerRepo, or the first/last
+        form or service changes it. One statement of indexed reads: a turn makes it every time."""
         with translate("checking the tool catalog"):
             return await self._pool.fetchval(_STAMP, tenant_id)
 

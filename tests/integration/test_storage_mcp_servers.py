@@ -9,7 +9,7 @@ import pytest
 
 from services.errors import Conflict, InvalidInput, NotFound
 from storage.records import McpServerRecord
-from storage.repos import listen_catalog
+from storage.repos import ToolRepo, listen_catalog
 from storage.repos.mcp_servers import McpServerRepo
 
 
@@ -57,19 +57,20 @@ async def test_only_known_columns_may_change(pool, make_tenant):
         await repo.update(tenant.id, "shop", {"tenant_id": "someone-else"})
 
 
-async def test_every_change_moves_the_stamp_and_is_announced(pool, make_tenant):
+async def test_every_change_moves_the_catalog_stamp_and_is_announced(pool, make_tenant):
     repo = McpServerRepo(pool)
+    stamp = ToolRepo(pool).catalog_stamp  # the one stamp a turn reads covers the registrations
     tenant, _ = await make_tenant()
     received: asyncio.Queue[str] = asyncio.Queue()
     listener = await listen_catalog(pool, received.put_nowait)
     try:
-        stamps = [await repo.stamp(tenant.id)]
+        stamps = [await stamp(tenant.id)]
         await repo.create(record(tenant.id))
-        stamps.append(await repo.stamp(tenant.id))
+        stamps.append(await stamp(tenant.id))
         await repo.update(tenant.id, "shop", {"enabled": False})
-        stamps.append(await repo.stamp(tenant.id))
+        stamps.append(await stamp(tenant.id))
         await repo.delete(tenant.id, "shop")
-        stamps.append(await repo.stamp(tenant.id))
+        stamps.append(await stamp(tenant.id))
         got = [await asyncio.wait_for(received.get(), 5) for _ in range(3)]
         assert got == [tenant.id] * 3
         assert len(set(stamps[:3])) == 3 and stamps[3] == stamps[0]  # back to none registered

@@ -77,9 +77,6 @@ class FakeStore:
     async def list(self, tenant_id: str) -> list[McpServerRecord]:
         return [r for r in self.records if r.tenant_id == tenant_id]
 
-    async def stamp(self, tenant_id: str) -> str:
-        return str(len(self.records))
-
 
 def compiled(record: McpServerRecord, *tools: McpToolInfo, connector: FakeConnector | None = None):
     return compile_server_tools(record, list(tools), connector or FakeConnector(), open_auth=lambda: None)
