@@ -143,16 +143,25 @@ def slice_order(ways: list[str], index: int) -> list[str]:
     return list(ways) if index % 2 == 0 else ways[::-1]
 
 
+def slice_sizes(total: int, slices: int) -> list[int]:
+    """`total` messages cut into `slices` slices as even as they go (the first ones one larger)."""
+    return [total // slices + (1 if i < total % slices else 0) for i in range(slices)]
+
+
 def interleaved_summary(slices: list[dict[str, tuple[list[float], int, float]]], base: str) -> dict[str, Any]:
     """Open-loop runs of several ways taken in turns, slice by slice: (latencies, errors, seconds)
     per way per slice. Per way, the summary of all its slices pooled; per other way, the median
     over slices of its p50 minus `base`'s p50 in the same slice (a paired estimate: a slow minute
-    of the machine falls on both sides of each difference)."""
+    of the machine falls on both sides of each difference; a slice where either side got no
+    reply is left out of it, and a way with no such slice gets None)."""
     ways = list(slices[0]) if slices else []
     pooled = {w: _summary([x for s in slices for x in s[w][0]], sum(s[w][1] for s in slices),
                           sum(s[w][2] for s in slices)) for w in ways}
-    paired = {w: statistics.median(percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices)
-              for w in ways if w != base}
+    paired = {}
+    for w in ways:
+        if w != base:
+            diffs = [percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices if s[w][0] and s[base][0]]
+            paired[w] = statistics.median(diffs) if diffs else None
     return {"ways": pooled, "paired_added_p50_ms": paired}
 
 
@@ -247,12 +256,16 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         _ERRORS.clear()
         _say({"event": "ready", "pid": os.getpid()})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
-        per_slice = max(1, spec.messages // spec.slices)
         slices = []
-        for index in range(spec.slices):
+        sent = 0
+        for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
             row = {}
             for way in slice_order(list(senders), index):
-                row[way] = await open_loop(senders[way], spec.way_sessions[way], spec.rate or 1.0, per_slice, text)
+                sessions = spec.way_sessions[way]
+                turn = sent % len(sessions)  # each slice goes on where the last one stopped
+                row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
+                                           size, text)
+            sent += size
             slices.append(row)
         result = interleaved_summary(slices, base="inprocess")
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
@@ -879,7 +892,8 @@ class Bench:
                   f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
                   f"errors {row['errors']}  steal {steal:.0f}%", file=sys.stderr)
         print("      p50 minus in process, median over slices: " + ", ".join(
-            f"{w} {v:+.1f} ms" for w, v in done["paired_added_p50_ms"].items()), file=sys.stderr)
+            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items()),
+            file=sys.stderr)
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
         return {**done, "steal_pct": steal}
@@ -979,9 +993,8 @@ class Bench:
             hal = {w: _median_ways(v) for w, v in hruns.items()}
             half = {
                 "rate_msgs_per_s": rate, "slices": a.half_load_slices, "ways": hal,
-                "paired_added_p50_ms": statistics.median(r["paired_added_p50_ms"]["sharded"] for r in rounds),
-                "paired_added_p50_ms_via_ray": statistics.median(
-                    r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
+                "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
+                "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
                 "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
@@ -1149,6 +1162,11 @@ def _allow_connections(data_dir: Path, n: int) -> None:
         pg.stop()  # restarted by the stack with the new setting
 
 
+def _median_known(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _median_ways(rows: list[dict[str, Any]]) -> dict[str, Any]:
     keys = rows[0].keys()
     return {k: statistics.median(r[k] for r in rows) for k in keys}
@@ -1238,9 +1256,11 @@ def print_table(doc: dict[str, Any]) -> None:
               f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
               f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
               f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
-        if "paired_added_p50_ms" in half:
+        if half.get("paired_added_p50_ms") is not None:
+            via_ray = half.get("paired_added_p50_ms_via_ray")
             print(f"  p50 added, median over {half['slices']} slices of each slice's difference: "
-                  f"{half['paired_added_p50_ms']:+.1f} ms")
+                  f"{half['paired_added_p50_ms']:+.1f} ms"
+                  + (f" (through Ray's task path {via_ray:+.1f} ms)" if via_ray is not None else ""))
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
@@ -1308,7 +1328,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--half-load-seconds", type=float, default=20.0,
                    help="each way's share of an open-loop half-peak run: its p99 is the 1%% tail of rate x seconds messages")
     p.add_argument("--half-load-slices", type=int, default=10,
-                   help="slices the half-peak run is cut into, the ways taking turns slice by slice")
+                   help="slices the half-peak run is cut into, the ways taking turns slice by slice "
+                        "(--profile and --profile-python do not cover these runs)")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
     p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")
@@ -1327,6 +1348,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     args.growth_levels = [int(x) for x in args.growth_levels.split(",")]
     args.peak_concurrency = [int(x) for x in args.peak_concurrency.split(",")]
+    if args.half_load_slices < 1:
+        p.error("--half-load-slices takes a whole number of at least 1")
     if not args.ways or any(w not in WAYS for w in args.ways):
         p.error(f"--ways takes a subset of {','.join(WAYS)}")
     return args

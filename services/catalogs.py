@@ -62,7 +62,8 @@ class TenantCatalogs:
         self._main = main_model
         self._cheap = cheap_model
         self._ttl = ttl_s
-        # the ToolRepo's fingerprint of the tenant's tools and config; None: trust NOTIFY alone
+        # the ToolRepo's fingerprint of the tenant's tools, config and MCP servers (a `stamp`
+        # given here must cover what its catalogs are built from); None: trust NOTIFY alone
         self._stamp = stamp if stamp is not None else getattr(tools, "catalog_stamp", None)
         self._cache: dict[str, tuple[TurnEnv, float, str | None]] = {}
         self._loading: dict[str, tuple[str | None, asyncio.Future[TurnEnv]]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import interleaved_summary, percentile, slice_order
+from services.bench import interleaved_summary, percentile, slice_order, slice_sizes
 
 
 def test_slices_take_the_ways_forward_then_backward():
@@ -38,6 +38,21 @@ def test_the_paired_difference_ignores_drift_between_slices():
     out = interleaved_summary(slices, base="a")
     assert out["paired_added_p50_ms"] == {"b": pytest.approx(2.0)}
     assert "a" not in out["paired_added_p50_ms"]
+
+
+def test_messages_are_cut_into_even_slices_with_none_lost():
+    assert slice_sizes(200, 10) == [20] * 10
+    assert slice_sizes(203, 10) == [21, 21, 21] + [20] * 7
+    assert sum(slice_sizes(7, 10)) == 7
+
+
+def test_a_slice_without_replies_is_left_out_of_the_paired_figure():
+    slices = [
+        {"a": ([5.0], 0, 1.0), "b": ([], 3, 1.0)},
+        {"a": ([5.0], 0, 1.0), "b": ([9.0], 0, 1.0)},
+    ]
+    assert interleaved_summary(slices, base="a")["paired_added_p50_ms"] == {"b": pytest.approx(4.0)}
+    assert interleaved_summary(slices[:1], base="a")["paired_added_p50_ms"] == {"b": None}
 
 
 def test_no_slices_no_figures():
