@@ -431,16 +431,17 @@ async def _backend(kind: str) -> None:
 class Meter:
     """CPU time and peak RSS of chosen processes over a timed phase, sampled in a thread.
 
-    Sampling runs in the gateway's process during ways b and c, so it is kept cheap: the process
-    sets (a scan of /proc) are refreshed every `refresh` samples, per-process reads in between.
+    Sampling runs in the gateway's process during ways b and c, so it is kept cheap: every
+    INTERVAL_S, per-process reads; the process sets (a scan of /proc) every REFRESH samples.
     """
 
+    INTERVAL_S = 0.5
+    REFRESH = 4
+
     def __init__(self, cpu_pids: Callable[[], set[int]], rss_pids: Callable[[], set[int]],
-                 extra_cpu_pids: Callable[[], set[int]] = set, interval: float = 0.5, refresh: int = 4) -> None:
+                 extra_cpu_pids: Callable[[], set[int]] = set) -> None:
         self._sources = (cpu_pids, extra_cpu_pids, rss_pids)
         self._sets: tuple[set[int], set[int], set[int]] = (set(), set(), set())
-        self._interval = interval
-        self._refresh = refresh
         self._samples = 0
         self._procs: dict[int, Any] = {}
         self._start: dict[int, float] = {}
@@ -475,7 +476,7 @@ class Meter:
     def _sample(self) -> None:
         import psutil
 
-        if self._samples % self._refresh == 0:
+        if self._samples % self.REFRESH == 0:
             self._sets = tuple(source() for source in self._sources)  # type: ignore[assignment]
         self._samples += 1
         cpu, extra, rss = self._sets
@@ -490,7 +491,7 @@ class Meter:
         self.peak_rss = max(self.peak_rss, total)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(self.INTERVAL_S):
             with contextlib.suppress(Exception):  # a sample lost is not worth failing the run
                 self._sample()
 
