@@ -977,11 +977,12 @@ class Bench:
         peaks = await self.peak_sweep(ways)
         half = {}
         if "inprocess" in ways and "sharded" in ways and not a.no_half_load:
-            if peaks:
-                peak = min(peaks[w]["peak"]["msgs_per_s"] for w in ("inprocess", "sharded"))
+            if a.half_load_rate is not None:
+                rate = a.half_load_rate
+            elif peaks:
+                rate = max(1.0, min(peaks[w]["peak"]["msgs_per_s"] for w in ("inprocess", "sharded")) / 2)
             else:
-                peak = min(out[True]["ways"]["inprocess"]["msgs_per_s"], out[True]["ways"]["sharded"]["msgs_per_s"])
-            rate = max(1.0, peak / 2)
+                rate = max(1.0, min(out[True]["ways"][w]["msgs_per_s"] for w in ("inprocess", "sharded")) / 2)
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
@@ -993,7 +994,8 @@ class Bench:
                     rows.append(done["ways"][way])
             hal = {w: _median_ways(v) for w, v in hruns.items()}
             half = {
-                "rate_msgs_per_s": rate, "slices": a.half_load_slices, "ways": hal,
+                "rate_msgs_per_s": rate, "rate_given": a.half_load_rate is not None, "slices": a.half_load_slices,
+                "ways": hal,
                 "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
                 "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
                 "rounds": rounds,
@@ -1253,7 +1255,8 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"{gate}: median of per-round ratios " + ", ".join(f"{w} {r:.2f}" for w, r in paired.items()))
     half = doc.get("half_load")
     if half:
-        print(f"\nhalf peak load ({half['rate_msgs_per_s']:.0f} msg/s, open loop, the ways in turns over {half['slices']} slices): gateway + Ray add "
+        load = "--half-load-rate" if half.get("rate_given") else "half peak load"
+        print(f"\n{load} ({half['rate_msgs_per_s']:.0f} msg/s, open loop, the ways in turns over {half['slices']} slices): gateway + Ray add "
               f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
               f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
               f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
@@ -1331,6 +1334,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--half-load-slices", type=int, default=10,
                    help="slices the half-peak run is cut into, the ways taking turns slice by slice "
                         "(--profile and --profile-python do not cover these runs)")
+    p.add_argument("--half-load-rate", type=float, default=None,
+                   help="msgs/s of the latency runs instead of half the measured peak (the hops' floor at a light load)")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
     p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")
@@ -1349,6 +1354,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     args.growth_levels = [int(x) for x in args.growth_levels.split(",")]
     args.peak_concurrency = [int(x) for x in args.peak_concurrency.split(",")]
+    if args.half_load_rate is not None and not args.half_load_rate > 0:
+        p.error("--half-load-rate takes a rate above 0 messages per second")
     if args.half_load_slices < 1:
         p.error("--half-load-slices takes a whole number of at least 1")
     if not args.ways or any(w not in WAYS for w in args.ways):

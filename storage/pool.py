@@ -40,7 +40,7 @@ def _scrub(value: Any) -> Any:
     return value
 
 
-def _encode(value: Any) -> bytes:
+def encode_json(value: Any) -> bytes:
     """JSON that json/jsonb columns accept: as `storable_text` for every string (see there)."""
     try:
         data = msgspec.json.encode(value)
@@ -60,7 +60,7 @@ _HINT = "check DATABASE_URL or unset it to use the embedded Postgres"
 
 
 def _encode_jsonb(value: Any) -> bytes:
-    return _JSONB_VERSION + _encode(value)
+    return _JSONB_VERSION + encode_json(value)
 
 
 def _decode_jsonb(data: bytes) -> Any:
@@ -74,7 +74,7 @@ async def init_connection(conn: asyncpg.Connection) -> None:
         "jsonb", schema="pg_catalog", encoder=_encode_jsonb, decoder=_decode_jsonb, format="binary"
     )
     await conn.set_type_codec(
-        "json", schema="pg_catalog", encoder=_encode, decoder=_decode, format="binary"
+        "json", schema="pg_catalog", encoder=encode_json, decoder=_decode, format="binary"
     )
 
 

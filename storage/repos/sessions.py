@@ -1,7 +1,7 @@
 """SessionRepo: the session actors' durable store — leases with fencing epochs, group commit.
 
 `activate` takes the lease: it bumps the session's epoch atomically and loads its state. `flush`
-writes many sessions' deltas in ONE transaction after locking their rows, and refuses every
+writes many sessions' deltas in ONE transaction (one statement) after locking their rows, and refuses every
 delta whose epoch is not the current one: an owner that lost its lease (a newer activation
 happened elsewhere) writes nothing at all. This is what keeps "one activation at a time" true
 across host crashes and reshards; it is enforced here, not assumed by the actor layer.
@@ -18,7 +18,7 @@ import msgspec
 
 from services.errors import NotFound
 from storage.errors import StorageError, translate
-from storage.pool import storable_text
+from storage.pool import encode_json, storable_text
 from storage.records import (
     ActivatedSession,
     FlushResult,
@@ -86,6 +86,156 @@ _INSERT_TURN = (
     "ON CONFLICT (session_id, message_id) DO NOTHING"
 )
 
+# The whole flush as ONE statement, so one round trip and no BEGIN/COMMIT (a statement is its own
+# transaction): `ok` locks the rows of the sessions whose epoch is current, in id order (as
+# _LOCK), and every write below takes only the rows of those sessions. Under READ COMMITTED a
+# row a newer activation changed after this statement began is re-read when locked, so its new
+# epoch fails the join and that session's delta is refused. JSON travels as text cast to jsonb:
+# a jsonb[] parameter would read a list of content blocks as a second array dimension.
+_FLUSH = """
+WITH d AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bool[], $6::bigint[])
+        AS d(id, tenant_id, snapshot, message_count, handoff, epoch)
+), ok AS MATERIALIZED (
+    SELECT s.id FROM ce_sessions s JOIN d ON d.id = s.id AND d.tenant_id = s.tenant_id AND d.epoch = s.epoch
+    ORDER BY s.id FOR UPDATE OF s
+), sessions AS (
+    UPDATE ce_sessions s
+    SET snapshot = d.snapshot::jsonb, message_count = d.message_count, handoff = d.handoff, updated_at = now()
+    FROM d JOIN ok ON ok.id = d.id WHERE s.id = d.id
+), messages AS (
+    INSERT INTO ce_messages (tenant_id, session_id, seq, role, content, message_id)
+    SELECT m.tenant_id, m.session_id, m.seq, m.role, m.content::jsonb, m.message_id
+    FROM unnest($7::text[], $8::text[], $9::int[], $10::text[], $11::text[], $12::text[])
+        AS m(tenant_id, session_id, seq, role, content, message_id)
+    JOIN ok ON ok.id = m.session_id
+    ON CONFLICT (session_id, seq) DO NOTHING
+), variables AS (
+    INSERT INTO ce_session_variables (id, session_id, tenant_id, key, value)
+    SELECT gen_random_uuid()::text, v.session_id, v.tenant_id, v.key, v.value
+    FROM unnest($13::text[], $14::text[], $15::text[], $16::text[]) AS v(session_id, tenant_id, key, value)
+    JOIN ok ON ok.id = v.session_id
+    ON CONFLICT (session_id, key) DO UPDATE SET value = EXCLUDED.value
+), calls AS (
+    INSERT INTO ce_tool_calls (id, session_id, tenant_id, message_id, tool_name, parameters, result, success,
+                               latency_ms, queue_ms, error, created_at, trace_id)
+    SELECT c.id, c.session_id, c.tenant_id, c.message_id, c.tool_name, c.parameters::jsonb, c.result::jsonb,
+           c.success, c.latency_ms, c.queue_ms, c.error, coalesce(c.created_at, now()), c.trace_id
+    FROM unnest($17::text[], $18::text[], $19::text[], $20::text[], $21::text[], $22::text[], $23::text[],
+                $24::bool[], $25::int[], $26::int[], $27::text[], $28::timestamptz[], $29::text[])
+        AS c(id, session_id, tenant_id, message_id, tool_name, parameters, result, success, latency_ms, queue_ms,
+             error, created_at, trace_id)
+    JOIN ok ON ok.id = c.session_id
+    ON CONFLICT (id) DO NOTHING
+), usage AS (
+    INSERT INTO ce_usage AS u (tenant_id, session_id, model, input_tokens, output_tokens, applied_seq)
+    SELECT x.tenant_id, x.session_id, x.model, x.input_tokens, x.output_tokens, x.applied_seq
+    FROM unnest($30::text[], $31::text[], $32::text[], $33::bigint[], $34::bigint[], $35::bigint[])
+        AS x(tenant_id, session_id, model, input_tokens, output_tokens, applied_seq)
+    JOIN ok ON ok.id = x.session_id
+    ON CONFLICT (tenant_id, session_id, model) DO UPDATE SET
+        input_tokens = u.input_tokens + EXCLUDED.input_tokens,
+        output_tokens = u.output_tokens + EXCLUDED.output_tokens,
+        applied_seq = COALESCE(EXCLUDED.applied_seq, u.applied_seq), updated_at = now()
+    WHERE EXCLUDED.applied_seq IS NULL OR u.applied_seq IS NULL OR u.applied_seq < EXCLUDED.applied_seq
+), turns AS (
+    INSERT INTO ce_turns (tenant_id, session_id, message_id, response)
+    SELECT t.tenant_id, t.session_id, t.message_id, t.response::jsonb
+    FROM unnest($36::text[], $37::text[], $38::text[], $39::text[]) AS t(tenant_id, session_id, message_id, response)
+    JOIN ok ON ok.id = t.session_id
+    ON CONFLICT (session_id, message_id) DO NOTHING
+)
+SELECT id FROM ok
+"""
+
+
+def _one_statement(deltas: list[SessionDelta], uids: list[str]) -> bool:
+    """Whether `_FLUSH` can write the batch: one delta per session and one usage row per session
+    and model. An upsert cannot touch a row twice in one statement, and two usage deltas of one
+    model (tokens restored from a failed flush beside newer ones) must apply one after another,
+    each against the seq the other left; such a rare batch goes statement by statement."""
+    if len(set(uids)) != len(uids):
+        return False
+    return all(len({u.model for u in d.usage}) == len(d.usage) for d in deltas)
+
+
+class _Rows(msgspec.Struct):
+    """A batch's rows, table by table, in the columns of the statements above."""
+
+    sessions: dict[str, tuple] = {}
+    messages: list[tuple] = []
+    variables: list[tuple] = []
+    calls: list[tuple] = []
+    usage: list[tuple] = []
+    turns: list[tuple] = []
+
+
+def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Rows:
+    """The rows of the deltas marked in `keep`. Text from contacts, the model and tools goes
+    through storable_text: a NUL in one row must not fail the whole group commit."""
+    rows = _Rows()
+    for d, uid, kept in zip(deltas, uids, keep, strict=True):
+        if not kept:
+            continue
+        snap = d.snapshot
+        # the last delta of a session in the batch carries its newest snapshot
+        rows.sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
+        rows.messages += [(d.tenant_id, uid, m.seq, m.role, m.content, storable_text(m.message_id)) for m in d.messages]
+        rows.variables += [(uid, d.tenant_id, storable_text(k), storable_text(v)) for k, v in d.variables.items()]
+        rows.calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
+        newest = max((m.seq for m in d.messages), default=None)
+        rows.usage += [
+            (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens,
+             u.through_seq if u.through_seq is not None else newest)
+            for u in d.usage
+        ]
+        rows.turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
+    return rows
+
+
+def _columns(rows: list[tuple], width: int, json: tuple[int, ...] = ()) -> list[list[Any]]:
+    """Rows as `width` column arrays; the `json` columns as the JSON text the statement casts to
+    jsonb (the pool codec's rules: NULs replaced, lone surrogates scrubbed; None stays NULL)."""
+    columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
+    for i in json:
+        columns[i] = [None if v is None else encode_json(v).decode() for v in columns[i]]
+    return columns
+
+
+def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
+    """The 39 column arrays of `_FLUSH`: every delta's rows (the statement does the fencing).
+    One delta per session (`_one_statement`), so the sessions' rows and epochs line up."""
+    rows = _rows(deltas, uids, [True] * len(deltas))
+    return [
+        *_columns(list(rows.sessions.values()), 5, json=(2,)), [d.epoch for d in deltas],
+        *_columns(rows.messages, 6, json=(4,)),
+        *_columns(rows.variables, 4),
+        *_columns(rows.calls, 13, json=(5, 6)),
+        *_columns(rows.usage, 6),
+        *_columns(rows.turns, 4, json=(3,)),
+    ]
+
+
+async def _flush_statement_by_statement(
+    conn: asyncpg.Connection, deltas: list[SessionDelta], uids: list[str]
+) -> list[bool]:
+    """The flush inside the caller's transaction, one statement per table (batches `_FLUSH`
+    cannot take, see `_one_statement`). Returns, delta by delta, whether it was written."""
+    current = {r["id"]: (r["tenant_id"], r["epoch"]) for r in await conn.fetch(_LOCK, sorted(set(uids)))}
+    ok = [current.get(uid) == (d.tenant_id, d.epoch) for d, uid in zip(deltas, uids, strict=True)]
+    rows = _rows(deltas, uids, ok)
+    # executemany pipelines each statement's rows: one round trip per table, not per row
+    for sql, batch in (
+        (_UPDATE_SESSION, list(rows.sessions.values())),
+        (_INSERT_MESSAGE, rows.messages),
+        (_UPSERT_VARIABLE, rows.variables),
+        (INSERT_CALL_SQL, rows.calls),
+        (_ADD_USAGE, rows.usage),
+        (_INSERT_TURN, rows.turns),
+    ):
+        if batch:
+            await conn.executemany(sql, batch)
+    return ok
 
 def _snapshot(raw: Any, tenant_id: str, session_id: str) -> SessionSnapshot:
     try:
@@ -167,55 +317,17 @@ class SessionRepo:
             return FlushResult(written=[], refused=[])
         uids = [session_uid(d.tenant_id, d.session_id) for d in deltas]
         with translate("flushing session state"):
-            async with self._pool.acquire() as conn, conn.transaction():
-                rows = await conn.fetch(_LOCK, sorted(set(uids)))
-                current = {r["id"]: (r["tenant_id"], r["epoch"]) for r in rows}
-                written: list[tuple[str, str]] = []
-                refused: list[tuple[str, str]] = []
-                sessions: dict[str, tuple] = {}
-                messages: list[tuple] = []
-                variables: list[tuple] = []
-                calls: list[tuple] = []
-                usage: list[tuple] = []
-                turns: list[tuple] = []
-                for d, uid in zip(deltas, uids, strict=True):
-                    key = (d.tenant_id, d.session_id)
-                    if current.get(uid) != (d.tenant_id, d.epoch):
-                        refused.append(key)
-                        continue
-                    written.append(key)
-                    snap = d.snapshot
-                    # the last delta of a session in the batch carries its newest snapshot
-                    sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
-                    # Text from contacts, the model and tools goes through storable_text: a NUL
-                    # in one row must not fail the whole group commit (JSON columns: the codec).
-                    messages += [
-                        (d.tenant_id, uid, m.seq, m.role, m.content, storable_text(m.message_id))
-                        for m in d.messages
-                    ]
-                    variables += [
-                        (uid, d.tenant_id, storable_text(k), storable_text(v)) for k, v in d.variables.items()
-                    ]
-                    calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
-                    newest = max((m.seq for m in d.messages), default=None)
-                    usage += [
-                        (d.tenant_id, uid, u.model, u.input_tokens, u.output_tokens,
-                         u.through_seq if u.through_seq is not None else newest)
-                        for u in d.usage
-                    ]
-                    turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
-                # executemany pipelines each statement's rows: one round trip per table, not per row
-                for sql, batch in (
-                    (_UPDATE_SESSION, list(sessions.values())),
-                    (_INSERT_MESSAGE, messages),
-                    (_UPSERT_VARIABLE, variables),
-                    (INSERT_CALL_SQL, calls),
-                    (_ADD_USAGE, usage),
-                    (_INSERT_TURN, turns),
-                ):
-                    if batch:
-                        await conn.executemany(sql, batch)
-        return FlushResult(written=written, refused=refused)
+            async with self._pool.acquire() as conn:
+                if _one_statement(deltas, uids):
+                    current = {r["id"] for r in await conn.fetch(_FLUSH, *_flush_args(deltas, uids))}
+                    ok = [uid in current for uid in uids]
+                else:
+                    async with conn.transaction():
+                        ok = await _flush_statement_by_statement(conn, deltas, uids)
+        return FlushResult(
+            written=[(d.tenant_id, d.session_id) for d, took in zip(deltas, ok, strict=True) if took],
+            refused=[(d.tenant_id, d.session_id) for d, took in zip(deltas, ok, strict=True) if not took],
+        )
 
     async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
         """The session's current lease epoch, or None if it was never activated."""

@@ -364,6 +364,15 @@ async def test_both_placements_serve_the_same_conversations(mode, stack, dedicat
     check_conversations(tenant_id, rows, sent, MESSAGES_PER_TOOL_TURN)
     check_views(rows, await views(client, gateway.url, headers, sessions), 3 * MESSAGES_PER_TOOL_TURN)
     names = {placement.actor_name(tenant_id, s) for s in sessions}
+    if mode == "dedicated":
+        # A dedicated session idle for idle_seconds (30 s here) passivates and its process exits;
+        # on a slow machine the first conversations end that long before the last. Each session's
+        # last message again (answered from its stored turn: nothing runs twice) makes every one
+        # live when the actors are listed.
+        last = {s.session_id: s for s in sent}
+        again = await asyncio.gather(*(send(client, gateway.url, headers, sid, "again", s.message_id)
+                                       for sid, s in last.items()))
+        assert [a.reply for a in again] == [s.reply for s in last.values()]
     named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
     if mode == "dedicated":
         # one named actor per session, each its own process

@@ -306,3 +306,74 @@ async def test_tool_calls_get_their_timestamp_from_the_database_when_not_given(s
         "SELECT created_at FROM ce_tool_calls WHERE tenant_id = $1", tenant.id
     )
     assert abs((created - before).total_seconds()) < 60
+
+
+class _CountingPool:
+    """The real pool, counting what a connection is asked to do (statements and transactions)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+        self.calls: list[str] = []
+
+    def acquire(self):
+        pool, calls = self._pool, self.calls
+
+        class _Acquire:
+            async def __aenter__(self):
+                self._cm = pool.acquire()
+                conn = await self._cm.__aenter__()
+
+                class _Conn:
+                    def __getattr__(self, name):
+                        calls.append(name)
+                        return getattr(conn, name)
+
+                return _Conn()
+
+            async def __aexit__(self, *exc):
+                return await self._cm.__aexit__(*exc)
+
+        return _Acquire()
+
+
+async def test_a_group_commit_of_distinct_sessions_is_one_statement(pool, make_tenant):
+    """One round trip, no BEGIN/COMMIT: the flush is a single statement (its own transaction)."""
+    tenant, _ = await make_tenant()
+    counting = _CountingPool(pool)
+    sessions = SessionRepo(counting)
+    leases = [await SessionRepo(pool).activate(tenant.id, s, owner="h") for s in (sid(), sid(), sid())]
+    await SessionRepo(pool).activate(tenant.id, leases[2].session_id, owner="elsewhere")
+    deltas = [
+        delta(tenant.id, lease.session_id, lease.epoch,
+              messages=[message(0, "hi", message_id="m1"), message(1, "hello", role="assistant")],
+              variables={"k": "v"}, tool_calls=[call(tenant.id, lease.session_id)],
+              usage=[UsageDelta(model="main", input_tokens=10, output_tokens=2)],
+              turns=[TurnRecord(message_id="m1", response={"reply": "hello"})])
+        for lease in leases
+    ]
+    result = await sessions.flush(deltas)
+    assert counting.calls == ["fetch"]
+    assert result.refused == [(tenant.id, leases[2].session_id)]
+    assert sorted(result.written) == sorted((tenant.id, lease.session_id) for lease in leases[:2])
+    for table in ("ce_messages", "ce_session_variables", "ce_tool_calls", "ce_usage", "ce_turns"):
+        assert [await count(pool, table, tenant.id, lease.session_id) for lease in leases] == [
+            2 if table == "ce_messages" else 1, 2 if table == "ce_messages" else 1, 0], table
+
+
+async def test_two_deltas_of_one_session_in_a_batch_apply_in_order_and_are_fenced_each(sessions, pool, make_tenant):
+    """A batch the single statement cannot take (one session twice) goes statement by statement:
+    both deltas' rows, the later snapshot, and a delta of an older epoch refused on its own."""
+    tenant, _ = await make_tenant()
+    s = sid()
+    old = await sessions.activate(tenant.id, s, owner="h")
+    lease = await sessions.activate(tenant.id, s, owner="h")
+    first = delta(tenant.id, s, lease.epoch, messages=[message(0, "a")], variables={"step": "1"},
+                  snapshot=SessionSnapshot(message_count=1))
+    second = delta(tenant.id, s, lease.epoch, messages=[message(1, "b", role="assistant")], variables={"step": "2"},
+                   snapshot=SessionSnapshot(message_count=2))
+    stale = delta(tenant.id, s, old.epoch, messages=[message(2, "stale")])
+    result = await sessions.flush([first, stale, second])
+    assert result.written == [(tenant.id, s), (tenant.id, s)] and result.refused == [(tenant.id, s)]
+    assert await count(pool, "ce_messages", tenant.id, s) == 2
+    view = await sessions.get_session_view(tenant.id, s)
+    assert view.messages == 2 and view.variables == {"step": "2"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import interleaved_summary, percentile, slice_order, slice_sizes
+from services.bench import interleaved_summary, parse_args, percentile, slice_order, slice_sizes
 
 
 def test_slices_take_the_ways_forward_then_backward():
@@ -57,3 +57,11 @@ def test_a_slice_without_replies_is_left_out_of_the_paired_figure():
 
 def test_no_slices_no_figures():
     assert interleaved_summary([], base="a") == {"ways": {}, "paired_added_p50_ms": {}}
+
+
+def test_the_latency_runs_take_a_given_rate_or_half_the_peak():
+    assert parse_args([]).half_load_rate is None  # half the measured peak
+    assert parse_args(["--half-load-rate", "20"]).half_load_rate == 20.0
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            parse_args(["--half-load-rate", bad])
