@@ -128,6 +128,8 @@ class SessionHost:
         self._on_flush = on_flush
         self._running = 0
         self._busy = 0  # turns running their session's code now (not queued, not at the gate)
+        self._none_busy = asyncio.Event()  # set while _busy is 0: the group-commit window may end
+        self._none_busy.set()
         self._drained = asyncio.Event()  # set while no admitted turn is out (stop() waits for it)
         self._drained.set()
         #: which sessions this host may hold (sharded hosts: its shard under the current view);
@@ -363,10 +365,13 @@ class SessionHost:
             if not evicted:
                 structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
                 self._busy += 1
+                self._none_busy.clear()
                 try:
                     reply = await run(entry, env)
                 finally:
                     self._busy -= 1
+                    if not self._busy:
+                        self._none_busy.set()
                 entry.last_used = time.monotonic()
                 if entry.stale:  # taken over while it ran: this copy's state will never be written
                     raise _lease_lost(session_id)
@@ -487,9 +492,12 @@ class SessionHost:
             await self._wake.wait()
             self._wake.clear()
             if self._settings.flush_interval_s and self._busy:
-                # The group-commit window, only when a running turn may join this flush. A turn
-                # alone on its host would wait it out for nothing (light load: every turn).
-                await asyncio.sleep(self._settings.flush_interval_s)
+                # The group-commit window, only while a running turn may join this flush: until
+                # every turn running reaches the gate (it marks its session dirty in the same step
+                # that ends its run), at most flush_interval. A turn alone on its host would wait
+                # for nothing (light load: every turn); a busy host waits the whole window.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._none_busy.wait(), self._settings.flush_interval_s)
             try:
                 await self._flush_once()
                 backoff = 0.05
