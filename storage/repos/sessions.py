@@ -164,7 +164,9 @@ class _Rows(msgspec.Struct):
 
     sessions: dict[str, tuple] = {}
     messages: list[tuple] = []
-    variables: list[tuple] = []
+    #: by (session, stored key): two keys that storable_text makes one ("k\x00", "k\ufffd") are
+    #: one row, the later value winning, as one upsert after the other did
+    variables: dict[tuple[str, str], tuple] = {}
     calls: list[tuple] = []
     usage: list[tuple] = []
     turns: list[tuple] = []
@@ -181,7 +183,9 @@ def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Row
         # the last delta of a session in the batch carries its newest snapshot
         rows.sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
         rows.messages += [(d.tenant_id, uid, m.seq, m.role, m.content, storable_text(m.message_id)) for m in d.messages]
-        rows.variables += [(uid, d.tenant_id, storable_text(k), storable_text(v)) for k, v in d.variables.items()]
+        for k, v in d.variables.items():
+            key = storable_text(k)
+            rows.variables[(uid, key)] = (uid, d.tenant_id, key, storable_text(v))
         rows.calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
         newest = max((m.seq for m in d.messages), default=None)
         rows.usage += [
@@ -209,7 +213,7 @@ def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
     return [
         *_columns(list(rows.sessions.values()), 5, json=(2,)), [d.epoch for d in deltas],
         *_columns(rows.messages, 6, json=(4,)),
-        *_columns(rows.variables, 4),
+        *_columns(list(rows.variables.values()), 4),
         *_columns(rows.calls, 13, json=(5, 6)),
         *_columns(rows.usage, 6),
         *_columns(rows.turns, 4, json=(3,)),
@@ -228,7 +232,7 @@ async def _flush_statement_by_statement(
     for sql, batch in (
         (_UPDATE_SESSION, list(rows.sessions.values())),
         (_INSERT_MESSAGE, rows.messages),
-        (_UPSERT_VARIABLE, rows.variables),
+        (_UPSERT_VARIABLE, list(rows.variables.values())),
         (INSERT_CALL_SQL, rows.calls),
         (_ADD_USAGE, rows.usage),
         (_INSERT_TURN, rows.turns),

@@ -332,3 +332,22 @@ async def test_unstorable_characters_from_a_model_or_tool_do_not_fail_a_group_co
     assert stored["error"].endswith(replaced) and stored["turn"] == f"m{replaced}"
     assert await pool.fetchval("SELECT count(*) FROM ce_tool_calls WHERE session_id = $1",
                                session_uid(tenant.id, plain)) == 1
+
+
+async def test_variable_keys_that_become_one_key_when_stored_do_not_fail_a_group_commit(pool, make_tenant):
+    # "k\x00" is stored as "k\ufffd", the key the tool also set: one row, the later value winning
+    sessions = SessionRepo(pool)
+    tenant, _ = await make_tenant("nulkeys")
+    hostile, plain = f"hostile-{secrets.token_hex(3)}", f"plain-{secrets.token_hex(3)}"
+    leases = [await sessions.activate(tenant.id, s, owner="host") for s in (hostile, plain)]
+    deltas = [
+        SessionDelta(tenant_id=tenant.id, session_id=hostile, epoch=leases[0].epoch, snapshot=SessionSnapshot(),
+                     variables={"k\x00": "1", "k\ufffd": "2", "v\ud800": "3", "v?": "4"}),
+        SessionDelta(tenant_id=tenant.id, session_id=plain, epoch=leases[1].epoch,
+                     snapshot=SessionSnapshot(message_count=1),
+                     messages=[MessageRecord(seq=0, role="user", content=[{"type": "text", "text": "hi"}])]),
+    ]
+    result = await sessions.flush(deltas)
+    assert sorted(s for _, s in result.written) == sorted([hostile, plain]) and result.refused == []
+    assert (await sessions.get_session_view(tenant.id, hostile)).variables == {"k\ufffd": "2", "v?": "4"}
+    assert (await sessions.get_session_view(tenant.id, plain)).messages == 1

@@ -184,6 +184,35 @@ async def test_flush_racing_a_takeover_is_all_or_nothing(sessions, pool, make_te
     assert outcomes  # at least one interleaving observed; both are valid
 
 
+async def test_a_flush_waiting_on_a_takeover_that_commits_is_refused_and_writes_nothing(sessions, pool, make_tenant):
+    """The race, made certain: the new activation holds the bumped epoch uncommitted, the flush
+    blocks on the session's row, then the activation commits. The flush must see the new epoch."""
+    tenant, _ = await make_tenant()
+    s = sid()
+    lease = await sessions.activate(tenant.id, s, owner="a")
+    uid = session_uid(tenant.id, s)
+    async with pool.acquire() as takeover:
+        bump = takeover.transaction()
+        await bump.start()
+        await takeover.execute("UPDATE ce_sessions SET epoch = epoch + 1, owner = 'b' WHERE id = $1", uid)
+        flush = asyncio.create_task(sessions.flush([delta(
+            tenant.id, s, lease.epoch, messages=[message(0, "a")], variables={"by": "a"},
+            tool_calls=[call(tenant.id, s)], usage=[UsageDelta(model="m", input_tokens=1, output_tokens=1)],
+            turns=[TurnRecord(message_id="m1", response={"reply": "a"})],
+            snapshot=SessionSnapshot(message_count=1))]))
+        async with asyncio.timeout(10):
+            while not await pool.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND pg_blocking_pids(pid) @> ARRAY[$1::int]", takeover.get_server_pid()):
+                await asyncio.sleep(0.01)
+        await bump.commit()
+        result = await asyncio.wait_for(flush, 10)
+    assert result.written == [] and result.refused == [(tenant.id, s)]
+    for table in ("ce_messages", "ce_session_variables", "ce_tool_calls", "ce_usage", "ce_turns"):
+        assert await count(pool, table, tenant.id, s) == 0, table
+    assert await pool.fetchval("SELECT message_count FROM ce_sessions WHERE id = $1", uid) == 0
+
+
 async def test_group_commit_writes_many_sessions_in_one_transaction(sessions, pool, make_tenant):
     tenant, _ = await make_tenant()
     ids = [f"bulk-{i}" for i in range(200)]
