@@ -555,6 +555,18 @@ def rss_mb(pids: set[int]) -> float:
 # the orchestrator
 # =============================================================================================
 
+def postgres_pids(pgdata: Path | str) -> set[int]:
+    """The processes of the Postgres server of `pgdata`: its postmaster and every child (the
+    backends); empty when it is not running."""
+    import psutil
+
+    try:
+        master = psutil.Process(int((Path(pgdata) / "postmaster.pid").read_text().split()[0]))
+        return {master.pid, *(c.pid for c in master.children(recursive=True))}
+    except (OSError, ValueError, psutil.Error):
+        return set()
+
+
 class Child:
     """A helper or worker process speaking JSON lines on stdout."""
 
@@ -638,16 +650,9 @@ class Bench:
     # -- processes ---------------------------------------------------------------------------
 
     def pg_pids(self) -> set[int]:
-        import psutil
-
         if self.stack is None or self.stack.pg is None:
             return set()
-        try:
-            first = (Path(self.stack.pg.pgdata) / "postmaster.pid").read_text().split()[0]
-            master = psutil.Process(int(first))
-            pids = {master.pid, *(c.pid for c in master.children(recursive=True))}
-        except (OSError, ValueError, psutil.Error):
-            return set()
+        pids = postgres_pids(self.stack.pg.pgdata)
         self.pg_seen |= pids  # backends of a closed connection are gone when the run is split up
         return pids
 
@@ -979,10 +984,9 @@ class Bench:
         if "inprocess" in ways and "sharded" in ways and not a.no_half_load:
             if a.half_load_rate is not None:
                 rate = a.half_load_rate
-            elif peaks:
-                rate = max(1.0, min(peaks[w]["peak"]["msgs_per_s"] for w in ("inprocess", "sharded")) / 2)
             else:
-                rate = max(1.0, min(out[True]["ways"][w]["msgs_per_s"] for w in ("inprocess", "sharded")) / 2)
+                found = (peaks[w]["peak"] if peaks else out[True]["ways"][w] for w in ("inprocess", "sharded"))
+                rate = max(1.0, min(f["msgs_per_s"] for f in found) / 2)
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import secrets
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from services.bench import postgres_pids
 from storage.embedded import start_embedded
 from storage.migrate import migrate
 from storage.pool import create_pool
@@ -36,26 +38,25 @@ from storage.records import (
     UsageDelta,
     session_uid,
 )
-from storage.repos.sessions import _FLUSH, SessionRepo, _flush_args, _flush_statement_by_statement
+from storage.repos.sessions import (
+    SessionRepo,
+    _flush_in_one_statement,
+    _flush_statement_by_statement,
+)
 
 WAYS = ("one statement", "statement by statement")
 
 
-def server_cpu_s(postmaster: int) -> float:
-    """CPU seconds of the Postgres server: the postmaster and its children (the backends)."""
-    hz = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def server_cpu_s(pgdata: Path) -> float:
+    """CPU seconds of the Postgres server so far: its postmaster and its children (the backends)."""
+    total = 0.0
+    for pid in postgres_pids(pgdata):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:  # a backend that just ended
             continue
-        if int(entry) == postmaster or int(fields[1]) == postmaster:
-            total += int(fields[11]) + int(fields[12])
-    return total / hz
+        total += times.user + times.system
+    return total
 
 
 def turn_delta(tenant_id: str, session_id: str, epoch: int, n: int) -> SessionDelta:
@@ -80,14 +81,13 @@ async def flush(conn, way: str, deltas: list[SessionDelta]) -> int:
     """One flush the given way; returns how many deltas were written."""
     uids = [session_uid(d.tenant_id, d.session_id) for d in deltas]
     if way == WAYS[0]:
-        return len(await conn.fetch(_FLUSH, *_flush_args(deltas, uids)))
+        return sum(await _flush_in_one_statement(conn, deltas, uids))
     async with conn.transaction():
         return sum(await _flush_statement_by_statement(conn, deltas, uids))
 
 
 async def run(args: argparse.Namespace) -> int:
     server = start_embedded(Path(args.data_dir))
-    postmaster = int((server.pgdata / "postmaster.pid").read_text().split()[0])
     pool = await create_pool(server.url, min_size=1, max_size=2)
     try:
         await migrate(pool)
@@ -101,7 +101,7 @@ async def run(args: argparse.Namespace) -> int:
             async with pool.acquire() as conn:
                 for round_no in range(args.rounds):
                     for way in WAYS if round_no % 2 == 0 else WAYS[::-1]:
-                        cpu, pg, walls = time.process_time(), server_cpu_s(postmaster), []
+                        cpu, pg, walls = time.process_time(), server_cpu_s(server.pgdata), []
                         for _ in range(args.flushes):
                             n += 1
                             deltas = [turn_delta(tenant_id, lease.session_id, lease.epoch, n) for lease in leases]
@@ -111,7 +111,7 @@ async def run(args: argparse.Namespace) -> int:
                             walls.append(time.perf_counter() - started)
                         rows.setdefault((size, way), []).append((
                             (time.process_time() - cpu) / args.flushes * 1000,
-                            (server_cpu_s(postmaster) - pg) / args.flushes * 1000,
+                            (server_cpu_s(server.pgdata) - pg) / args.flushes * 1000,
                             statistics.median(walls) * 1000,
                         ))
             print(f"  {size} sessions per flush done", file=sys.stderr)

@@ -162,30 +162,32 @@ def _one_statement(deltas: list[SessionDelta], uids: list[str]) -> bool:
 class _Rows(msgspec.Struct):
     """A batch's rows, table by table, in the columns of the statements above."""
 
-    sessions: dict[str, tuple] = {}
-    messages: list[tuple] = []
-    #: by (session, stored key): two keys that storable_text makes one ("k\x00", "k\ufffd") are
-    #: one row, the later value winning, as one upsert after the other did
-    variables: dict[tuple[str, str], tuple] = {}
-    calls: list[tuple] = []
-    usage: list[tuple] = []
-    turns: list[tuple] = []
+    sessions: list[tuple]
+    messages: list[tuple]
+    variables: list[tuple]
+    calls: list[tuple]
+    usage: list[tuple]
+    turns: list[tuple]
 
 
 def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Rows:
     """The rows of the deltas marked in `keep`. Text from contacts, the model and tools goes
     through storable_text: a NUL in one row must not fail the whole group commit."""
-    rows = _Rows()
+    rows = _Rows(sessions=[], messages=[], variables=[], calls=[], usage=[], turns=[])
+    # the last delta of a session in the batch carries its newest snapshot
+    sessions: dict[str, tuple] = {}
+    # by (session, stored key): two keys that storable_text makes one ("k\x00", "k\ufffd") are
+    # one row, the later value winning, as one upsert after the other did
+    variables: dict[tuple[str, str], tuple] = {}
     for d, uid, kept in zip(deltas, uids, keep, strict=True):
         if not kept:
             continue
         snap = d.snapshot
-        # the last delta of a session in the batch carries its newest snapshot
-        rows.sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
+        sessions[uid] = (uid, d.tenant_id, snap, snap.message_count, snap.handoff)
         rows.messages += [(d.tenant_id, uid, m.seq, m.role, m.content, storable_text(m.message_id)) for m in d.messages]
         for k, v in d.variables.items():
             key = storable_text(k)
-            rows.variables[(uid, key)] = (uid, d.tenant_id, key, storable_text(v))
+            variables[(uid, key)] = (uid, d.tenant_id, key, storable_text(v))
         rows.calls += [call_row(c, d.tenant_id, d.session_id) for c in d.tool_calls]
         newest = max((m.seq for m in d.messages), default=None)
         rows.usage += [
@@ -194,6 +196,7 @@ def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Row
             for u in d.usage
         ]
         rows.turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
+    rows.sessions, rows.variables = list(sessions.values()), list(variables.values())
     return rows
 
 
@@ -211,13 +214,20 @@ def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
     One delta per session (`_one_statement`), so the sessions' rows and epochs line up."""
     rows = _rows(deltas, uids, [True] * len(deltas))
     return [
-        *_columns(list(rows.sessions.values()), 5, json=(2,)), [d.epoch for d in deltas],
+        *_columns(rows.sessions, 5, json=(2,)), [d.epoch for d in deltas],
         *_columns(rows.messages, 6, json=(4,)),
-        *_columns(list(rows.variables.values()), 4),
+        *_columns(rows.variables, 4),
         *_columns(rows.calls, 13, json=(5, 6)),
         *_columns(rows.usage, 6),
         *_columns(rows.turns, 4, json=(3,)),
     ]
+
+
+async def _flush_in_one_statement(conn: asyncpg.Connection, deltas: list[SessionDelta], uids: list[str]) -> list[bool]:
+    """The flush as `_FLUSH` (its own transaction; batches `_one_statement` accepts). Returns,
+    delta by delta, whether it was written."""
+    current = {r["id"] for r in await conn.fetch(_FLUSH, *_flush_args(deltas, uids))}
+    return [uid in current for uid in uids]
 
 
 async def _flush_statement_by_statement(
@@ -230,9 +240,9 @@ async def _flush_statement_by_statement(
     rows = _rows(deltas, uids, ok)
     # executemany pipelines each statement's rows: one round trip per table, not per row
     for sql, batch in (
-        (_UPDATE_SESSION, list(rows.sessions.values())),
+        (_UPDATE_SESSION, rows.sessions),
         (_INSERT_MESSAGE, rows.messages),
-        (_UPSERT_VARIABLE, list(rows.variables.values())),
+        (_UPSERT_VARIABLE, rows.variables),
         (INSERT_CALL_SQL, rows.calls),
         (_ADD_USAGE, rows.usage),
         (_INSERT_TURN, rows.turns),
@@ -323,8 +333,7 @@ class SessionRepo:
         with translate("flushing session state"):
             async with self._pool.acquire() as conn:
                 if _one_statement(deltas, uids):
-                    current = {r["id"] for r in await conn.fetch(_FLUSH, *_flush_args(deltas, uids))}
-                    ok = [uid in current for uid in uids]
+                    ok = await _flush_in_one_statement(conn, deltas, uids)
                 else:
                     async with conn.transaction():
                         ok = await _flush_statement_by_statement(conn, deltas, uids)
