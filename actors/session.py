@@ -403,7 +403,7 @@ async def _loop(
             "ce.round": round_no, "ce.model": request.model, "ce.tools_offered": len(request.tools),
         }) as span:
             try:
-                response = await _stream(env.llm, request, emit)
+                response = await _ask(env.llm, request, emit)
             except LLMError as exc:
                 span.set_attribute("ce.error", str(exc)[:200])
                 final_text = LLM_DOWN_REPLY
@@ -439,7 +439,11 @@ async def _loop(
     return await _finish(state, turn.reply(state, final_text), emit)
 
 
-async def _stream(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
+async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
+    """One model call. Streamed only when someone watches the turn (SSE): a turn answered as one
+    JSON body asks for the whole answer at once, which costs the SDK and the model less."""
+    if emit is _no_emit:
+        return await llm.complete(request)
     response: LLMResponse | None = None
     async for event in llm.stream(request):
         if isinstance(event, TextDelta):

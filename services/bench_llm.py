@@ -1,11 +1,14 @@
-"""`python -m services.bench_llm`: what one streamed model call costs the caller, per HTTP transport.
+"""`python -m services.bench_llm`: what one model call costs, per HTTP transport or per way of calling.
 
-The anthropic SDK can send its requests over httpx (its default) or over aiohttp
-(`anthropic.DefaultAioHttpClient`, what `make_anthropic_client` uses). Both run here against the
-local model on loopback, through `AnthropicLLM` (the engine's adapter, events read the way a turn
-reads them), in alternating rounds so that the machine's drift weighs on both alike. Reported per
-transport and concurrency: the caller's CPU per call (this thread's CPU time, so the model
-server's work is not counted) and the wall time per call, medians over the rounds.
+`--compare transports` (the default): the anthropic SDK can send its requests over httpx (its
+default) or over aiohttp (`anthropic.DefaultAioHttpClient`, what `make_anthropic_client` uses);
+both stream the answer. `--compare calls`: on aiohttp, the answer read as a stream
+(`AnthropicLLM.stream`, what a turn watched over SSE does) against the whole answer in one body
+(`AnthropicLLM.complete`, what every other turn does). Each pair runs against the local model on
+loopback, through `AnthropicLLM` (the engine's adapter), in alternating rounds so that the
+machine's drift weighs on both alike. Reported per way and concurrency: the caller's CPU per call
+(this thread's CPU time), the model server's CPU per call (from /proc, when it was started here)
+and the wall time per call, medians over the rounds.
 
 A program that reports numbers, not a test. The local model runs in a process of its own (started
 here unless `--url` names one); pin this one to a core (`taskset -c 1`) for steadier figures.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -25,6 +29,7 @@ from services.llm.anthropic_client import LOCAL_API_KEY, AnthropicLLM
 from services.llm.port import ChatMessage, LLMRequest, TextBlock
 
 TRANSPORTS = ("httpx", "aiohttp")
+CALLS = ("stream", "complete")
 REQUEST = LLMRequest(
     model="claude-haiku-4-5", max_tokens=256, system="You are Mia, the assistant of Acme Store.",
     messages=[ChatMessage(role="user", content=[TextBlock(text="hello there, how are you?")])],
@@ -36,32 +41,48 @@ def client_for(transport: str, url: str) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(api_key=LOCAL_API_KEY, base_url=url, max_retries=0, **extra)
 
 
-async def timed_calls(llm: AnthropicLLM, calls: int, concurrency: int, warm: int) -> tuple[float, float]:
-    """(caller CPU ms per call, wall ms per call as one client sees it) over `calls` calls."""
+def process_cpu(pid: int | None) -> float:
+    """CPU seconds of process `pid` so far (0.0 without one)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed_calls(llm: AnthropicLLM, call: str, calls: int, concurrency: int, warm: int,
+                      server_pid: int | None) -> tuple[float, float, float]:
+    """(caller CPU ms, model server CPU ms, wall ms as one client sees it) per call."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one() -> None:
         async with gate:
-            async for _event in llm.stream(REQUEST):
-                pass
+            if call == "complete":
+                await llm.complete(REQUEST)
+            else:
+                async for _event in llm.stream(REQUEST):
+                    pass
 
     for _ in range(warm):
         await one()
-    cpu, wall = time.thread_time(), time.perf_counter()
+    cpu, server, wall = time.thread_time(), process_cpu(server_pid), time.perf_counter()
     await asyncio.gather(*(one() for _ in range(calls)))
-    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-    return cpu / calls * 1000, wall / calls * concurrency * 1000
+    cpu, server = time.thread_time() - cpu, process_cpu(server_pid) - server
+    wall = time.perf_counter() - wall
+    return cpu / calls * 1000, server / calls * 1000, wall / calls * concurrency * 1000
 
 
-async def compare(url: str, rounds: int, calls: int, concurrencies: list[int]) -> dict[tuple[str, int], list]:
-    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
+async def compare(url: str, compared: str, rounds: int, calls: int, concurrencies: list[int],
+                  server_pid: int | None) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
+    ways = [(t, t, "stream") for t in TRANSPORTS] if compared == "transports" else [(c, "aiohttp", c) for c in CALLS]
+    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for r in range(rounds):
-        for transport in TRANSPORTS if r % 2 == 0 else reversed(TRANSPORTS):
+        for label, transport, call in ways if r % 2 == 0 else reversed(ways):
             for concurrency in concurrencies:
                 client = client_for(transport, url)
                 try:
-                    rows.setdefault((transport, concurrency), []).append(
-                        await timed_calls(AnthropicLLM(client), calls, concurrency, warm=30))
+                    rows.setdefault((label, concurrency), []).append(
+                        await timed_calls(AnthropicLLM(client), call, calls, concurrency, 30, server_pid))
                 finally:
                     await client.close()
     return rows
@@ -82,24 +103,29 @@ async def main_async(args: argparse.Namespace) -> None:
                 if line.startswith("local model listening on "):
                     url = line.split()[-1]
     try:
-        rows = await compare(url, args.rounds, args.calls, args.concurrency)
+        rows = await compare(url, args.compare, args.rounds, args.calls, args.concurrency,
+                             server.pid if server is not None else None)
     finally:
         if server is not None:
             server.terminate()
             await server.wait()
-    print(f"{'transport':<9} {'clients':>7} {'CPU ms/call':>12} {'range':>13} {'wall ms/call':>13}")
-    for (transport, concurrency), runs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        cpu = [c for c, _ in runs]
-        print(f"{transport:<9} {concurrency:>7} {statistics.median(cpu):>12.3f} "
-              f"{min(cpu):>6.3f}-{max(cpu):.3f} {statistics.median(w for _, w in runs):>13.2f}")
+    print(f"{'way':<9} {'clients':>7} {'CPU ms/call':>12} {'range':>13} {'model CPU ms':>13} {'wall ms/call':>13}")
+    for (label, concurrency), runs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        cpu = [c for c, _, _ in runs]
+        model = f"{statistics.median(m for _, m, _ in runs):.3f}" if server is not None else "-"
+        print(f"{label:<9} {concurrency:>7} {statistics.median(cpu):>12.3f} "
+              f"{min(cpu):>6.3f}-{max(cpu):.3f} {model:>13} {statistics.median(w for _, _, w in runs):>13.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m services.bench_llm", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running local model (python -m services.llm.local_model --port N); "
                    "without it one is started in a process of its own")
+    p.add_argument("--compare", choices=("transports", "calls"), default="transports",
+                   help="transports: httpx against aiohttp, both streamed; calls: streamed against "
+                   "whole answers (complete), both on aiohttp")
     p.add_argument("--rounds", type=int, default=6, help="alternating rounds; figures are medians")
-    p.add_argument("--calls", type=int, default=500, help="timed calls per transport, concurrency and round")
+    p.add_argument("--calls", type=int, default=500, help="timed calls per way, concurrency and round")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
                    help="calls in flight at once, comma-separated")
     args = p.parse_args(argv)

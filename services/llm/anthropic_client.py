@@ -1,5 +1,5 @@
-"""The anthropic SDK adapter: `AnthropicLLM` implements the LLMClient port over the streaming
-Messages API. The only module that imports `anthropic`.
+"""The anthropic SDK adapter: `AnthropicLLM` implements the LLMClient port over the Messages API.
+The only module that imports `anthropic`.
 
 One `anthropic.AsyncAnthropic` serves the whole process (it holds the connection pool; building
 one costs far more than a call): the composition root makes it with `make_anthropic_client` and
@@ -9,10 +9,13 @@ transport (`anthropic.DefaultAioHttpClient`, the `aiohttp` extra) rather than it
 one: the same streamed call costs the caller ~0.4 ms less CPU (README § Performance, optimisation
 7), and aiohttp is already the engine's HTTP stack. Proxy variables are honoured as before.
 
-The stream is read with `messages.create(stream=True)`: raw events, accumulated here into our
-content blocks (text deltas are yielded as they arrive; tool input JSON is parsed once, at the
-end of its block, with msgspec). The SDK's `messages.stream()` helper would rebuild a snapshot
-of the whole message after every event, which is work the hot path does not need.
+Two ways to call, one answer. `stream` (a turn someone watches over SSE) reads
+`messages.create(stream=True)`: raw events, accumulated here into our content blocks (text deltas
+are yielded as they arrive; tool input JSON is parsed once, at the end of its block, with
+msgspec). The SDK's `messages.stream()` helper would rebuild a snapshot of the whole message after
+every event, which is work the hot path does not need. `complete` (every other turn) asks for the
+whole Message as one JSON body: no events to parse on either side (README § Performance,
+optimisation 11).
 
 Every SDK or transport failure becomes an `LLMError` whose message says what failed and what to
 do, and never carries the API key (the SDK's exception is not chained: it holds the request).
@@ -85,7 +88,7 @@ def make_anthropic_client(
 
 
 class AnthropicLLM:
-    """The LLMClient port over `anthropic.AsyncAnthropic` (streaming Messages API, tool use)."""
+    """The LLMClient port over `anthropic.AsyncAnthropic` (Messages API, streamed or not, tool use)."""
 
     def __init__(self, client: anthropic.AsyncAnthropic) -> None:
         self._client = client
@@ -104,24 +107,11 @@ class AnthropicLLM:
 
         Raises LLMError (`retryable` set when trying again may help) for every failure.
         """
-        kwargs: dict[str, Any] = {
-            "model": request.model,
-            "max_tokens": request.max_tokens,
-            # Our blocks are tagged msgspec structs whose builtins are the API's dicts already.
-            "messages": _to_builtins(request.messages),
-            "stream": True,
-        }
-        if request.system:
-            kwargs["system"] = request.system
-        if request.tools:
-            kwargs["tools"] = _to_builtins(request.tools)
-            if request.tool_choice == "none":
-                kwargs["tool_choice"] = _TOOL_CHOICE_NONE
         # Errors are raised outside the `except` blocks so that no SDK exception (which holds the
         # request, headers included) rides along as __context__.
         error: LLMError | None = None
         try:
-            events = await self._messages.create(**kwargs)
+            events = await self._messages.create(**_params(request), stream=True)
         except Exception as exc:
             error = self._translate(exc, request.model)
             if error is None:
@@ -143,9 +133,28 @@ class AnthropicLLM:
         if error is not None:
             raise error
 
-    def _translate(self, exc: Exception, model: str) -> LLMError | None:
+    async def complete(self, request: LLMRequest) -> LLMResponse:
+        """The whole answer as one Message body (no stream): for turns nobody watches stream.
+
+        Raises LLMError like `stream`. Against the local model it cost the caller ~0.3 ms and the
+        model ~0.1 ms less per call than reading the same answer as a stream
+        (`python -m services.bench_llm`).
+        """
+        error: LLMError | None = None
+        try:
+            message = await self._messages.create(**_params(request))
+            return _response_of(message, request.model)
+        except LLMError:
+            raise
+        except Exception as exc:
+            error = self._translate(exc, request.model, streaming=False)
+            if error is None:
+                raise
+        raise error
+
+    def _translate(self, exc: Exception, model: str, *, streaming: bool = True) -> LLMError | None:
         """The LLMError for a failure of the model or its transport; None for anything else."""
-        error = _to_llm_error(exc, model)
+        error = _to_llm_error(exc, model, "stream" if streaming else "answer")
         if error is None:
             return None
         message = str(error)
@@ -159,6 +168,51 @@ class AnthropicLLM:
             retryable=error.retryable,
         )
         return error
+
+
+def _params(request: LLMRequest) -> dict[str, Any]:
+    """The Messages API parameters of a request."""
+    params: dict[str, Any] = {
+        "model": request.model,
+        "max_tokens": request.max_tokens,
+        # Our blocks are tagged msgspec structs whose builtins are the API's dicts already.
+        "messages": _to_builtins(request.messages),
+    }
+    if request.system:
+        params["system"] = request.system
+    if request.tools:
+        params["tools"] = _to_builtins(request.tools)
+        if request.tool_choice == "none":
+            params["tool_choice"] = _TOOL_CHOICE_NONE
+    return params
+
+
+def _response_of(message: Any, model: str) -> LLMResponse:
+    """Our LLMResponse for the SDK's non-streamed Message: the same blocks `_accumulate` builds
+    from a stream (empty text blocks dropped, blocks of other kinds ignored)."""
+    if message.stop_reason is None:
+        raise LLMError(
+            f"the answer from model {model!r} has no stop reason; it is incomplete, try again",
+            retryable=True,
+        )
+    content: list[ContentBlock] = []
+    for block in message.content:
+        if block.type == "text":
+            if block.text:  # the API refuses empty text blocks when they are sent back
+                content.append(TextBlock(text=block.text))
+        elif block.type == "tool_use":
+            if not isinstance(block.input, dict):
+                raise LLMError(
+                    f"the model sent tool input for {block.name!r} that is not a JSON object; try again"
+                )
+            content.append(ToolUseBlock(id=block.id, name=block.name, input=block.input))
+    usage = message.usage
+    return LLMResponse(
+        content=content,
+        stop_reason=message.stop_reason,
+        usage=Usage(input_tokens=usage.input_tokens or 0, output_tokens=usage.output_tokens or 0),
+        model=message.model or model,
+    )
 
 
 async def _accumulate(events: Any, model: str) -> AsyncIterator[LLMEvent]:
@@ -242,10 +296,17 @@ def _tool_input(parts: list[str], name: str) -> dict[str, Any]:
     return value
 
 
-def _to_llm_error(exc: Exception, model: str) -> LLMError | None:
-    """The LLMError for an SDK, transport or stream-parsing failure; None for anything else."""
+def _to_llm_error(exc: Exception, model: str, what: str = "stream") -> LLMError | None:
+    """The LLMError for an SDK, transport or stream-parsing failure; None for anything else.
+
+    `what` names what was being read: "stream", or "answer" for a non-streamed call.
+    """
     if isinstance(exc, anthropic.APITimeoutError):
         return LLMError(f"model {model!r} did not answer in time; try again", retryable=True)
+    if isinstance(exc, anthropic.APIConnectionError) and isinstance(
+        exc.__cause__, httpx2.ReadError | httpx2.RemoteProtocolError
+    ):  # connected and answering, then cut off (a non-streamed body is read inside the call)
+        return _broke(exc.__cause__, what)
     if isinstance(exc, anthropic.APIConnectionError):
         host = _host_of(exc)
         return LLMError(
@@ -261,20 +322,24 @@ def _to_llm_error(exc: Exception, model: str) -> LLMError | None:
         )
     if isinstance(exc, httpx2.TimeoutException):
         return LLMError(
-            f"model {model!r} stopped answering mid-stream (timeout); try again", retryable=True
+            f"model {model!r} stopped answering mid-{what} (timeout); try again", retryable=True
         )
     if isinstance(exc, httpx2.TransportError | httpx2.StreamError):
-        return LLMError(
-            f"the connection to the model service broke mid-stream ({type(exc).__name__}); try again",
-            retryable=True,
-        )
+        return _broke(exc, what)
     if isinstance(exc, ValueError | AttributeError | KeyError | TypeError | IndexError):
         # json.JSONDecodeError from an SSE data line, or an event missing what its type promises
         return LLMError(
-            f"the stream from model {model!r} was malformed ({type(exc).__name__}); try again",
+            f"the {what} from model {model!r} was malformed ({type(exc).__name__}); try again",
             retryable=True,
         )
     return None
+
+
+def _broke(exc: BaseException, what: str) -> LLMError:
+    return LLMError(
+        f"the connection to the model service broke mid-{what} ({type(exc).__name__}); try again",
+        retryable=True,
+    )
 
 
 def _status_error(exc: anthropic.APIStatusError, model: str) -> LLMError:

@@ -15,10 +15,13 @@ Fault knob, for reliability tests. A request header `x-ce-fault: <fault>`, or a 
 `/fault <fault>` in the last user message (so a test can reach the model through the gateway),
 makes the server misbehave:
 
-    malformed-stream   streaming: a content_block_delta whose data is not JSON, then the end
-    truncated-stream   streaming: the stream ends cleanly before message_stop
-    drop-connection    streaming: the TCP connection is closed in the middle of the stream
-    stream-error       streaming: an `event: error` (overloaded_error) after message_start
+    malformed-stream   streaming: a content_block_delta whose data is not JSON, then the end;
+                       not streaming: the first half of the Message JSON
+    truncated-stream   streaming: the stream ends cleanly before message_stop;
+                       not streaming: a Message without stop_reason, cut after its first block
+    drop-connection    the TCP connection is closed in the middle of the stream or of the body
+    stream-error       streaming: an `event: error` (overloaded_error) after message_start;
+                       not streaming: HTTP 529 overloaded_error, as the API answers then
     overloaded         HTTP 529 overloaded_error (the SDK retries it unless max_retries=0)
     server-error       HTTP 500 api_error
     slow:<ms>          answer normally after <ms> milliseconds (for client timeouts)
@@ -464,15 +467,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     message_id = _message_id(body)
     headers = {"request-id": "req_" + message_id[10:]}
     if not streaming:
-        if fault is not None:
-            return _error(
-                400, "invalid_request_error", f"fault {fault!r} applies to streaming requests only"
-            )
-        return web.Response(
-            body=_encode(message_body(reply, model=llm_request.model, message_id=message_id)),
-            content_type="application/json",
-            headers=headers,
-        )
+        return await _message_response(request, reply, llm_request.model, message_id, headers, fault)
     response = web.StreamResponse(
         headers={
             **headers,
@@ -506,6 +501,38 @@ async def _messages(request: web.Request) -> web.StreamResponse:
         await response.write_eof()
     except ConnectionResetError:
         log.debug("local_model_client_gone")  # the client timed out or hung up; nothing to answer
+    return response
+
+
+async def _message_response(
+    request: web.Request,
+    reply: RuleReply,
+    model: str,
+    message_id: str,
+    headers: dict[str, str],
+    fault: str | None,
+) -> web.StreamResponse:
+    """A non-streamed answer: one Message JSON body, or its fault's version of it."""
+    if fault == "stream-error":  # the API answers a non-streamed request's overload with a 529
+        return _error(529, "overloaded_error", "Overloaded (injected fault)")
+    message = message_body(reply, model=model, message_id=message_id)
+    if fault == "truncated-stream":  # cut short: no stop reason, the first block at most
+        message = {**message, "content": message["content"][:1], "stop_reason": None}
+    body = _encode(message)
+    if fault == "malformed-stream":
+        body = body[: len(body) // 2]
+    if fault != "drop-connection":
+        return web.Response(body=body, content_type="application/json", headers=headers)
+    response = web.StreamResponse(headers=headers)
+    response.content_type = "application/json"
+    response.content_length = len(body)
+    try:
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+    except ConnectionResetError:
+        log.debug("local_model_client_gone")
+    if request.transport is not None:
+        request.transport.abort()  # the connection ends with half the promised body sent
     return response
 
 

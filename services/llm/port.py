@@ -92,3 +92,23 @@ class LLMClient(Protocol):
     def stream(self, request: LLMRequest) -> AsyncIterator[LLMEvent]:
         """Yield TextDelta events, then exactly one LLMResponse. Raises LLMError."""
         ...
+
+    async def complete(self, request: LLMRequest) -> LLMResponse:
+        """The whole answer at once, for a turn nobody watches stream. Raises LLMError.
+
+        The same answer `stream` would end with; an adapter may make it cheaper than reading a
+        stream (the anthropic one asks the API for one JSON body).
+        """
+        ...
+
+
+async def final_response(events: AsyncIterator[LLMEvent]) -> LLMResponse:
+    """The LLMResponse that ends a stream (its text deltas dropped); for clients whose
+    `complete` is their own stream read to the end. Raises LLMError when none comes."""
+    response: LLMResponse | None = None
+    async for event in events:
+        if isinstance(event, LLMResponse):
+            response = event
+    if response is None:
+        raise LLMError("the model stream ended without a final message")
+    return response

@@ -398,6 +398,21 @@ async def test_sse_streams_tool_call_and_result_before_text_then_done_with_the_r
     assert await api.chat(session, "where is my order 12345?", message_id="m-sse") == done
 
 
+async def test_a_broken_model_stream_in_a_streamed_turn_ends_in_the_apology(stack, client, api, tenant):
+    # A watched turn streams from the model (a JSON turn asks for whole answers): the stream's
+    # own faults must still end in an in-band apology, and the session goes on.
+    session = sid("sse-fault")
+    async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/messages",
+                           headers={**tenant[2], "Accept": "text/event-stream"},
+                           json={"text": "/fault malformed-stream\nhello", "message_id": "m-sse-fault"}) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        events = await read_sse(r)
+    assert events[-1][0] == "done" and "technical problem" in events[-1][1]["reply"], events
+    # the JSON turn after it asks for whole answers, and gets one; its own fault is the body's
+    assert "technical problem" not in (await api.chat(session, "hello there"))["reply"]
+    assert "technical problem" in (await api.chat(session, "/fault truncated-stream\nhello"))["reply"]
+
+
 # -- 7: idempotent message_id ---------------------------------------------------------------------
 
 async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(stack, api, tenant, db):

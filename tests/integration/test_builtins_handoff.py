@@ -25,9 +25,10 @@ from services.llm.port import (
 from services.tools.executor import Executor
 from services.tools.registry import HandlerRegistry, build_catalog
 from tests.integration.builtins_support import SECRET, ctx, receiver, services
+from tests.unit.fakes import StreamScriptedLLM
 
 
-class ScriptedLLM:
+class ScriptedLLM(StreamScriptedLLM):
     """Each step is a text or a list of (tool, args) calls; records every request."""
 
     def __init__(self, steps: list[Any]) -> None:

@@ -1,7 +1,8 @@
 """The real anthropic SDK against the local model on loopback, through AnthropicLLM.
 
-What production runs: `AsyncAnthropic(base_url=...)` -> HTTP -> `POST /v1/messages` (SSE) ->
-the rules, and back through the adapter's event accumulation and error mapping.
+What production runs: `AsyncAnthropic(base_url=...)` -> HTTP -> `POST /v1/messages` (SSE, or one
+Message body for `complete`) -> the rules, and back through the adapter's event accumulation or
+Message conversion, and its error mapping. Tests marked with `mode` run both ways.
 """
 
 from __future__ import annotations
@@ -86,6 +87,38 @@ async def collect(llm: AnthropicLLM, req: LLMRequest) -> tuple[list[TextDelta], 
     return events[:-1], events[-1]  # type: ignore[return-value]
 
 
+@pytest.fixture(params=["stream", "complete"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def answer(llm: AnthropicLLM, req: LLMRequest, mode: str) -> LLMResponse:
+    """The model's answer to `req`, read as a stream or asked for whole."""
+    if mode == "complete":
+        return await llm.complete(req)
+    return (await collect(llm, req))[1]
+
+
+def without_ids(response: LLMResponse) -> list[Any]:
+    return [(b.name, b.input) if isinstance(b, ToolUseBlock) else b for b in response.content]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello there, who are you?",
+        '/call check_order {"order_id": "12345"}\n/call check_order',
+        "Where is my order 98765?",
+    ],
+)
+async def test_complete_gives_the_answer_the_stream_ends_with(llm: AnthropicLLM, text: str):
+    req = request(text)
+    streamed, whole = (await collect(llm, req))[1], await llm.complete(req)
+    assert without_ids(whole) == without_ids(streamed)
+    assert (whole.stop_reason, whole.usage, whole.model) == (
+        streamed.stop_reason, streamed.usage, streamed.model)
+
+
 async def test_text_streams_as_several_deltas_before_the_response(llm: AnthropicLLM):
     deltas, response = await collect(llm, request("hello there, who are you?"))
     assert len(deltas) >= 2
@@ -116,8 +149,8 @@ async def test_several_tool_calls_arrive_in_one_response_with_parsed_inputs(llm:
     assert len(set(ids)) == 3 and all(i.startswith("toolu_") for i in ids)
 
 
-async def test_the_model_picks_a_tool_from_plain_text(llm: AnthropicLLM):
-    _, response = await collect(llm, request("Where is my order 98765?"))
+async def test_the_model_picks_a_tool_from_plain_text(llm: AnthropicLLM, mode: str):
+    response = await answer(llm, mode=mode, req=request("Where is my order 98765?"))
     [block] = response.content
     assert isinstance(block, ToolUseBlock)
     assert (block.name, block.input) == ("check_order", {"order_id": "98765"})
@@ -190,19 +223,17 @@ async def test_tool_result_round_trip(llm: AnthropicLLM):
     assert reply.usage.input_tokens > calls.usage.input_tokens
 
 
-async def test_tool_choice_none_reaches_the_model(llm: AnthropicLLM):
-    _, response = await collect(
-        llm, request('/call check_order {"order_id": "1"}', tool_choice="none")
-    )
+async def test_tool_choice_none_reaches_the_model(llm: AnthropicLLM, mode: str):
+    response = await answer(llm, request('/call check_order {"order_id": "1"}', tool_choice="none"), mode)
     assert response.stop_reason == "end_turn"
     assert not any(isinstance(b, ToolUseBlock) for b in response.content)
 
 
-async def test_loop_marker_keeps_calling_across_rounds(llm: AnthropicLLM):
+async def test_loop_marker_keeps_calling_across_rounds(llm: AnthropicLLM, mode: str):
     req = request('/loop\n/call check_order {"order_id": "1"}')
     seen: set[str] = set()
     for _ in range(3):
-        _, response = await collect(llm, req)
+        response = await answer(llm, req, mode)
         [use] = response.content
         assert isinstance(use, ToolUseBlock) and use.id not in seen
         seen.add(use.id)
@@ -235,14 +266,14 @@ async def test_loop_marker_keeps_calling_across_rounds(llm: AnthropicLLM):
     ],
 )
 async def test_faults_become_retryable_llm_errors_without_the_key(
-    server: LocalModelServer, fault: str
+    server: LocalModelServer, fault: str, mode: str
 ):
     client = make_anthropic_client(
         SECRET, server.url, max_retries=0, default_headers={"x-ce-fault": fault}
     )
     try:
         with pytest.raises(LLMError) as caught:
-            await collect(AnthropicLLM(client), request("hello there"))
+            await answer(AnthropicLLM(client), request("hello there"), mode)
     finally:
         await client.close()
     assert caught.value.retryable is True
@@ -250,47 +281,60 @@ async def test_faults_become_retryable_llm_errors_without_the_key(
     assert caught.value.__cause__ is None and caught.value.__context__ is None
 
 
-async def test_malformed_stream_names_the_problem(server: LocalModelServer):
+@pytest.mark.parametrize(
+    ("fault", "mode", "message"),
+    [
+        ("malformed-stream", "stream", r"the stream from model 'claude-haiku-4-5' was malformed"),
+        ("malformed-stream", "complete", r"the answer from model 'claude-haiku-4-5' was malformed"),
+        ("truncated-stream", "stream", r"ended before message_stop"),
+        ("truncated-stream", "complete", r"answer from model 'claude-haiku-4-5' has no stop reason"),
+        ("drop-connection", "complete", r"connection to the model service broke mid-answer"),
+        ("stream-error", "complete", r"refused the request \(529 overloaded_error\)"),
+    ],
+)
+async def test_a_broken_answer_names_the_problem(
+    server: LocalModelServer, fault: str, mode: str, message: str
+):
     client = make_anthropic_client(
-        SECRET, server.url, max_retries=0, default_headers={"x-ce-fault": "malformed-stream"}
+        SECRET, server.url, max_retries=0, default_headers={"x-ce-fault": fault}
     )
     try:
-        with pytest.raises(LLMError, match=r"stream from model 'claude-haiku-4-5' was malformed"):
-            await collect(AnthropicLLM(client), request("hello there"))
+        with pytest.raises(LLMError, match=message):
+            await answer(AnthropicLLM(client), request("hello there"), mode)
     finally:
         await client.close()
 
 
-async def test_fault_line_in_the_message_works_like_the_header(llm: AnthropicLLM):
-    with pytest.raises(LLMError, match="ended before message_stop"):
-        await collect(llm, request("hello\n/fault truncated-stream"))
+async def test_fault_line_in_the_message_works_like_the_header(llm: AnthropicLLM, mode: str):
+    with pytest.raises(LLMError, match="ended before message_stop|has no stop reason"):
+        await answer(llm, request("hello\n/fault truncated-stream"), mode)
 
 
-async def test_timeout_is_a_retryable_llm_error(server: LocalModelServer):
+async def test_timeout_is_a_retryable_llm_error(server: LocalModelServer, mode: str):
     client = make_anthropic_client(
         SECRET, server.url, max_retries=0, timeout=0.2, default_headers={"x-ce-fault": "slow:500"}
     )
     try:
         with pytest.raises(LLMError, match="did not answer in time") as caught:
-            await collect(AnthropicLLM(client), request("hello there"))
+            await answer(AnthropicLLM(client), request("hello there"), mode)
     finally:
         await client.close()
     assert caught.value.retryable is True
 
 
-async def test_unreachable_model_is_a_retryable_llm_error_without_the_key():
+async def test_unreachable_model_is_a_retryable_llm_error_without_the_key(mode: str):
     client = make_anthropic_client(SECRET, "http://127.0.0.1:9", max_retries=0)
     try:
         with pytest.raises(
             LLMError, match=r"could not reach the model service at 127\.0\.0\.1:9"
         ) as caught:
-            await collect(AnthropicLLM(client), request("hello there"))
+            await answer(AnthropicLLM(client), request("hello there"), mode)
     finally:
         await client.close()
     assert caught.value.retryable is True and SECRET not in str(caught.value)
 
 
-async def test_a_request_the_api_would_refuse_is_not_retryable(llm: AnthropicLLM):
+async def test_a_request_the_api_would_refuse_is_not_retryable(llm: AnthropicLLM, mode: str):
     orphan = LLMRequest(
         model="claude-haiku-4-5",
         system="",
@@ -301,7 +345,7 @@ async def test_a_request_the_api_would_refuse_is_not_retryable(llm: AnthropicLLM
     with pytest.raises(
         LLMError, match=r"400 invalid_request_error.*unexpected tool_use_id"
     ) as caught:
-        await collect(llm, orphan)
+        await answer(llm, orphan, mode)
     assert caught.value.retryable is False
 
 

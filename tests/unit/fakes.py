@@ -1,4 +1,5 @@
-"""Fakes for the tool core: a ToolBackend, a Clock, recording handlers and catalog builders.
+"""Fakes for the tool core: a ToolBackend, a Clock, recording handlers and catalog builders,
+and the base of the scripted model fakes.
 
 Every fake implements the Protocol its consumer declares (registry.ToolBackend, limiter.Clock,
 registry.Handler), so tests never patch a dotted path.
@@ -11,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from services.llm.port import LLMRequest, LLMResponse, final_response
 from services.tools.context import TrustedContext
 from services.tools.model import (
     BackendBindingTool,
@@ -31,6 +33,18 @@ ORDER_SCHEMA: dict[str, Any] = {
     "properties": {"order_id": {"type": "string", "description": "The order number"}},
     "required": ["order_id"],
 }
+
+
+class StreamScriptedLLM:
+    """Base of the model fakes that script `stream` (the LLMClient port): `complete`, which the
+    session uses for turns nobody streams, answers with that stream's final response, as the port
+    promises, and counts itself in `completions`."""
+
+    completions = 0
+
+    async def complete(self, request: LLMRequest) -> LLMResponse:
+        self.completions += 1
+        return await final_response(self.stream(request))  # type: ignore[attr-defined]
 
 
 class FakeClock:

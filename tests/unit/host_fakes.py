@@ -38,6 +38,7 @@ from storage.records import (
     SessionSnapshot,
     ToolCallRecord,
 )
+from tests.unit.fakes import StreamScriptedLLM
 
 Key = tuple[str, str]
 
@@ -180,7 +181,7 @@ class FakeSessionStore:
         return len(self.deltas_per_flush)
 
 
-class RuleModel:
+class RuleModel(StreamScriptedLLM):
     """An LLMClient that answers from the request alone, so concurrent sessions can share it.
 
     - the last message holds tool results -> text "done: <first result>";

@@ -21,11 +21,12 @@ from services.tools.errors import InvalidArguments
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, SetVariables, build_catalog
+from tests.unit.fakes import StreamScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"email": {"type": "string"}}}
 
 
-class OneCallLLM:
+class OneCallLLM(StreamScriptedLLM):
     """Calls `tool` once with `args`, then answers with text."""
 
     def __init__(self, tool: str, args: dict[str, Any]) -> None:

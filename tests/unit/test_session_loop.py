@@ -31,11 +31,12 @@ from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.wire import StreamEvent
+from tests.unit.fakes import StreamScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
 
 
-class ScriptedLLM:
+class ScriptedLLM(StreamScriptedLLM):
     """Answers each request with the next scripted step: a text or a list of (name, args) calls."""
 
     def __init__(self, steps: list[Any]) -> None:
@@ -265,6 +266,14 @@ async def test_stream_emits_tool_call_before_final_text_and_done_last(registry):
     await handle_message(new_state("t", "s"), "x", "m1", make_env(llm, registry, [LOOKUP]), emit)
     kinds = [e.event for e in events]
     assert kinds == ["tool_call", "tool_result", "text"]  # `done` is the host's, after the gate
+    assert llm.completions == 0, "a watched turn streams every model call"
+
+
+async def test_a_turn_nobody_streams_asks_the_model_for_whole_answers(registry):
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "final"])
+    reply = await handle_message(new_state("t", "s"), "x", "m1", make_env(llm, registry, [LOOKUP]))
+    assert reply.reply == "final" and reply.rounds == 2
+    assert llm.completions == 2
 
 
 WRITE = PythonTool(name="book", description="book a slot", parameters=SCHEMA, handler="lookup", mutability="write")
@@ -301,7 +310,7 @@ async def test_denied_approval_goes_back_to_the_model_in_band(registry):
 async def test_llm_failure_still_gives_the_contact_a_reply(registry):
     from services.llm.port import LLMError
 
-    class DownLLM:
+    class DownLLM(StreamScriptedLLM):
         async def stream(self, request):
             raise LLMError("connection refused")
             yield  # pragma: no cover
