@@ -14,8 +14,8 @@ Two ways to call, one answer. `stream` (a turn someone watches over SSE) reads
 are yielded as they arrive; tool input JSON is parsed once, at the end of its block, with
 msgspec). The SDK's `messages.stream()` helper would rebuild a snapshot of the whole message after
 every event, which is work the hot path does not need. `complete` (every other turn) asks for the
-whole Message as one JSON body: no events to parse on either side (README § Performance,
-optimisation 11).
+whole Message as one JSON body and decodes the raw body with msgspec: no events to parse on either
+side, no SDK model objects (README § Performance, optimisation 11).
 
 Every SDK or transport failure becomes an `LLMError` whose message says what failed and what to
 do, and never carries the API key (the SDK's exception is not chained: it holds the request).
@@ -93,6 +93,7 @@ class AnthropicLLM:
     def __init__(self, client: anthropic.AsyncAnthropic) -> None:
         self._client = client
         self._messages = client.messages
+        self._raw_messages = client.messages.with_raw_response
         self._secret = client.api_key or client.auth_token or None
 
     async def close(self) -> None:
@@ -136,14 +137,16 @@ class AnthropicLLM:
     async def complete(self, request: LLMRequest) -> LLMResponse:
         """The whole answer as one Message body (no stream): for turns nobody watches stream.
 
-        Raises LLMError like `stream`. Against the local model it cost the caller ~0.3 ms and the
-        model ~0.1 ms less per call than reading the same answer as a stream
-        (`python -m services.bench_llm`).
+        Raises LLMError like `stream`. The SDK sends the request (auth, retries, timeouts, status
+        errors) and hands back the raw body (`with_raw_response`), which msgspec decodes straight
+        into our types: the SDK's model objects would be built only to be copied into ours. Against
+        the local model this costs the caller less than reading the same answer as a stream
+        (`python -m services.bench_llm --compare calls`).
         """
         error: LLMError | None = None
         try:
-            message = await self._messages.create(**_params(request))
-            return _response_of(message, request.model)
+            raw = await self._raw_messages.create(**_params(request))
+            return _response_of(_decode_message(await raw.read()), request.model)
         except LLMError:
             raise
         except Exception as exc:
@@ -187,9 +190,36 @@ def _params(request: LLMRequest) -> dict[str, Any]:
     return params
 
 
-def _response_of(message: Any, model: str) -> LLMResponse:
-    """Our LLMResponse for the SDK's non-streamed Message: the same blocks `_accumulate` builds
-    from a stream (empty text blocks dropped, blocks of other kinds ignored)."""
+class _Block(msgspec.Struct):
+    """A content block of a Message body; kinds other than text and tool_use are ignored."""
+
+    type: str
+    text: str = ""
+    id: str = ""
+    name: str = ""
+    input: Any = None
+
+
+class _MessageUsage(msgspec.Struct, frozen=True):
+    input_tokens: int | None = 0
+    output_tokens: int | None = 0
+
+
+class _Message(msgspec.Struct):
+    """The part of a non-streamed Message body the engine reads (other fields are ignored)."""
+
+    content: list[_Block]
+    stop_reason: str | None = None
+    model: str = ""
+    usage: _MessageUsage = _MessageUsage()
+
+
+_decode_message = msgspec.json.Decoder(_Message).decode
+
+
+def _response_of(message: _Message, model: str) -> LLMResponse:
+    """Our LLMResponse for a non-streamed Message: the same blocks `_accumulate` builds from a
+    stream (empty text blocks dropped, blocks of other kinds ignored)."""
     if message.stop_reason is None:
         raise LLMError(
             f"the answer from model {model!r} has no stop reason; it is incomplete, try again",
@@ -326,8 +356,9 @@ def _to_llm_error(exc: Exception, model: str, what: str = "stream") -> LLMError 
         )
     if isinstance(exc, httpx2.TransportError | httpx2.StreamError):
         return _broke(exc, what)
-    if isinstance(exc, ValueError | AttributeError | KeyError | TypeError | IndexError):
-        # json.JSONDecodeError from an SSE data line, or an event missing what its type promises
+    if isinstance(exc, ValueError | AttributeError | KeyError | TypeError | IndexError | msgspec.DecodeError):
+        # json.JSONDecodeError from an SSE data line, an event missing what its type promises,
+        # or a Message body msgspec cannot read
         return LLMError(
             f"the {what} from model {model!r} was malformed ({type(exc).__name__}); try again",
             retryable=True,

@@ -31,6 +31,7 @@ from services.llm.port import (
     ToolResultBlock,
     ToolSpec,
     ToolUseBlock,
+    Usage,
 )
 from services.llm.rules import respond
 
@@ -426,3 +427,30 @@ async def test_the_module_runs_as_a_server_process():
         proc.terminate()
         await proc.wait()
     assert proc.returncode == 0
+
+
+def test_a_message_body_from_the_real_api_reads_as_the_stream_would():
+    # Fields and block kinds the local model never sends (thinking, server tools, cache usage)
+    # are ignored, as `_accumulate` ignores their events; empty text is dropped.
+    from services.llm.anthropic_client import _decode_message, _response_of
+
+    body = (
+        b'{"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",'
+        b' "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},'
+        b' {"type": "text", "text": "", "citations": null},'
+        b' {"type": "text", "text": "Looking.", "citations": null},'
+        b' {"type": "tool_use", "id": "toolu_1", "name": "check_order", "input": {"order_id": "7"}}],'
+        b' "stop_reason": "tool_use", "stop_sequence": null, "container": null,'
+        b' "usage": {"input_tokens": 12, "output_tokens": 5, "cache_read_input_tokens": 3,'
+        b' "server_tool_use": null, "service_tier": "standard"}}'
+    )
+    response = _response_of(_decode_message(body), "claude-asked")
+    assert response == LLMResponse(
+        content=[TextBlock(text="Looking."),
+                 ToolUseBlock(id="toolu_1", name="check_order", input={"order_id": "7"})],
+        stop_reason="tool_use", usage=Usage(input_tokens=12, output_tokens=5), model="claude-x",
+    )
+    with pytest.raises(LLMError, match="not a JSON object"):
+        _response_of(_decode_message(
+            b'{"content": [{"type": "tool_use", "id": "t", "name": "n", "input": [1]}], "stop_reason": "tool_use"}'
+        ), "m")
