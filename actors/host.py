@@ -30,6 +30,7 @@ import structlog
 
 from actors import session as core
 from actors.session import SessionState, TurnEnv
+from services import heap
 from services.errors import ChatEngineError, Overloaded
 from services.wire import SessionView, StreamEvent, TurnReply
 from storage.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
@@ -232,6 +233,7 @@ class SessionHost:
             "dirty": len(self._dirty), "activations": self.activations,
             "reactivation_p50_ms": _percentile(self.reactivation_ms, 50),
             "reactivation_p99_ms": _percentile(self.reactivation_ms, 99),
+            "gc_collections": heap.collections(),  # the process's, every generation
         }
 
     # -- turns ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from actors.lane import LaneAddress, LaneServer
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
+from services.heap import tune_collector
 from services.settings import Settings
 from services.wire import StreamEvent, TurnReply
 from storage.repos.cluster import ClusterRepo, ShardState
@@ -146,6 +147,7 @@ class SessionHostActor:
                 # collector's reach, so its full collections walk only what turns allocate.
                 # Measured: -0.9 ms host CPU per message (make bench, sharded; README § Performance).
                 gc.freeze()
+                tune_collector()  # a turn's short-lived objects die by refcount: far fewer collections (services.heap)
                 if not self._dedicated and self._index >= 0:
                     self._shard_state = await self._stored_shard_state()
                     host.set_ownership(self._owns)
@@ -276,7 +278,8 @@ class SessionHostActor:
                     "last_flush_ms": 0.0, "dirty": 0, "pid": os.getpid(),
                     "node_id": ray.get_runtime_context().get_node_id()}
         state = self._shard_state
-        return {**self._host.stats(), "pid": os.getpid(), "niceness": self._niceness, "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
+        return {**self._host.stats(), "pid": os.getpid(), "niceness": self._niceness, "gc_threshold": gc.get_threshold()[0],
+                "tasks": len(asyncio.all_tasks()), "node_id": ray.get_runtime_context().get_node_id(),
                 "idle_s": round(time.monotonic() - self._last_call, 3), "turn_calls": self._turn_calls,
                 "lane_calls": 0 if self._lane is None else self._lane.calls,
                 **({"shards": state.shards, "shard_generation": state.generation} if state is not None else {})}

@@ -50,6 +50,8 @@ from typing import Any
 
 import msgspec
 
+from services.heap import tune_collector
+
 WAYS = ("inprocess", "sharded", "dedicated")
 ORDER_TEXT = "where is my order {n}?"
 HELLO_TEXT = "hello, who are you?"
@@ -230,7 +232,7 @@ async def _worker(spec: WorkerSpec) -> None:
         result = await closed_loop(send, spec.sessions, spec.concurrency, spec.messages, text)
         _stop_profiler(profiler, spec.profile)
         after = stats()
-        result["host"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("flushes", "flushed_sessions")}
+        result["host"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("flushes", "flushed_sessions", "gc_collections")}
         result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
         _say({"event": "done", **result})
     finally:
@@ -312,6 +314,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     )
     await host.start()
     gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
+    tune_collector()  # likewise
     tenant_id = spec.tenant_id or ""
 
     async def send(sid: str, text: str) -> bool:
@@ -830,15 +833,17 @@ class Bench:
             split[kind] += used
         if placement is not None:
             split["gateway"] = meter.per_pid.get(os.getpid(), 0.0)
-        flushes = flushed = 0
+        flushes = flushed = collections = 0
         if placement is not None:
             stats = await (placement.actor_stats() if way == "dedicated" else placement.stats())
             for s in stats:
                 b = before.get(s["host"], {})
                 flushes += s["flushes"] - b.get("flushes", 0)
                 flushed += s["flushed_sessions"] - b.get("flushed_sessions", 0)
+                collections += s.get("gc_collections", 0) - b.get("gc_collections", 0)
         else:
             flushes, flushed = done["host"]["flushes"], done["host"]["flushed_sessions"]
+            collections = done["host"]["gc_collections"]
         if way == "dedicated" or (way == "sharded" and not gate):
             await placement.shutdown_hosts()
             await self.close_gateway(gateway)
@@ -851,6 +856,8 @@ class Bench:
             **{f"cpu_{k}_ms_per_msg": v * 1000 / n for k, v in split.items()},
             "msgs_per_flush": done["messages"] / flushes if flushes else 0.0,
             "sessions_per_flush": flushed / flushes if flushes else 0.0,
+            # the session code's processes (hosts, or way a's): the gateway's are not counted
+            "gc_per_1k_msgs": collections * 1000 / n,
         }
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
@@ -858,7 +865,7 @@ class Bench:
         print(f"  {label}: {result['msgs_per_s']:7.1f} msg/s  p50 {result['p50_ms']:6.1f}  "
               f"p99 {result['p99_ms']:7.1f} ms  cpu {result['cpu_s_per_msg'] * 1000:5.1f} ms/msg  "
               f"rss {peak:6.0f} MB  errors {result['errors']}  msgs/flush {result['msgs_per_flush']:.1f}"
-              f"  steal {steal:.0f}%",
+              f"  gc/1k msgs {result['gc_per_1k_msgs']:.1f}  steal {steal:.0f}%",
               file=sys.stderr)
         print("      cpu ms/msg: " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in split.items()), file=sys.stderr)
         return result
@@ -1385,6 +1392,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["backend"]:
         asyncio.run(_backend(argv[1]))
         return 0
+    tune_collector()  # this process runs the benchmark's gateways, as `chat-engine serve` would
     return asyncio.run(main_async(parse_args(argv)))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from services.errors import ChatEngineError
+from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
 
@@ -50,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.from_env()
         configure_logging(fmt=settings.log_format, level=settings.log_level)
         if args.command == "run":
-            _install_uvloop()
+            _as_server()
             asyncio.run(_run(settings, port=args.port))
         elif args.command == "serve":
-            _install_uvloop()
+            _as_server()
             asyncio.run(_serve(settings))
         elif args.command == "scale":
             from services.shards import scale
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         pass
 
 
-def _install_uvloop() -> None:
+def _as_server() -> None:
+    """Set this process up as a long-running server: the collector's settings (services.heap), uvloop."""
+    tune_collector()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - optional speed-up

@@ -156,6 +156,14 @@ async def test_session_hosts_run_at_normal_priority_not_rays_worker_niceness(sta
             assert os.getpriority(os.PRIO_PROCESS, int(tid)) == 0, (h["host"], tid)
 
 
+async def test_session_hosts_run_with_the_servers_collector_threshold(stack):
+    from services.heap import YOUNG_THRESHOLD
+
+    hosts = await stack.placement.stats()
+    assert hosts and all(h["gc_threshold"] == YOUNG_THRESHOLD for h in hosts), hosts
+    assert all(h["gc_collections"] >= 0 for h in hosts), hosts
+
+
 async def test_200_sessions_x_3_messages_through_sharded_hosts_are_stored_exactly_once(stack, client, tenant, db):
     tenant_id, _key, headers = tenant
     url = stack.gateway.url
