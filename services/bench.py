@@ -314,7 +314,6 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     )
     await host.start()
     gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
-    tune_collector()  # likewise
     tenant_id = spec.tenant_id or ""
 
     async def send(sid: str, text: str) -> bool:
@@ -1386,6 +1385,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _use_uvloop()
     if argv[:1] == ["worker"]:
+        # Every way's load generator gets the servers' collector settings (services.heap): way a's
+        # session code shares its process, and the ways must differ only in what they measure.
+        tune_collector()
         spec = msgspec.json.decode(sys.stdin.readline().encode(), type=WorkerSpec)
         asyncio.run(_worker(spec))
         return 0
