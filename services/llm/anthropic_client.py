@@ -191,12 +191,13 @@ def _params(request: LLMRequest) -> dict[str, Any]:
 
 
 class _Block(msgspec.Struct):
-    """A content block of a Message body; kinds other than text and tool_use are ignored."""
+    """A content block of a Message body; kinds other than text and tool_use are ignored (so
+    their fields may be anything: what text and tool_use blocks need is checked when read)."""
 
     type: str
-    text: str = ""
-    id: str = ""
-    name: str = ""
+    text: Any = None
+    id: Any = None
+    name: Any = None
     input: Any = None
 
 
@@ -228,9 +229,13 @@ def _response_of(message: _Message, model: str) -> LLMResponse:
     content: list[ContentBlock] = []
     for block in message.content:
         if block.type == "text":
+            if not isinstance(block.text, str):
+                raise LLMError(f"the answer from model {model!r} has a text block without text; try again")
             if block.text:  # the API refuses empty text blocks when they are sent back
                 content.append(TextBlock(text=block.text))
         elif block.type == "tool_use":
+            if not (isinstance(block.id, str) and isinstance(block.name, str)):
+                raise LLMError(f"the answer from model {model!r} has a tool call without its id or name; try again")
             if not isinstance(block.input, dict):
                 raise LLMError(
                     f"the model sent tool input for {block.name!r} that is not a JSON object; try again"

@@ -439,7 +439,8 @@ def test_a_message_body_from_the_real_api_reads_as_the_stream_would():
         b' "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},'
         b' {"type": "text", "text": "", "citations": null},'
         b' {"type": "text", "text": "Looking.", "citations": null},'
-        b' {"type": "tool_use", "id": "toolu_1", "name": "check_order", "input": {"order_id": "7"}}],'
+        b' {"type": "tool_use", "id": "toolu_1", "name": "check_order", "input": {"order_id": "7"}},'
+        b' {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [], "name": null}],'
         b' "stop_reason": "tool_use", "stop_sequence": null, "container": null,'
         b' "usage": {"input_tokens": 12, "output_tokens": 5, "cache_read_input_tokens": 3,'
         b' "server_tool_use": null, "service_tier": "standard"}}'
@@ -450,6 +451,10 @@ def test_a_message_body_from_the_real_api_reads_as_the_stream_would():
                  ToolUseBlock(id="toolu_1", name="check_order", input={"order_id": "7"})],
         stop_reason="tool_use", usage=Usage(input_tokens=12, output_tokens=5), model="claude-x",
     )
+    with pytest.raises(LLMError, match="tool call without its id or name"):
+        _response_of(_decode_message(
+            b'{"content": [{"type": "tool_use", "id": null, "name": "n", "input": {}}], "stop_reason": "tool_use"}'
+        ), "m")
     with pytest.raises(LLMError, match="not a JSON object"):
         _response_of(_decode_message(
             b'{"content": [{"type": "tool_use", "id": "t", "name": "n", "input": [1]}], "stop_reason": "tool_use"}'
