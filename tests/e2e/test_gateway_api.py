@@ -373,14 +373,19 @@ async def read_sse(response) -> list[tuple[str, Any]]:
     return events
 
 
+async def sse_turn(client, stack, tenant, session: str, text: str, message_id: str) -> list:
+    """One turn asked for as SSE: its (event, data) pairs, after checking it streamed."""
+    async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/messages",
+                           headers={**tenant[2], "Accept": "text/event-stream"},
+                           json={"text": text, "message_id": message_id}) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        return await read_sse(r)
+
+
 async def test_sse_streams_tool_call_and_result_before_text_then_done_with_the_reply(stack, client, api, tenant):
     assert (await api.post("/v1/tools", seed_000_check_order(stack.demo_store.url)))[0] == 201
     session = sid("sse")
-    async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/messages",
-                           headers={**tenant[2], "Accept": "text/event-stream"},
-                           json={"text": "where is my order 12345?", "message_id": "m-sse"}) as r:
-        assert r.status == 200 and r.content_type == "text/event-stream"
-        events = await read_sse(r)
+    events = await sse_turn(client, stack, tenant, session, "where is my order 12345?", "m-sse")
     names = [n for n, _ in events]
     assert "tool_call" in names and "tool_result" in names and "text" in names, names
     assert names.index("tool_call") < names.index("tool_result") < names.index("text"), names
@@ -402,11 +407,7 @@ async def test_a_broken_model_stream_in_a_streamed_turn_ends_in_the_apology(stac
     # A watched turn streams from the model (a JSON turn asks for whole answers): the stream's
     # own faults must still end in an in-band apology, and the session goes on.
     session = sid("sse-fault")
-    async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/messages",
-                           headers={**tenant[2], "Accept": "text/event-stream"},
-                           json={"text": "/fault malformed-stream\nhello", "message_id": "m-sse-fault"}) as r:
-        assert r.status == 200 and r.content_type == "text/event-stream"
-        events = await read_sse(r)
+    events = await sse_turn(client, stack, tenant, session, "/fault malformed-stream\nhello", "m-sse-fault")
     assert events[-1][0] == "done" and "technical problem" in events[-1][1]["reply"], events
     # the JSON turn after it asks for whole answers, and gets one; its own fault is the body's
     assert "technical problem" not in (await api.chat(session, "hello there"))["reply"]
