@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,12 +28,14 @@ from services.llm.port import (
     ContentBlock,
     LLMClient,
     LLMError,
+    LLMEvent,
     LLMRequest,
     LLMResponse,
     TextBlock,
     TextDelta,
     ToolResultBlock,
     ToolUseBlock,
+    final_response,
 )
 from services.tools.context import TrustedContext
 from services.tools.executor import REDACTED, BatchPlan, Executor, ToolCall, ToolOutcome
@@ -444,16 +446,15 @@ async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
     JSON body asks for the whole answer at once, which costs the SDK and the model less."""
     if emit is _no_emit:
         return await llm.complete(request)
-    response: LLMResponse | None = None
-    async for event in llm.stream(request):
-        if isinstance(event, TextDelta):
-            if event.text:
-                await emit(StreamEvent(event="text", data={"text": event.text}))
-        else:
-            response = event
-    if response is None:
-        raise LLMError("the model stream ended without a final message")
-    return response
+    return await final_response(_relay_text(llm.stream(request), emit))
+
+
+async def _relay_text(events: AsyncIterator[LLMEvent], emit: Emit) -> AsyncIterator[LLMEvent]:
+    """The events as they come, each non-empty text delta emitted to the watcher on the way."""
+    async for event in events:
+        if isinstance(event, TextDelta) and event.text:
+            await emit(StreamEvent(event="text", data={"text": event.text}))
+        yield event
 
 
 def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:

@@ -7,7 +7,7 @@ both stream the answer. `--compare calls`: on aiohttp, the answer read as a stre
 (`AnthropicLLM.complete`, what every other turn does). Each pair runs against the local model on
 loopback, through `AnthropicLLM` (the engine's adapter), in alternating rounds so that the
 machine's drift weighs on both alike. Reported per way and concurrency: the caller's CPU per call
-(this thread's CPU time), the model server's CPU per call (from /proc, when it was started here)
+(this thread's CPU time), the model server's CPU per call (psutil, when it was started here)
 and the wall time per call, medians over the rounds.
 
 A program that reports numbers, not a test. The local model runs in a process of its own (started
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
 
 import anthropic
+import psutil
 
 from services.llm.anthropic_client import LOCAL_API_KEY, AnthropicLLM
 from services.llm.port import ChatMessage, LLMRequest, TextBlock
@@ -45,9 +45,8 @@ def process_cpu(pid: int | None) -> float:
     """CPU seconds of process `pid` so far (0.0 without one)."""
     if pid is None:
         return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 async def timed_calls(llm: AnthropicLLM, call: str, calls: int, concurrency: int, warm: int,

@@ -236,11 +236,7 @@ def _response_of(message: _Message, model: str) -> LLMResponse:
         elif block.type == "tool_use":
             if not (isinstance(block.id, str) and isinstance(block.name, str)):
                 raise LLMError(f"the answer from model {model!r} has a tool call without its id or name; try again")
-            if not isinstance(block.input, dict):
-                raise LLMError(
-                    f"the model sent tool input for {block.name!r} that is not a JSON object; try again"
-                )
-            content.append(ToolUseBlock(id=block.id, name=block.name, input=block.input))
+            content.append(ToolUseBlock(id=block.id, name=block.name, input=_input_object(block.input, block.name)))
     usage = message.usage
     return LLMResponse(
         content=content,
@@ -324,6 +320,11 @@ def _tool_input(parts: list[str], name: str) -> dict[str, Any]:
             f"the model sent tool input for {name!r} that is not valid JSON; try again",
             retryable=True,
         ) from None
+    return _input_object(value, name)
+
+
+def _input_object(value: Any, name: str) -> dict[str, Any]:
+    """A tool call's input, which must be a JSON object. Raises LLMError."""
     if not isinstance(value, dict):
         raise LLMError(
             f"the model sent tool input for {name!r} that is not a JSON object; try again"
