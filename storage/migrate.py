@@ -16,6 +16,7 @@ import asyncpg
 import msgspec
 
 from storage.errors import MigrationError, translate
+from storage.pool import hold_session_state
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -92,6 +93,7 @@ async def migrate(
 
 
 async def _migrate(conn: asyncpg.Connection, migrations: list[Migration]) -> list[str]:
+    hold_session_state(conn)  # the session-level migration lock
     with translate("taking the migration lock"):
         await conn.execute("SELECT pg_advisory_lock($1)", ADVISORY_LOCK_KEY)
     try:

@@ -78,6 +78,41 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
+class Connection(asyncpg.Connection):
+    """The engine's connections: a pooled one says when it takes session state.
+
+    asyncpg resets a connection on its way back to the pool with a query (`pg_advisory_unlock_all()`,
+    `CLOSE ALL`, `UNLISTEN *`, `RESET ALL`): one more round trip on every release, and a
+    `pool.fetchval` returns only after it, so every pooled statement cost two round trips in the
+    caller's path (README § Performance). The engine's pooled work takes no session state (no
+    `SET`, no session-level lock, no `LISTEN`) except where it says so with `hold_session_state`:
+    only such a connection is reset with that query. An open transaction is rolled back on release
+    either way (asyncpg does that before the pool's reset).
+    """
+
+    took_session_state = False
+
+    def hold_session_state(self) -> None:
+        self.took_session_state = True
+
+
+def hold_session_state(conn: Any) -> None:
+    """Say that `conn` takes session state (a LISTEN, a session-level advisory lock, a `SET`): when
+    it goes back to its pool, the pool undoes all of it. Call it before taking the state. A
+    connection of another class (one opened by `connect` or by a test) is not pooled here, and is
+    left alone."""
+    mark = getattr(conn, "hold_session_state", None)
+    if mark is not None:
+        mark()
+
+
+async def _reset_on_release(conn: Connection) -> None:
+    """The pool's `reset`: the full reset query only for a connection that took session state."""
+    if conn.took_session_state:
+        await conn.execute(conn.get_reset_query())
+        conn.took_session_state = False
+
+
 async def connect(url: str, *, timeout: float = 10.0) -> asyncpg.Connection:
     """One connection with the JSON codecs; raises StorageUnavailable/StorageError like create_pool."""
     try:
@@ -91,7 +126,8 @@ async def connect(url: str, *, timeout: float = 10.0) -> asyncpg.Connection:
 async def create_pool(
     url: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 10.0
 ) -> asyncpg.Pool:
-    """Open a pool to `url` with the JSON codecs installed on every connection.
+    """Open a pool to `url` with the JSON codecs installed on every connection. A released
+    connection is reset only if it took session state (see `Connection`).
 
     Raises StorageUnavailable when Postgres cannot be reached (retryable) and StorageError when
     it refuses us (bad credentials, unknown database); messages name host, port and database,
@@ -99,7 +135,8 @@ async def create_pool(
     """
     try:
         pool = await asyncpg.create_pool(
-            url, min_size=min_size, max_size=max_size, init=init_connection, timeout=timeout
+            url, min_size=min_size, max_size=max_size, init=init_connection, timeout=timeout,
+            connection_class=Connection, reset=_reset_on_release,
         )
     except _CONNECT_ERRORS as exc:
         _raise_connect_error(url, exc)

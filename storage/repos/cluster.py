@@ -19,6 +19,7 @@ import msgspec
 
 from services.errors import Conflict
 from storage.errors import translate
+from storage.pool import hold_session_state
 from storage.repos.notify import ChannelListener, listen
 
 CLUSTER_CHANNEL = "ce_cluster"
@@ -95,6 +96,7 @@ class ClusterRepo:
         with translate("taking the rescale lock"):
             conn = await self._pool.acquire()
         try:
+            hold_session_state(conn)  # a lock not unlocked below is released with the connection
             with translate("taking the rescale lock"):
                 got = await conn.fetchval("SELECT pg_try_advisory_lock($1, hashtext($2))", _RESCALE_LOCK, host_group)
             if not got:

@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 
 from storage.errors import translate
+from storage.pool import hold_session_state
 
 Callback = Callable[[str], Any]
 
@@ -70,6 +71,7 @@ async def listen(
     pool = source if isinstance(source, asyncpg.Pool) else None
     with translate(doing):
         conn = await pool.acquire() if pool is not None else source
+    hold_session_state(conn)  # LISTEN: the pool runs UNLISTEN * when it gets the connection back
     listener = ChannelListener(conn, channel, callback, pool=pool, on_lost=on_lost)
     try:
         with translate(doing):

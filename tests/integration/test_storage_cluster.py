@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 
+import asyncpg
 import pytest
 
 from services.errors import Conflict
-from storage.repos.cluster import ClusterRepo, ShardState
+from storage.repos.cluster import _RESCALE_LOCK, ClusterRepo, ShardState
 
 
 @pytest.fixture
@@ -63,3 +64,25 @@ async def test_only_one_rescale_of_a_group_runs_at_a_time(pool, group):
             pass
     async with repo.exclusive(group):  # released on exit
         pass
+
+
+async def test_a_rescale_lock_whose_unlock_is_lost_goes_with_the_connection(pool, group, monkeypatch):
+    # The unlock can fail (a connection error, suppressed); the pool's reset of that connection
+    # then releases the lock, or the group could never be rescaled again.
+    from storage.pool import Connection
+
+    execute = Connection.execute
+
+    async def lose_unlock(self, query, *args, **kwargs):
+        if "pg_advisory_unlock(" in query:
+            raise asyncpg.InterfaceError("the unlock was lost")
+        return await execute(self, query, *args, **kwargs)
+
+    repo = ClusterRepo(pool)
+    monkeypatch.setattr(Connection, "execute", lose_unlock)
+    async with repo.exclusive(group):
+        pass
+    monkeypatch.undo()
+    held = await pool.fetchval(  # by any connection: the lock is re-entrant for the one holding it
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::bigint::oid", _RESCALE_LOCK)
+    assert held == 0
