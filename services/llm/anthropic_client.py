@@ -9,13 +9,19 @@ transport (`anthropic.DefaultAioHttpClient`, the `aiohttp` extra) rather than it
 one: the same streamed call costs the caller ~0.4 ms less CPU (README § Performance, optimisation
 7), and aiohttp is already the engine's HTTP stack. Proxy variables are honoured as before.
 
-Two ways to call, one answer. `stream` (a turn someone watches over SSE) reads
-`messages.create(stream=True)`: raw events, accumulated here into our content blocks (text deltas
-are yielded as they arrive; tool input JSON is parsed once, at the end of its block, with
-msgspec). The SDK's `messages.stream()` helper would rebuild a snapshot of the whole message after
-every event, which is work the hot path does not need. `complete` (every other turn) asks for the
-whole Message as one JSON body and decodes the raw body with msgspec: no events to parse on either
-side, no SDK model objects (README § Performance, optimisation 11).
+Both calls send the request body as bytes that msgspec encodes straight from our structs, through
+the SDK's own `post` (its documented way to make a request the resource methods do not shape):
+the SDK still adds auth and version headers, retries, times out and raises its status errors, but
+does not copy, type-walk and re-encode the whole history window on every call, as
+`messages.create` does (README § Performance, optimisation 14).
+
+Two ways to call, one answer. `stream` (a turn someone watches over SSE) reads the SDK's stream of
+raw events, accumulated here into our content blocks (text deltas are yielded as they arrive; tool
+input JSON is parsed once, at the end of its block, with msgspec). The SDK's `messages.stream()`
+helper would rebuild a snapshot of the whole message after every event, which is work the hot path
+does not need. `complete` (every other turn) asks for the whole Message as one JSON body and
+decodes the raw body with msgspec: no events to parse on either side, no SDK model objects
+(README § Performance, optimisation 11).
 
 Every SDK or transport failure becomes an `LLMError` whose message says what failed and what to
 do, and never carries the API key (the SDK's exception is not chained: it holds the request).
@@ -34,6 +40,7 @@ import structlog
 
 from services.errors import ConfigError
 from services.llm.port import (
+    ChatMessage,
     ContentBlock,
     LLMError,
     LLMEvent,
@@ -41,6 +48,7 @@ from services.llm.port import (
     LLMResponse,
     TextBlock,
     TextDelta,
+    ToolSpec,
     ToolUseBlock,
     Usage,
 )
@@ -50,7 +58,6 @@ log = structlog.get_logger(__name__)
 #: the key the local model is given when none is configured; it accepts any key
 LOCAL_API_KEY = "local"
 
-_to_builtins = msgspec.to_builtins
 _decode_json = msgspec.json.decode
 _TOOL_CHOICE_NONE = {"type": "none"}
 _RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
@@ -92,8 +99,6 @@ class AnthropicLLM:
 
     def __init__(self, client: anthropic.AsyncAnthropic) -> None:
         self._client = client
-        self._messages = client.messages
-        self._raw_messages = client.messages.with_raw_response
         self._secret = client.api_key or client.auth_token or None
 
     async def close(self) -> None:
@@ -112,7 +117,9 @@ class AnthropicLLM:
         # request, headers included) rides along as __context__.
         error: LLMError | None = None
         try:
-            events = await self._messages.create(**_params(request), stream=True)
+            events = await self._client.post(
+                _MESSAGES_PATH, cast_to=_StreamEvent, content=_encode_body(_body(request, stream=True)),
+                stream=True, stream_cls=_EventStream)
         except Exception as exc:
             error = self._translate(exc, request.model)
             if error is None:
@@ -138,15 +145,15 @@ class AnthropicLLM:
         """The whole answer as one Message body (no stream): for turns nobody watches stream.
 
         Raises LLMError like `stream`. The SDK sends the request (auth, retries, timeouts, status
-        errors) and hands back the raw body (`with_raw_response`), which msgspec decodes straight
-        into our types: the SDK's model objects would be built only to be copied into ours. Against
+        errors) and hands back the raw response (`cast_to=httpx2.Response`), whose body msgspec
+        decodes straight into our types: the SDK's model objects would be built only to be copied into ours. Against
         the local model this costs the caller less than reading the same answer as a stream
         (`python -m services.bench_llm --compare calls`).
         """
         error: LLMError | None = None
         try:
-            raw = await self._raw_messages.create(**_params(request))
-            return _response_of(_decode_message(await raw.read()), request.model)
+            raw = await self._client.post(_MESSAGES_PATH, cast_to=httpx2.Response, content=_encode_body(_body(request)))
+            return _response_of(_decode_message(await raw.aread()), request.model)
         except LLMError:
             raise
         except Exception as exc:
@@ -173,21 +180,35 @@ class AnthropicLLM:
         return error
 
 
-def _params(request: LLMRequest) -> dict[str, Any]:
-    """The Messages API parameters of a request."""
-    params: dict[str, Any] = {
-        "model": request.model,
-        "max_tokens": request.max_tokens,
-        # Our blocks are tagged msgspec structs whose builtins are the API's dicts already.
-        "messages": _to_builtins(request.messages),
-    }
-    if request.system:
-        params["system"] = request.system
-    if request.tools:
-        params["tools"] = _to_builtins(request.tools)
-        if request.tool_choice == "none":
-            params["tool_choice"] = _TOOL_CHOICE_NONE
-    return params
+_MESSAGES_PATH = "/v1/messages"
+
+
+class _Body(msgspec.Struct, omit_defaults=True):
+    """A Messages API request body, encoded by msgspec straight from our structs (their tagged
+    encoding is the API's JSON already) and handed to the SDK's `post` as bytes. Through
+    `messages.create` the SDK would copy and type-walk the whole history window, then encode it
+    with the json module, on every call (README § Performance, optimisation 14)."""
+
+    model: str
+    max_tokens: int
+    messages: list[ChatMessage]
+    system: str = ""
+    tools: list[ToolSpec] = []
+    tool_choice: dict[str, str] | None = None
+    stream: bool = False
+
+
+_encode_body = msgspec.json.Encoder().encode
+_StreamEvent = anthropic.types.RawMessageStreamEvent
+_EventStream = anthropic.AsyncStream[_StreamEvent]
+
+
+def _body(request: LLMRequest, *, stream: bool = False) -> _Body:
+    return _Body(
+        model=request.model, max_tokens=request.max_tokens, messages=request.messages,
+        system=request.system, tools=request.tools, stream=stream,
+        tool_choice=_TOOL_CHOICE_NONE if request.tools and request.tool_choice == "none" else None,
+    )
 
 
 class _Block(msgspec.Struct):

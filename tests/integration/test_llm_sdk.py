@@ -459,3 +459,41 @@ def test_a_message_body_from_the_real_api_reads_as_the_stream_would():
         _response_of(_decode_message(
             b'{"content": [{"type": "tool_use", "id": "t", "name": "n", "input": [1]}], "stop_reason": "tool_use"}'
         ), "m")
+
+
+def test_the_request_body_is_the_messages_apis_json():
+    # Both calls send this body as bytes through the SDK's `post`; what the API reads is spelled
+    # out here, since the local model would accept more than the API does.
+    import msgspec
+
+    from services.llm.anthropic_client import _body, _encode_body
+
+    req = LLMRequest(
+        model="claude-x", max_tokens=300, system="Be brief.", tool_choice="none",
+        tools=[ToolSpec(name="check_order", description="Looks up an order.",
+                        input_schema={"type": "object", "properties": {"order_id": {"type": "string"}}})],
+        messages=[
+            ChatMessage(role="user", content=[TextBlock(text="where is 7?")]),
+            ChatMessage(role="assistant", content=[
+                TextBlock(text="Looking."), ToolUseBlock(id="toolu_1", name="check_order", input={"order_id": "7"})]),
+            ChatMessage(role="user", content=[ToolResultBlock(tool_use_id="toolu_1", content="shipped")]),
+        ],
+    )
+    assert msgspec.json.decode(_encode_body(_body(req, stream=True))) == {
+        "model": "claude-x", "max_tokens": 300, "system": "Be brief.", "stream": True,
+        "tools": [{"name": "check_order", "description": "Looks up an order.",
+                   "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}}}}],
+        "tool_choice": {"type": "none"},
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "where is 7?"}]},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "check_order", "input": {"order_id": "7"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "shipped", "is_error": False}]},
+        ],
+    }
+    # no system prompt, no tools (then no tool_choice either), not streamed: left out, as the API's defaults
+    bare = LLMRequest(model="m", system="", tool_choice="none", messages=req.messages[:1])
+    assert msgspec.json.decode(_encode_body(_body(bare))) == {
+        "model": "m", "max_tokens": 1024, "messages": [{"role": "user", "content": [{"type": "text", "text": "where is 7?"}]}]}
