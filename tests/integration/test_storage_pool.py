@@ -9,6 +9,7 @@ from pathlib import Path
 import asyncpg
 import msgspec
 import pytest
+import pytest_asyncio
 
 from storage.embedded import _asyncpg_url, _check_binaries, start_embedded
 from storage.errors import EmbeddedPostgresError, StorageError, StorageUnavailable, describe_url
@@ -137,44 +138,42 @@ async def test_a_connection_lost_mid_flush_is_retryable_and_writes_nothing(fresh
         await p.close()
 
 
-async def test_a_released_connection_that_took_no_session_state_is_not_reset(fresh_db):
+@pytest_asyncio.fixture
+async def one_connection(fresh_db):
+    """A pool of one connection: every acquire gets the same backend, and what it kept."""
+    pool = await create_pool(await fresh_db(), min_size=1, max_size=1)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def test_a_released_connection_that_took_no_session_state_is_not_reset(one_connection):
     # The reset query would cost every pooled statement a second round trip; a connection that
     # says nothing is handed back as it is, so a setting made on it is still there next time.
-    pool = await create_pool(await fresh_db(), min_size=1, max_size=1)
-    try:
-        async with pool.acquire() as conn:
-            pid = await conn.fetchval("SELECT pg_backend_pid()")
-            await conn.execute("SET application_name = 'left-as-is'")
-            await conn.execute("BEGIN")  # an open transaction is still rolled back on release
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT pg_backend_pid()") == pid
-            assert await conn.fetchval("SHOW application_name") == "left-as-is"
-            assert not conn.is_in_transaction()
-    finally:
-        await pool.close()
+    async with one_connection.acquire() as conn:
+        await conn.execute("SET application_name = 'left-as-is'")
+        await conn.execute("BEGIN")  # an open transaction is still rolled back on release
+    async with one_connection.acquire() as conn:
+        assert await conn.fetchval("SHOW application_name") == "left-as-is"
+        assert not conn.is_in_transaction()
 
 
-async def test_a_connection_that_holds_session_state_is_reset_in_full_on_release(fresh_db):
-    pool = await create_pool(await fresh_db(), min_size=1, max_size=1)
-    try:
-        async with pool.acquire() as conn:
-            pid = await conn.fetchval("SELECT pg_backend_pid()")
-            default_name = await conn.fetchval("SHOW application_name")
-            hold_session_state(conn)
-            await conn.execute("SET application_name = 'session-state'")
-            assert await conn.fetchval("SELECT pg_try_advisory_lock(4242)")
-            await conn.execute("LISTEN ce_test_channel")
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SELECT pg_backend_pid()") == pid
-            assert await conn.fetchval("SHOW application_name") == default_name
-            assert await conn.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()") == 0
-            assert await conn.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
-            await conn.execute("SET application_name = 'once-more'")  # the mark went with the reset
-        async with pool.acquire() as conn:
-            assert await conn.fetchval("SHOW application_name") == "once-more"
-    finally:
-        await pool.close()
+async def test_a_connection_that_holds_session_state_is_reset_in_full_on_release(one_connection):
+    async with one_connection.acquire() as conn:
+        default_name = await conn.fetchval("SHOW application_name")
+        hold_session_state(conn)
+        await conn.execute("SET application_name = 'session-state'")
+        assert await conn.fetchval("SELECT pg_try_advisory_lock(4242)")
+        await conn.execute("LISTEN ce_test_channel")
+    async with one_connection.acquire() as conn:
+        assert await conn.fetchval("SHOW application_name") == default_name
+        assert await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()") == 0
+        assert await conn.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
+        await conn.execute("SET application_name = 'once-more'")  # the mark went with the reset
+    async with one_connection.acquire() as conn:
+        assert await conn.fetchval("SHOW application_name") == "once-more"
 
 
 def test_holding_session_state_on_a_connection_of_another_class_is_a_no_op():
@@ -187,21 +186,17 @@ def test_holding_session_state_on_a_connection_of_another_class_is_a_no_op():
 
 
 @pytest.mark.filterwarnings("ignore:.*active notification listener:asyncpg.InterfaceWarning")
-async def test_a_listen_whose_unlisten_is_lost_ends_with_the_connection(fresh_db, monkeypatch):
+async def test_a_listen_whose_unlisten_is_lost_ends_with_the_connection(one_connection, monkeypatch):
     from storage.pool import Connection
     from storage.repos.notify import listen
 
-    pool = await create_pool(await fresh_db(), min_size=1, max_size=1)
-    try:
-        listener = await listen(pool, "ce_test_lost", lambda payload: None)
+    listener = await listen(one_connection, "ce_test_lost", lambda payload: None)
 
-        async def lose(self, *args, **kwargs):
-            raise asyncpg.InterfaceError("the UNLISTEN was lost")
+    async def lose(self, *args, **kwargs):
+        raise asyncpg.InterfaceError("the UNLISTEN was lost")
 
-        monkeypatch.setattr(Connection, "remove_listener", lose)
-        await listener.close()
-        monkeypatch.undo()
-        async with pool.acquire() as conn:  # the pool's one connection, the listener's
-            assert await conn.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
-    finally:
-        await pool.close()
+    monkeypatch.setattr(Connection, "remove_listener", lose)
+    await listener.close()
+    monkeypatch.undo()
+    async with one_connection.acquire() as conn:  # the listener's connection
+        assert await conn.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
