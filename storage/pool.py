@@ -109,7 +109,9 @@ def hold_session_state(conn: Any) -> None:
 async def _reset_on_release(conn: Connection) -> None:
     """The pool's `reset`: the full reset query only for a connection that took session state."""
     if conn.took_session_state:
-        await conn.execute(conn.get_reset_query())
+        query = conn.get_reset_query()  # empty for a server without these features
+        if query:
+            await conn.execute(query)
         conn.took_session_state = False
 
 

@@ -146,13 +146,14 @@ class AnthropicLLM:
 
         Raises LLMError like `stream`. The SDK sends the request (auth, retries, timeouts, status
         errors) and hands back the raw response (`cast_to=httpx2.Response`), whose body msgspec
-        decodes straight into our types: the SDK's model objects would be built only to be copied into ours. Against
-        the local model this costs the caller less than reading the same answer as a stream
-        (`python -m services.bench_llm --compare calls`).
+        decodes straight into our types: the SDK's model objects would be built only to be copied
+        into ours. Against the local model this costs the caller less than reading the same answer
+        as a stream (`python -m services.bench_llm --compare calls`).
         """
         error: LLMError | None = None
         try:
-            raw = await self._client.post(_MESSAGES_PATH, cast_to=httpx2.Response, content=_encode_body(_body(request)))
+            raw = await self._client.post(
+                _MESSAGES_PATH, cast_to=httpx2.Response, content=_encode_body(_body(request)))
             return _response_of(_decode_message(await raw.aread()), request.model)
         except LLMError:
             raise
