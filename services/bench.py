@@ -928,9 +928,6 @@ class Bench:
 
     async def _pyspy(self, way: str, gate: bool, placement: Any, worker_pid: int
                      ) -> list[asyncio.subprocess.Process]:
-        import shutil
-
-        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if placement is None:  # way a: the worker is the engine
             targets = {"engine": worker_pid}
         else:
@@ -938,19 +935,12 @@ class Bench:
             targets = {"gateway": os.getpid()}
             if stats:
                 targets["host"] = stats[0]["pid"]
-        procs = []
         out = Path(self.args.profile)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, pid in targets.items():
-            path = out / f"{way}-{'on' if gate else 'off'}-{name}.txt"
-            procs.append(await asyncio.create_subprocess_exec(
-                exe, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--nonblocking",
-                "--output", str(path), "--duration", str(int(self.args.profile_seconds)),
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            ))
-        return procs
+        return [await self._spy(pid, out / f"{way}-{'on' if gate else 'off'}-{name}.txt")
+                for name, pid in targets.items()]
 
     async def _spy(self, pid: int, path: Path) -> asyncio.subprocess.Process:
+        """py-spy recording `pid` into `path` (raw stacks) for --profile-seconds, in the background."""
         import shutil
 
         path.parent.mkdir(parents=True, exist_ok=True)
