@@ -32,7 +32,7 @@ from actors import session as core
 from actors.session import SessionState, TurnEnv
 from services import heap
 from services.errors import ChatEngineError, Overloaded
-from services.wire import SessionView, StreamEvent, TurnReply
+from services.wire import SessionView, StreamEvent, TurnReply, TurnTiming
 from storage.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
 
 log = structlog.get_logger(__name__)
@@ -327,18 +327,23 @@ class SessionHost:
                 f"this session host is at capacity ({self._running} turns in progress); retry shortly",
                 retry_after=1.0, reason="host_busy",
             )
+        started = time.perf_counter()
         self._running += 1
         self._drained.clear()
         try:
-            return await self._admitted_turn(tenant_id, session_id, run)
+            reply, gate_s = await self._admitted_turn(tenant_id, session_id, run)
         finally:
             self._running -= 1
             if not self._running:
                 self._drained.set()
+        # A copy: the answer stored for a repeated message id stays as the session code made it.
+        return msgspec.structs.replace(reply, timing=TurnTiming(
+            host_ms=round((time.perf_counter() - started) * 1000, 2), gate_ms=round(gate_s * 1000, 2)))
 
     async def _admitted_turn(
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
-    ) -> TurnReply:
+    ) -> tuple[TurnReply, float]:
+        """The turn's reply, and the seconds it waited at the output gate."""
         key = (tenant_id, session_id)
         self._refuse_if_closing()
         if not self.owns(tenant_id, session_id):
@@ -384,7 +389,9 @@ class SessionHost:
             entry.lock.release()
         if evicted:  # passivated or taken over while we waited: activate again
             return await self._admitted_turn(tenant_id, session_id, run)
+        gate_s = 0.0
         if durable is not None and self._settings.output_gate:
+            gated = time.perf_counter()
             try:
                 await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
             except TimeoutError:
@@ -395,7 +402,8 @@ class SessionHost:
                 ) from None
             if entry.stale:  # evicted before its delta was taken: the flush that resolved us had none
                 raise _lease_lost(session_id)
-        return reply
+            gate_s = time.perf_counter() - gated
+        return reply, gate_s
 
     # -- activation and passivation ---------------------------------------------------------
 

@@ -51,6 +51,16 @@ class PendingApproval(msgspec.Struct, frozen=True, kw_only=True):
     calls: list[PendingCall] = []
 
 
+class TurnTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a turn's time went in its session host, in milliseconds."""
+
+    #: from the host taking the turn to its reply being released: activation, waiting behind
+    #: the session's earlier messages, the catalog check, model rounds, tools and the gate
+    host_ms: float
+    #: of which: waiting for the turn's state to be durable (the output gate; 0 with it off)
+    gate_ms: float = 0.0
+
+
 class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     session_id: str
     message_id: str
@@ -67,6 +77,9 @@ class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: strips it from the body (the client gets the first answer, byte for byte) and says so in
     #: an `X-Replayed: true` header instead.
     replay: bool = False
+    #: internal: set by the session host on the reply it releases, never stored with the answer.
+    #: The gateway strips it from the body and sends it as a `Server-Timing` header.
+    timing: TurnTiming | None = None
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):

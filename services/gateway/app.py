@@ -36,7 +36,14 @@ from services.gateway.bodies import (
 from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
 from services.tools.ssrf import DestinationPolicy
-from services.wire import DecideApproval, SendMessage, SessionView, StreamEvent, TurnReply
+from services.wire import (
+    DecideApproval,
+    SendMessage,
+    SessionView,
+    StreamEvent,
+    TurnReply,
+    TurnTiming,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -233,11 +240,22 @@ def reply_body(reply: TurnReply | dict[str, Any]) -> dict[str, Any]:
     """
     body = dict(reply) if isinstance(reply, dict) else msgspec.to_builtins(reply)
     body.pop("replay", None)
+    body.pop("timing", None)
     return body if "handoff" in body else {**body, "handoff": False}
 
 
-def reply_response(reply: TurnReply) -> web.Response:
+def server_timing(timing: TurnTiming | None, gateway_s: float) -> str:
+    """The `Server-Timing` header of a turn's reply (milliseconds): `gateway` from the body read
+    to the reply, `host` the session host's part of it, `gate` the host's wait for durability."""
+    parts = [f"gateway;dur={gateway_s * 1000:.2f}"]
+    if timing is not None:
+        parts += [f"host;dur={timing.host_ms:.2f}", f"gate;dur={timing.gate_ms:.2f}"]
+    return ", ".join(parts)
+
+
+def reply_response(reply: TurnReply, started: float) -> web.Response:
     response = json_response(reply_body(reply))
+    response.headers["Server-Timing"] = server_timing(reply.timing, time.perf_counter() - started)
     if reply.replay:
         response.headers["X-Replayed"] = "true"
     return response
@@ -279,7 +297,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
             return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
         reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return reply_response(reply)
+    return reply_response(reply, started)
 
 
 async def post_approval(request: web.Request) -> web.StreamResponse:
@@ -295,7 +313,7 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
             return await _sse(request, stream, started)
         reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
     deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return reply_response(reply)
+    return reply_response(reply, started)
 
 
 async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:

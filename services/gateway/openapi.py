@@ -51,6 +51,9 @@ def _core_document() -> dict[str, Any]:
         "properties": {"type": {"type": "string"}, "title": {"type": "string"},
                        "status": {"type": "integer"}, "detail": {"type": "string"}},
     }
+    for internal in ("replay", "timing"):  # the gateway strips them: X-Replayed, Server-Timing instead
+        components["TurnReply"]["properties"].pop(internal, None)
+    components.pop("TurnTiming", None)
     ref = dict(zip([t.__name__ for t in types], refs))
     sid = {"name": "session_id", "in": "path", "required": True,
            "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"}}
@@ -70,12 +73,21 @@ def _core_document() -> dict[str, Any]:
                 o["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
         return o
 
+    def turn(o: dict) -> dict:
+        o["responses"]["200"]["headers"] = {
+            "Server-Timing": {"description": "ms: gateway (the whole turn here), host (the session host's part), "
+                              "gate (the host's wait for durability); JSON replies only",
+                              "schema": {"type": "string"}},
+            "X-Replayed": {"description": "true: the stored answer to a repeated message_id", "schema": {"type": "string"}},
+        }
+        return o
+
     paths = {
-        "/v1/sessions/{session_id}/messages": {"post": op("Send a message (JSON or SSE)", body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid], errors=("401", "422", "429", "503"))},
+        "/v1/sessions/{session_id}/messages": {"post": turn(op("Send a message (JSON or SSE)", body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid], errors=("401", "422", "429", "503")))},
         "/v1/sessions/{session_id}": {"get": op("Inspect a session", ok=ref["SessionView"], params=[sid])},
-        "/v1/sessions/{session_id}/approvals/{approval_id}": {"post": op(
+        "/v1/sessions/{session_id}/approvals/{approval_id}": {"post": turn(op(
             "Approve or deny a held turn", body=ref["DecideApproval"], ok=ref["TurnReply"],
-            params=[sid, {"name": "approval_id", "in": "path", "required": True, "schema": {"type": "string"}}])},
+            params=[sid, {"name": "approval_id", "in": "path", "required": True, "schema": {"type": "string"}}]))},
         "/v1/tools": {"post": op("Register a tool", body=ref["ToolCreate"], status="201", errors=("401", "409", "422")),
                       "get": op("List published tools", errors=("401",))},
         "/v1/tools/contract": {"get": op("Tool-contract report", errors=("401",))},

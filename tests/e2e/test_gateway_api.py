@@ -438,6 +438,22 @@ async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(sta
     assert len(await tool_call_rows(db, tenant[0])) == count + 1
 
 
+async def test_a_reply_says_in_server_timing_where_its_time_went(stack, client, tenant):
+    session = sid("timing")
+    url = f"{stack.gateway.url}/v1/sessions/{session}/messages"
+    async with client.post(url, headers=tenant[2], json={"text": "hello", "message_id": "m-1"}) as r:
+        body = await r.json()
+        header = r.headers["Server-Timing"]
+    assert r.status == 200 and "timing" not in body
+    seen = {name: float(dur) for name, _, dur in (p.strip().partition(";dur=") for p in header.split(","))}
+    assert seen.keys() == {"gateway", "host", "gate"}, header
+    # the host's turn includes its wait at the output gate; the gateway's time includes the host's
+    assert 0 < seen["gate"] <= seen["host"] <= seen["gateway"], header
+
+    async with client.post(url, headers=tenant[2], json={"text": "hello", "message_id": "m-1"}) as r:
+        assert r.headers["X-Replayed"] == "true" and await r.json() == body, "a replay is the first answer"
+
+
 async def test_replayed_message_id_is_not_counted_again_in_metrics(stack, client, api):
     assert (await api.post("/v1/tools", seed_000_check_order(stack.demo_store.url)))[0] == 201
     session = sid("idem-metrics")
@@ -469,6 +485,10 @@ async def test_health_ready_and_openapi(stack, client):
     assert {"post", "get"} <= paths["/v1/tools"].keys()
     assert {"get", "patch", "delete"} <= paths["/v1/tools/{name}"].keys()
     assert {"get", "put"} <= paths["/v1/bot-config"].keys()
+    reply = doc["components"]["schemas"]["TurnReply"]["properties"]
+    assert {"reply", "tool_calls", "handoff"} <= reply.keys() and not {"replay", "timing"} & reply.keys(), \
+        "fields the gateway strips from the body are not in its schema"
+    assert "Server-Timing" in paths["/v1/sessions/{session_id}/messages"]["post"]["responses"]["200"]["headers"]
     create = doc["components"]["schemas"]["ToolCreate"]
     assert {"name", "description", "webhook_url", "auth_header", "timeout_ms"} <= create["properties"].keys()
     # every $ref resolves

@@ -23,7 +23,7 @@ from actors.ray_host import HostError
 from services.errors import InvalidInput, NotFound, Overloaded
 from services.gateway.app import GatewayDeps, build_app, parse_since
 from services.tools.crypto import SecretBox, generate_key
-from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, UsageOut
+from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, TurnTiming, UsageOut
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 
 
@@ -39,13 +39,14 @@ class FakeRouter:
     def __init__(self) -> None:
         self.raises: BaseException | None = None
         self.handoff = False
+        self.timing: TurnTiming | None = None
         self.calls: list[tuple[str, str]] = []
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
         self.calls.append((tenant_id, session_id))
         if self.raises is not None:
             raise self.raises
-        return reply(session_id, message_id or "m-1", handoff=self.handoff)
+        return reply(session_id, message_id or "m-1", handoff=self.handoff, timing=self.timing)
 
     async def decide(self, tenant_id, session_id, approval_id, approve, edited=None) -> TurnReply:
         return await self.send(tenant_id, session_id, "", approval_id)
@@ -55,7 +56,8 @@ class FakeRouter:
         if self.raises is not None:
             yield StreamEvent(event="error", data={"kind": "overloaded", "message": str(self.raises)})
             return
-        yield StreamEvent(event="done", data=msgspec.to_builtins(reply(session_id, message_id or "m-1")))
+        yield StreamEvent(event="done", data=msgspec.to_builtins(
+            reply(session_id, message_id or "m-1", timing=self.timing)))
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
         return None
@@ -91,6 +93,38 @@ async def test_reply_always_carries_handoff_even_when_false(gateway):
     assert body["handoff"] is True
     r = await client.post("/v1/sessions/s1/approvals/ap-1", headers=headers, json={"approve": True})
     assert (await r.json())["handoff"] is True
+
+
+def timings(header: str) -> dict[str, float]:
+    """`Server-Timing: a;dur=1.5, b;dur=2` as {"a": 1.5, "b": 2.0}."""
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+async def test_the_hosts_timing_comes_as_a_server_timing_header_not_in_the_body(gateway):
+    client, router, headers = gateway
+    router.timing = TurnTiming(host_ms=12.5, gate_ms=3.25)
+    for path, body in (("/v1/sessions/s1/messages", {"text": "hi"}),
+                       ("/v1/sessions/s1/approvals/ap-1", {"approve": True})):
+        r = await client.post(path, headers=headers, json=body)
+        assert r.status == 200 and "timing" not in await r.json()
+        seen = timings(r.headers["Server-Timing"])
+        assert seen.keys() == {"gateway", "host", "gate"}
+        assert (seen["host"], seen["gate"]) == (12.5, 3.25)
+        assert seen["gateway"] >= 0
+
+    router.timing = None  # a reply without the host's timing: the gateway's own time only
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    assert timings(r.headers["Server-Timing"]).keys() == {"gateway"}
+
+    router.timing = TurnTiming(host_ms=12.5, gate_ms=3.25)  # streamed: the done event has no timing
+    r = await client.post("/v1/sessions/s1/messages", headers={**headers, "Accept": "text/event-stream"},
+                          json={"text": "hi"})
+    done = json.loads((await r.text()).rstrip().split("\n\n")[-1].split("data: ", 1)[1])
+    assert done["reply"] == "hello" and "timing" not in done
 
 
 async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_event(gateway):

@@ -28,6 +28,11 @@ async def eventually(predicate: Callable[[], bool], timeout: float = T) -> None:
             await asyncio.sleep(0.005)
 
 
+def answer(reply):
+    """A reply without the host's timing (which differs between two releases of one answer)."""
+    return msgspec.structs.replace(reply, timing=None)
+
+
 async def spin(n: int = 20) -> None:
     """Let every ready task run a few steps."""
     for _ in range(n):
@@ -91,7 +96,27 @@ async def test_with_the_output_gate_a_reply_waits_for_the_flush_that_holds_its_s
     assert reply.reply == "echo: hello"
     assert seen_at_return == [True]
     assert not reply.replay
-    assert store.turns[KEY]["m1"] == msgspec.to_builtins(reply)
+    assert reply.timing is not None and reply.timing.host_ms >= reply.timing.gate_ms > 0
+    # stored as the session code made it: the host's timing is only on the reply it released
+    assert store.turns[KEY]["m1"] == msgspec.to_builtins(msgspec.structs.replace(reply, timing=None))
+    assert "timing" not in store.turns[KEY]["m1"]
+
+
+async def test_the_reply_says_how_long_its_turn_took_and_how_much_of_it_was_the_gate(world):
+    store = world.store
+    store.hold = asyncio.Event()
+    host = await world.host(output_gate=True)
+    task = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    await asyncio.wait_for(store.flush_entered.wait(), T)
+    await asyncio.sleep(0.2)  # the flush holding this turn's state takes 200 ms
+    store.hold.set()
+    timing = (await asyncio.wait_for(task, T)).timing
+    assert timing is not None
+    assert 200 <= timing.gate_ms <= timing.host_ms
+
+    ungated = await world.host("h2", output_gate=False)
+    timing = (await asyncio.wait_for(ungated.send("t1", "s2", "hello", "m2"), T)).timing
+    assert timing is not None and timing.gate_ms == 0 and timing.host_ms > 0
 
 
 async def test_without_the_output_gate_a_reply_does_not_wait_for_the_database(world):
@@ -208,7 +233,7 @@ async def test_a_reply_that_cannot_be_saved_in_time_is_overloaded_and_a_retry_re
     assert [c.name for c in reply.tool_calls] == ["lookup"]
     assert world.calls() == [("lookup", "q1")]  # the retry ran no tool again
     assert reply.replay  # the stored answer, marked as a replay for the gateway
-    assert store.turns[KEY]["m1"] == msgspec.to_builtins(msgspec.structs.replace(reply, replay=False))
+    assert store.turns[KEY]["m1"] == msgspec.to_builtins(msgspec.structs.replace(reply, replay=False, timing=None))
     assert store.seqs(KEY) == [0, 1, 2, 3] and store.duplicates == []
 
 
@@ -428,7 +453,7 @@ async def test_a_message_id_answered_before_passivation_returns_the_stored_reply
     requests, get_turns = len(model.requests), store.get_turn_calls
 
     again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
-    assert again == msgspec.structs.replace(first, replay=True)
+    assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
     # re-activation loads the recent answers, so the retry needs no per-message read
     assert store.get_turn_calls == get_turns and len(store.activations) == 2
     assert len(model.requests) == requests and world.calls() == [("lookup", "q")]
@@ -445,7 +470,8 @@ async def test_a_message_id_older_than_the_turn_cache_is_looked_up_in_the_store(
         await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
     requests, get_turns = len(model.requests), store.get_turn_calls
     again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m0"), T)
-    assert again == msgspec.structs.replace(first, replay=True) and store.get_turn_calls == get_turns + 1
+    assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
+    assert store.get_turn_calls == get_turns + 1
     assert len(model.requests) == requests and world.calls() == [("lookup", "q")]
 
 
