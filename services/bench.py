@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -61,7 +62,9 @@ HELLO_TEXT = "hello, who are you?"
 # load: closed and open loops (run inside the worker process)
 # =============================================================================================
 
-Send = Callable[[str, str], Awaitable[bool]]
+#: one message sent and checked: the session host's own time for the turn in ms (nan when the
+#: reply did not say), or None when it failed
+Send = Callable[[str, str], Awaitable[float | None]]
 
 
 def order_text() -> str:
@@ -101,8 +104,7 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
             sid = next(shared) if shared is not None else mine[k % len(mine)]
             k += 1
             started = time.perf_counter()
-            ok = await send(sid, text())
-            if ok:
+            if await send(sid, text()) is not None:
                 latencies.append((time.perf_counter() - started) * 1000)
             else:
                 errors += 1
@@ -112,20 +114,23 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
     return _summary(latencies, errors, time.perf_counter() - started)
 
 
-async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str]
-                    ) -> tuple[list[float], int, float]:
+async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str],
+                    host_ms: list[float] | None = None) -> tuple[list[float], int, float]:
     """Messages sent at a fixed rate whatever the replies do; latency counted from the
-    scheduled send time (no coordinated omission). Returns (latencies in ms, errors, seconds)."""
+    scheduled send time (no coordinated omission). Returns (latencies in ms, errors, seconds);
+    the session host's own time of each turn that said it goes into `host_ms`."""
     latencies: list[float] = []
     errors = 0
 
     async def one(sid: str, due: float) -> None:
         nonlocal errors
-        ok = await send(sid, text())
-        if ok:
-            latencies.append((time.perf_counter() - due) * 1000)
-        else:
+        host = await send(sid, text())
+        if host is None:
             errors += 1
+            return
+        latencies.append((time.perf_counter() - due) * 1000)
+        if host_ms is not None and not math.isnan(host):
+            host_ms.append(host)
 
     started = time.perf_counter()
     tasks = []
@@ -165,6 +170,57 @@ def interleaved_summary(slices: list[dict[str, tuple[list[float], int, float]]],
             diffs = [percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices if s[w][0] and s[base][0]]
             paired[w] = statistics.median(diffs) if diffs else None
     return {"ways": pooled, "paired_added_p50_ms": paired}
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """A `Server-Timing` header's durations by name (`host;dur=12.5, gate;dur=3` -> {"host": 12.5,
+    "gate": 3.0}); a metric without a readable duration is left out."""
+    out = {}
+    for metric in header.split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key == "dur" and name:
+                with contextlib.suppress(ValueError):
+                    out[name] = float(value)
+    return out
+
+
+class CpuShare:
+    """The machine's CPU time (every core, from /proc/stat via psutil) over the intervals between
+    `start()` and `stop()`: the share that was busy and the share the hypervisor stole."""
+
+    def __init__(self) -> None:
+        self.busy = self.steal = self.total = 0.0
+        self._at: tuple[float, float, float] | None = None
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        import psutil
+
+        t = psutil.cpu_times()
+        total = sum(t[:8])  # guest time is already inside user
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        return total - idle - steal, steal, total
+
+    def start(self) -> None:
+        self._at = self._read()
+
+    def stop(self) -> None:
+        if self._at is None:
+            return
+        busy, steal, total = self._read()
+        self.busy += busy - self._at[0]
+        self.steal += steal - self._at[1]
+        self.total += total - self._at[2]
+        self._at = None
+
+    def percent(self) -> tuple[float, float]:
+        """(busy %, steal %) of all the CPU time measured."""
+        if self.total <= 0:
+            return 0.0, 0.0
+        return 100.0 * self.busy / self.total, 100.0 * self.steal / self.total
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -259,17 +315,29 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         _say({"event": "ready", "pid": os.getpid()})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
         slices = []
+        host_slices = []  # the same slices, the session host's own time of each turn
+        cpu = {way: CpuShare() for way in senders}
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
-            row = {}
+            row, host_row = {}, {}
             for way in slice_order(list(senders), index):
                 sessions = spec.way_sessions[way]
                 turn = sent % len(sessions)  # each slice goes on where the last one stopped
+                hosts: list[float] = []
+                cpu[way].start()
                 row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
-                                           size, text)
+                                           size, text, host_ms=hosts)
+                cpu[way].stop()
+                host_row[way] = (hosts, 0, row[way][2])
             sent += size
             slices.append(row)
+            host_slices.append(host_row)
         result = interleaved_summary(slices, base="inprocess")
+        hosts = interleaved_summary(host_slices, base="inprocess")
+        result["host_p50_ms"] = {w: v["p50_ms"] for w, v in hosts["ways"].items()}
+        result["paired_host_added_p50_ms"] = hosts["paired_added_p50_ms"]
+        result["busy_pct"] = {w: c.percent()[0] for w, c in cpu.items()}
+        result["slice_steal_pct"] = {w: c.percent()[1] for w, c in cpu.items()}
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
         result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
         _say({"event": "done", **result})
@@ -288,7 +356,7 @@ async def _warm(send: Send, sessions: list[str], concurrency: int, rounds: int, 
         async with gate:
             for _ in range(rounds):
                 for _attempt in range(5):
-                    if await send(sid, text()):
+                    if await send(sid, text()) is not None:
                         break
                     failures += 1
                     await asyncio.sleep(0.5)
@@ -316,17 +384,17 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
     tenant_id = spec.tenant_id or ""
 
-    async def send(sid: str, text: str) -> bool:
+    async def send(sid: str, text: str) -> float | None:
         try:
             reply = await host.send(tenant_id, sid, text, None)
         except ChatEngineError as exc:
             _error_sample(f"{type(exc).__name__}: {exc}")
-            return False
+            return None
         body = msgspec.to_builtins(reply)
         if not reply_ok(body, tool_round=tool_round):
             _error_sample(f"unexpected reply: {str(body)[:300]}")
-            return False
-        return True
+            return None
+        return reply.timing.host_ms if reply.timing is not None else math.nan
 
     async def close() -> None:
         await host.stop()
@@ -345,21 +413,22 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
     encode = msgspec.json.encode
     decode = msgspec.json.decode
 
-    async def send(sid: str, text: str) -> bool:
+    async def send(sid: str, text: str) -> float | None:
         try:
             async with client.post(f"{base}/v1/sessions/{sid}/messages", data=encode({"text": text}),
                                    headers=headers) as response:
                 raw = await response.read()
                 if response.status != 200:
                     _error_sample(f"HTTP {response.status}: {raw[:200]!r}")
-                    return False
+                    return None
+                timing = response.headers.get("Server-Timing", "")
         except (TimeoutError, aiohttp.ClientError) as exc:
             _error_sample(f"{type(exc).__name__}: {exc}")
-            return False
+            return None
         if not reply_ok(decode(raw), tool_round=tool_round):
             _error_sample(f"unexpected reply: {raw[:300]!r}")
-            return False
-        return True
+            return None
+        return server_timing(timing).get("host", math.nan)
 
     async def close() -> None:
         await client.close()
@@ -906,6 +975,9 @@ class Bench:
         print("      p50 minus in process, median over slices: " + ", ".join(
             f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items()),
             file=sys.stderr)
+        print("      the session host's own p50: " + ", ".join(
+            f"{w} {v:.1f} ms" for w, v in done["host_p50_ms"].items()) + "; machine busy while each way ran: "
+            + ", ".join(f"{w} {v:.0f}%" for w, v in done["busy_pct"].items()), file=sys.stderr)
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
         return {**done, "steal_pct": steal}
@@ -998,6 +1070,9 @@ class Bench:
                 "ways": hal,
                 "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
                 "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
+                # of the paired figure: the session host's own time of the turn, (b)'s minus (a)'s
+                "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"]["sharded"] for r in rounds),
+                "busy_pct": {w: statistics.median(r["busy_pct"][w] for r in rounds) for w in hruns},
                 "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
@@ -1265,6 +1340,14 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"  p50 added, median over {half['slices']} slices of each slice's difference: "
                   f"{half['paired_added_p50_ms']:+.1f} ms"
                   + (f" (through Ray's task path {via_ray:+.1f} ms)" if via_ray is not None else ""))
+            in_host = half.get("paired_host_added_p50_ms")
+            if in_host is not None:
+                print(f"  of which the session host's own time of a turn (Server-Timing `host`, the same way paired): "
+                      f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): "
+                      f"{half['paired_added_p50_ms'] - in_host:+.1f} ms")
+        if half.get("busy_pct"):
+            print("  the machine's CPU busy while each way ran its slices: " + ", ".join(
+                f"{w.replace('_ray', '/ray')} {v:.0f}%" for w, v in half["busy_pct"].items()))
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")

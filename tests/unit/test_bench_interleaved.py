@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import interleaved_summary, parse_args, percentile, slice_order, slice_sizes
+import math
+
+from services import bench
+from services.bench import (
+    CpuShare,
+    interleaved_summary,
+    open_loop,
+    parse_args,
+    percentile,
+    server_timing,
+    slice_order,
+    slice_sizes,
+)
 
 
 def test_slices_take_the_ways_forward_then_backward():
@@ -65,3 +77,38 @@ def test_the_latency_runs_take_a_given_rate_or_half_the_peak():
     for bad in ("0", "-5"):
         with pytest.raises(SystemExit):
             parse_args(["--half-load-rate", bad])
+
+
+def test_server_timing_reads_each_metrics_duration():
+    assert server_timing("gateway;dur=14.02, host;dur=12.5, gate;dur=3") == {
+        "gateway": 14.02, "host": 12.5, "gate": 3.0}
+    assert server_timing('host;desc="session host";dur=7.25') == {"host": 7.25}
+    # no duration, an unreadable one, an empty header: left out
+    assert server_timing("cache, host;dur=abc, ;dur=4, gate;dur=1") == {"gate": 1.0}
+    assert server_timing("") == {}
+
+
+async def test_the_open_loop_keeps_the_hosts_time_of_each_answered_turn():
+    answers = iter([12.5, None, math.nan, 7.0])  # a host time, a failure, a reply without one, ...
+
+    async def send(sid: str, text: str) -> float | None:
+        return next(answers)
+
+    hosts: list[float] = []
+    latencies, errors, _ = await open_loop(send, ["s1"], rate=1000.0, total=4, text=lambda: "hi", host_ms=hosts)
+    assert (len(latencies), errors) == (3, 1)
+    assert hosts == [12.5, 7.0]
+
+
+def test_cpu_share_adds_up_only_the_measured_intervals(monkeypatch):
+    readings = iter([(10.0, 0.0, 100.0), (13.0, 1.0, 104.0),  # busy 3 of 4 s, 1 s stolen
+                     (50.0, 5.0, 500.0), (51.0, 5.0, 504.0)])  # (the time between is not counted)
+    monkeypatch.setattr(bench.CpuShare, "_read", staticmethod(lambda: next(readings)))
+    share = CpuShare()
+    assert share.percent() == (0.0, 0.0)
+    for _ in range(2):
+        share.start()
+        share.stop()
+    assert share.percent() == (50.0, 12.5)
+    share.stop()  # a stop without a start measures nothing
+    assert share.percent() == (50.0, 12.5)
