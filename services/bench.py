@@ -7,8 +7,9 @@ One workload, three ways, the same concurrency:
 Every message takes one tool round: "where is my order N?" -> model -> `check_order` webhook on
 the demo store -> model -> text, with the output gate on; then all again with the gate off (the
 gate is fixed when a host is created, so those hosts have their own names: Placement `prefix`).
-Then the peak load of (a) and (b): clients at a time doubled (16, 32, 64, ...) until msgs/s grows
-by less than 5%, with the group commit (messages per flush transaction) at each way's peak. Then
+Then the peak load of (a) and (b): clients at a time doubled (16, 32, 64, ...) while a level beats
+the one before it by 5% (each level paired with the one before, round by round), with the group
+commit (messages per flush transaction) at each way's peak. Then
 (a) and (b) again, open loop at half the lower of the two peaks, for the latency the gateway +
 Ray hop adds: one worker sends for (a), for (b) over the hosts' lanes and for (b) through Ray's
 task path by turns, slice after slice, so that the machine's drift falls on all three alike.
@@ -221,6 +222,25 @@ class CpuShare:
         if self.total <= 0:
             return 0.0, 0.0
         return 100.0 * self.busy / self.total, 100.0 * self.steal / self.total
+
+
+def paired_growth(pairs: list[tuple[float, float]]) -> float | None:
+    """The median over rounds of (msgs/s at a level) / (msgs/s at the level before it), each pair
+    measured back to back in one round; None without a usable pair."""
+    ratios = [cur / before for before, cur in pairs if before > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def peak_index(growths: list[float | None]) -> int:
+    """The peak among levels swept in order, from each level's paired growth over the one before
+    it (the first level has none): the last level of the climb, i.e. before the first level that
+    did not beat the one before it."""
+    peak = 0
+    for i, g in enumerate(growths[1:], start=1):
+        if g is None or g < 1.0:
+            break
+        peak = i
+    return peak
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -1083,32 +1103,53 @@ class Bench:
             "gate_on": runs[True], "gate_off": runs.get(False)}}
 
     async def peak_sweep(self, ways: list[str]) -> dict[str, Any]:
-        """Peak load of (a) and (b), gate on: more clients at a time (--peak-concurrency) until
-        msgs/s stops growing by 5%. Each point is the median of --repeat runs (a and b
-        interleaved per round, so drift on the machine moves both), since neighbouring points are
-        often within one run's noise. The group-commit figure is read at each way's peak."""
+        """Peak load of (a) and (b), gate on: more clients at a time (--peak-concurrency) while a
+        level beats the one before it by 5%. Each level is measured against the one before it
+        pair by pair: every round runs both, back to back (in turns: before-this, this-before), so a
+        machine that slows between rounds moves both sides of each ratio (run 27: one way's 64-
+        client rounds gave 630, 404 and 394 msgs/s within minutes). A level's growth is the median
+        over rounds of its msgs/s over the level before it; the peak is the last level that beat
+        the one before it (`peak_index`). Each point's figures are medians of all its runs; the
+        group-commit figure is read at each way's peak."""
         a = self.args
         if a.no_peak:
             return {}
         sweep = [w for w in ("inprocess", "sharded") if w in ways]
-        points: dict[str, list[dict[str, Any]]] = {w: [] for w in sweep}
+        levels = a.peak_concurrency
+        runs: dict[str, dict[int, list[dict[str, Any]]]] = {w: {} for w in sweep}
+        growth: dict[str, list[float | None]] = {w: [] for w in sweep}
         open_ways = set(sweep)
-        for c in a.peak_concurrency:
+        for k, c in enumerate(levels):
             if not open_ways:
                 break
-            rounds: dict[str, list[dict[str, Any]]] = {w: [] for w in open_ways}
-            for _r in range(a.repeat):
-                for way in sweep:
-                    if way in open_ways:
-                        rounds[way].append(await self.run_way(way, True, concurrency=c))
-            for way, runs in rounds.items():
-                med = _median_ways(runs)
-                points[way].append({"concurrency": c, "runs": len(runs), **{k: med[k] for k in (
-                    "msgs_per_s", "p50_ms", "p99_ms", "cpu_s_per_msg", "msgs_per_flush", "errors")}})
-                mine = points[way]
-                if len(mine) > 1 and mine[-1]["msgs_per_s"] < mine[-2]["msgs_per_s"] * 1.05:
+            before = levels[k - 1] if k else None
+            pairs: dict[str, list[tuple[float, float]]] = {w: [] for w in open_ways}
+            for r in range(a.repeat):
+                order = [c] if before is None else ([before, c] if r % 2 == 0 else [c, before])
+                got: dict[tuple[str, int], float] = {}
+                for level in order:
+                    for way in sweep:
+                        if way in open_ways:
+                            row = await self.run_way(way, True, concurrency=level)
+                            runs[way].setdefault(level, []).append(row)
+                            got[way, level] = row["msgs_per_s"]
+                if before is not None:
+                    for way, mine in pairs.items():
+                        mine.append((got[way, before], got[way, c]))
+            for way, mine in pairs.items():
+                g = paired_growth(mine) if before is not None else None
+                growth[way].append(g)
+                if g is not None and g < 1.05:
                     open_ways.discard(way)
-        return {w: {"points": pts, "peak": max(pts, key=lambda p: p["msgs_per_s"])} for w, pts in points.items()}
+        out = {}
+        for way in sweep:
+            points = []
+            for level, g in zip(levels, growth[way], strict=False):
+                med = _median_ways(runs[way][level])
+                points.append({"concurrency": level, "runs": len(runs[way][level]), "growth": g, **{k: med[k] for k in (
+                    "msgs_per_s", "p50_ms", "p99_ms", "cpu_s_per_msg", "msgs_per_flush", "errors")}})
+            out[way] = {"points": points, "peak": points[peak_index(growth[way])]}
+        return out
 
     # -- growth ---------------------------------------------------------------------------------------
 
@@ -1360,7 +1401,9 @@ def print_table(doc: dict[str, Any]) -> None:
         top = sweep["peak"]
         print(f"peak load ({way}, gate on): {top['msgs_per_s']:.1f} msg/s at {top['concurrency']} clients, "
               f"{top['msgs_per_flush']:.1f} messages per flush transaction; sweep: " + ", ".join(
-                  f"{p['concurrency']}: {p['msgs_per_s']:.0f}/s {p['msgs_per_flush']:.1f}/flush" for p in sweep["points"]))
+                  f"{p['concurrency']}: {p['msgs_per_s']:.0f}/s {p['msgs_per_flush']:.1f}/flush"
+                  + (f" x{p['growth']:.2f}" if p.get("growth") is not None else "") for p in sweep["points"])
+              + " (xN: msgs/s over the level before, paired by rounds)")
     g = doc.get("growth")
     if g:
         print(f"\ngrowth on {g['shards']} host(s), empty host set {g['empty_host_rss_mb']:.0f} MB")
@@ -1411,7 +1454,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-half-load", action="store_true", help="skip the half-peak latency runs")
     p.add_argument("--no-peak", action="store_true", help="skip the peak-load sweep of ways a and b")
     p.add_argument("--peak-concurrency", default="16,32,64,128,256",
-                   help="clients at a time tried for the peak, until msgs/s grows by less than 5%%")
+                   help="clients at a time tried for the peak, while a level beats the one before it by 5%%")
     p.add_argument("--half-load-seconds", type=float, default=20.0,
                    help="each way's share of an open-loop half-peak run: its p99 is the 1%% tail of rate x seconds messages")
     p.add_argument("--half-load-slices", type=int, default=10,

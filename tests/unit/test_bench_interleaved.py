@@ -1,17 +1,19 @@
-"""The half-peak run's arithmetic (services/bench.py): ways in turns, pooled and paired figures."""
+"""The benchmark's arithmetic (services/bench.py): ways in turns, pooled and paired figures, the peak."""
 
 from __future__ import annotations
 
-import pytest
-
 import math
+
+import pytest
 
 from services import bench
 from services.bench import (
     CpuShare,
     interleaved_summary,
     open_loop,
+    paired_growth,
     parse_args,
+    peak_index,
     percentile,
     server_timing,
     slice_order,
@@ -112,3 +114,19 @@ def test_cpu_share_adds_up_only_the_measured_intervals(monkeypatch):
     assert share.percent() == (50.0, 12.5)
     share.stop()  # a stop without a start measures nothing
     assert share.percent() == (50.0, 12.5)
+
+
+def test_a_levels_growth_pairs_it_with_the_level_before_round_by_round():
+    # The machine is twice as slow in the second round: each round, 64 clients do 10% more than 32.
+    # Medians of each level's runs would compare 32's fast round with 64's slow one, and so on.
+    assert paired_growth([(500.0, 550.0), (250.0, 275.0), (400.0, 440.0)]) == pytest.approx(1.1)
+    assert paired_growth([(0.0, 10.0), (100.0, 90.0)]) == pytest.approx(0.9), "a round with nothing done before is left out"
+    assert paired_growth([]) is None
+
+
+def test_the_peak_is_the_last_level_that_beat_the_one_before_it():
+    assert peak_index([None]) == 0
+    assert peak_index([None, 1.3, 1.2, 0.9]) == 2  # the fourth level did less than the third
+    assert peak_index([None, 1.3, 1.02]) == 2  # a little more (the sweep stops there, at its peak)
+    assert peak_index([None, 0.95, 1.4]) == 0  # a climb ends at the first level that does not beat the one before
+    assert peak_index([None, None]) == 0
