@@ -12,8 +12,10 @@ the one before it by 5% (each level paired with the one before, round by round),
 commit (messages per flush transaction) at each way's peak. Then
 (a) and (b) again, open loop at half the lower of the two peaks, for the latency the gateway +
 Ray hop adds: one worker sends for (a), for (b) over the hosts' lanes and for (b) through Ray's
-task path by turns, slice after slice, so that the machine's drift falls on all three alike.
-`--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
+task path by turns, slice after slice, so that the machine's drift falls on all three alike. Each
+reply's `Server-Timing` (in (a) the reply's own timing) gives the session host's share of a turn,
+which splits the added p50 into the hosts' own time and the hop; the machine's busy share is read
+around each way's slices. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
 
 Processes: this one runs the stack (embedded Postgres, local Ray, session hosts, gateways); the
 local model and the demo store run in two helper processes (they stand for the model API and the
