@@ -20,6 +20,16 @@ class GatewayMetrics:
             "ce_turn_seconds", "Turn latency at the gateway",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
         )
+        # Where a turn's time went (the session host's timing, as in the Server-Timing header):
+        # ce_turn_seconds minus the host's share is the hop; the gate is part of the host's share.
+        self.host_latency = Histogram(
+            "ce_turn_host_seconds", "The session host's share of a turn (activation, model rounds, tools, gate)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        )
+        self.gate_latency = Histogram(
+            "ce_turn_gate_seconds", "Of the host's share, the wait for the turn's state to be durable (output gate)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r,
+        )
         self.tool_calls = Counter("ce_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
         self.tool_latency = Histogram(
             "ce_tool_latency_seconds", "Tool call latency", ["tool"],
@@ -44,6 +54,9 @@ class GatewayMetrics:
         self.messages.labels("pending_approval" if reply.pending_approval else "ok").inc()
         self.rounds.observe(reply.rounds)
         self.turn_latency.observe(seconds)
+        if reply.timing is not None:
+            self.host_latency.observe(reply.timing.host_ms / 1000)
+            self.gate_latency.observe(reply.timing.gate_ms / 1000)
         for call in reply.tool_calls:
             tool = self._tool_label(call.name)
             self.tool_calls.labels(tool, "success" if call.success else "failure").inc()

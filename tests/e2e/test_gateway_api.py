@@ -441,6 +441,7 @@ async def test_repeated_message_id_returns_the_first_answer_and_runs_nothing(sta
 async def test_a_reply_says_in_server_timing_where_its_time_went(stack, client, tenant):
     session = sid("timing")
     url = f"{stack.gateway.url}/v1/sessions/{session}/messages"
+    before = await scrape(client, stack.gateway.url)
     async with client.post(url, headers=tenant[2], json={"text": "hello", "message_id": "m-1"}) as r:
         body = await r.json()
         header = r.headers["Server-Timing"]
@@ -452,6 +453,12 @@ async def test_a_reply_says_in_server_timing_where_its_time_went(stack, client, 
 
     async with client.post(url, headers=tenant[2], json={"text": "hello", "message_id": "m-1"}) as r:
         assert r.headers["X-Replayed"] == "true" and await r.json() == body, "a replay is the first answer"
+
+    # /metrics has the same split, for the turn that ran (the replay ran nothing)
+    after = await scrape(client, stack.gateway.url)
+    for name, ms in (("ce_turn_host_seconds", seen["host"]), ("ce_turn_gate_seconds", seen["gate"])):
+        assert after[(f"{name}_count", ())] - before.get((f"{name}_count", ()), 0) == 1, name
+        assert after[(f"{name}_sum", ())] - before.get((f"{name}_sum", ()), 0) == pytest.approx(ms / 1000, abs=1e-4)
 
 
 async def test_replayed_message_id_is_not_counted_again_in_metrics(stack, client, api):
