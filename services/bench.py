@@ -57,6 +57,8 @@ import msgspec
 from services.heap import tune_collector
 
 WAYS = ("inprocess", "sharded", "dedicated")
+#: the half-peak run's (b) on hosts of their own with --half-load-variant's settings
+VARIANT = "sharded_variant"
 ORDER_TEXT = "where is my order {n}?"
 HELLO_TEXT = "hello, who are you?"
 
@@ -65,9 +67,11 @@ HELLO_TEXT = "hello, who are you?"
 # load: closed and open loops (run inside the worker process)
 # =============================================================================================
 
-#: one message sent and checked: the session host's own time for the turn in ms (nan when the
-#: reply did not say), or None when it failed
-Send = Callable[[str, str], Awaitable[float | None]]
+#: one message sent and checked: the session host's own time for the turn and, of it, its wait at
+#: the output gate, in ms (nan when the reply did not say), or None when it failed
+Times = tuple[float, float]
+Send = Callable[[str, str], Awaitable[Times | None]]
+UNKNOWN: Times = (math.nan, math.nan)
 
 
 def order_text() -> str:
@@ -118,22 +122,22 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
 
 
 async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str],
-                    host_ms: list[float] | None = None) -> tuple[list[float], int, float]:
+                    times: list[Times] | None = None) -> tuple[list[float], int, float]:
     """Messages sent at a fixed rate whatever the replies do; latency counted from the
     scheduled send time (no coordinated omission). Returns (latencies in ms, errors, seconds);
-    the session host's own time of each turn that said it goes into `host_ms`."""
+    the session host's times of each turn that said them go into `times`."""
     latencies: list[float] = []
     errors = 0
 
     async def one(sid: str, due: float) -> None:
         nonlocal errors
-        host = await send(sid, text())
-        if host is None:
+        got = await send(sid, text())
+        if got is None:
             errors += 1
             return
         latencies.append((time.perf_counter() - due) * 1000)
-        if host_ms is not None and not math.isnan(host):
-            host_ms.append(host)
+        if times is not None and not math.isnan(got[0]):
+            times.append(got)
 
     started = time.perf_counter()
     tasks = []
@@ -338,6 +342,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
         slices = []
         host_slices = []  # the same slices, the session host's own time of each turn
+        gates: dict[str, list[float]] = {}  # per way, each turn's wait at the output gate
         cpu = {way: CpuShare() for way in senders}
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
@@ -345,12 +350,13 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
             for way in slice_order(list(senders), index):
                 sessions = spec.way_sessions[way]
                 turn = sent % len(sessions)  # each slice goes on where the last one stopped
-                hosts: list[float] = []
+                times: list[Times] = []
                 cpu[way].start()
                 row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
-                                           size, text, host_ms=hosts)
+                                           size, text, times=times)
                 cpu[way].stop()
-                host_row[way] = (hosts, 0, row[way][2])
+                host_row[way] = ([t[0] for t in times], 0, row[way][2])
+                gates.setdefault(way, []).extend(t[1] for t in times)
             sent += size
             slices.append(row)
             host_slices.append(host_row)
@@ -358,6 +364,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         hosts = interleaved_summary(host_slices, base="inprocess")
         result["host_p50_ms"] = {w: v["p50_ms"] for w, v in hosts["ways"].items()}
         result["paired_host_added_p50_ms"] = hosts["paired_added_p50_ms"]
+        result["gate_p50_ms"] = {w: percentile(gates.get(w, []), 50) for w in senders}
         result["busy_pct"] = {w: c.percent()[0] for w, c in cpu.items()}
         result["slice_steal_pct"] = {w: c.percent()[1] for w, c in cpu.items()}
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
@@ -406,7 +413,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
     tenant_id = spec.tenant_id or ""
 
-    async def send(sid: str, text: str) -> float | None:
+    async def send(sid: str, text: str) -> Times | None:
         try:
             reply = await host.send(tenant_id, sid, text, None)
         except ChatEngineError as exc:
@@ -416,7 +423,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
         if not reply_ok(body, tool_round=tool_round):
             _error_sample(f"unexpected reply: {str(body)[:300]}")
             return None
-        return reply.timing.host_ms if reply.timing is not None else math.nan
+        return UNKNOWN if reply.timing is None else (reply.timing.host_ms, reply.timing.gate_ms)
 
     async def close() -> None:
         await host.stop()
@@ -435,7 +442,7 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
     encode = msgspec.json.encode
     decode = msgspec.json.decode
 
-    async def send(sid: str, text: str) -> float | None:
+    async def send(sid: str, text: str) -> Times | None:
         try:
             async with client.post(f"{base}/v1/sessions/{sid}/messages", data=encode({"text": text}),
                                    headers=headers) as response:
@@ -450,7 +457,8 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
         if not reply_ok(decode(raw), tool_round=tool_round):
             _error_sample(f"unexpected reply: {raw[:300]!r}")
             return None
-        return server_timing(timing).get("host", math.nan)
+        said = server_timing(timing)
+        return said.get("host", math.nan), said.get("gate", math.nan)
 
     async def close() -> None:
         await client.close()
@@ -739,6 +747,7 @@ class Bench:
         self.run_no = 0
         self.gateways: list[Any] = []
         self.pg_seen: set[int] = set()
+        self.env: dict[str, str] = {}
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -800,6 +809,7 @@ class Bench:
                     # one tenant carries the whole load here: its fair-share limits would cap it;
                     # and --growth's burst puts 1,000 turns on one host, past its admission limit
                     "CE_TENANT_RATE": "0", "CE_TENANT_CONCURRENCY": "0", "CE_HOST_MAX_INFLIGHT": "2000"})
+        self.env = env
         settings = Settings.from_env(env)
         settings = msgspec.structs.replace(
             settings, anthropic_base_url=model_url, anthropic_api_key=None,
@@ -834,6 +844,16 @@ class Bench:
         for child in (self.model, self.store):
             if child is not None:
                 await child.close()
+
+    def variant_settings(self, settings: Any) -> Any:
+        """`settings` with what --half-load-variant changes: the fields whose value the variant's
+        variables change, read as the engine reads its environment."""
+        from services.settings import Settings
+
+        base, changed = Settings.from_env(self.env), Settings.from_env({**self.env, **self.args.half_load_variant})
+        fields = {f: getattr(changed, f) for f in msgspec.structs.asdict(changed)
+                  if getattr(changed, f) != getattr(base, f)}
+        return msgspec.structs.replace(settings, **fields)
 
     async def gateway_for(self, settings: Any, prefix: str):
         from actors.placement import Placement
@@ -973,6 +993,10 @@ class Bench:
         settings = msgspec.structs.replace(self.settings, output_gate=True)
         ray_placement, ray_gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), "")
         urls = {"sharded": self.stack.gateway.url, "sharded_ray": ray_gateway.url}
+        variant = None
+        if a.half_load_variant:  # (b) once more, on hosts of their own that run with the given settings
+            variant = await self.gateway_for(self.variant_settings(settings), f"variant{self.run_no}-")
+            urls[VARIANT] = variant[1].url
         ways = ("inprocess", *urls)
         spec = WorkerSpec(
             mode="interleaved", sessions=[], concurrency=a.concurrency, messages=messages, rate=rate,
@@ -990,6 +1014,9 @@ class Bench:
             await worker.close()
             ray_placement.close_lanes()
             await self.close_gateway(ray_gateway)
+            if variant is not None:
+                await variant[0].shutdown_hosts()
+                await self.close_gateway(variant[1])
         for way, row in done["ways"].items():
             print(f"  {way.replace('_ray', '/ray'):<11} gate on  @{rate:.0f}/s in {a.half_load_slices} slices: "
                   f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
@@ -997,8 +1024,9 @@ class Bench:
         print("      p50 minus in process, median over slices: " + ", ".join(
             f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items()),
             file=sys.stderr)
-        print("      the session host's own p50: " + ", ".join(
-            f"{w} {v:.1f} ms" for w, v in done["host_p50_ms"].items()) + "; machine busy while each way ran: "
+        print("      the session host's own p50 (of it at the gate): " + ", ".join(
+            f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
+            + "; machine busy while each way ran: "
             + ", ".join(f"{w} {v:.0f}%" for w, v in done["busy_pct"].items()), file=sys.stderr)
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
@@ -1080,6 +1108,8 @@ class Bench:
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
             hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
+            if a.half_load_variant:
+                hruns[VARIANT] = []
             rounds = []
             for _r in range(a.repeat):
                 done = await self.run_interleaved(rate, n)
@@ -1100,7 +1130,15 @@ class Bench:
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
                 "added_p50_ms_via_ray": hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms_via_ray": hal["sharded_ray"]["p99_ms"] - hal["inprocess"]["p99_ms"],
+                "gate_p50_ms": {w: statistics.median(r["gate_p50_ms"][w] for r in rounds) for w in hruns},
             }
+            if a.half_load_variant:
+                half["variant"] = {
+                    "env": a.half_load_variant,
+                    "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"][VARIANT] for r in rounds),
+                    "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"][VARIANT] for r in rounds),
+                    "added_p99_ms": hal[VARIANT]["p99_ms"] - hal["inprocess"]["p99_ms"],
+                }
         return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "peak": peaks, "runs": {
             "gate_on": runs[True], "gate_off": runs.get(False)}}
 
@@ -1388,6 +1426,14 @@ def print_table(doc: dict[str, Any]) -> None:
                 print(f"  of which the session host's own time of a turn (Server-Timing `host`, the same way paired): "
                       f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): "
                       f"{half['paired_added_p50_ms'] - in_host:+.1f} ms")
+        if half.get("gate_p50_ms"):
+            print("  the output gate's p50 wait, each way: " + ", ".join(
+                f"{w.replace('_ray', '/ray')} {v:.1f} ms" for w, v in half["gate_p50_ms"].items()))
+        variant = half.get("variant")
+        if variant:
+            print(f"  (b) on hosts with {' '.join(f'{k}={v}' for k, v in variant['env'].items())}: "
+                  f"{variant['paired_added_p50_ms']:+.1f} ms p50 added (median over slices; the host's own "
+                  f"{variant['paired_host_added_p50_ms']:+.1f} ms), {variant['added_p99_ms']:+.1f} ms p99")
         if half.get("busy_pct"):
             print("  the machine's CPU busy while each way ran its slices: " + ", ".join(
                 f"{w.replace('_ray', '/ray')} {v:.0f}%" for w, v in half["busy_pct"].items()))
@@ -1462,6 +1508,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--half-load-slices", type=int, default=10,
                    help="slices the half-peak run is cut into, the ways taking turns slice by slice "
                         "(--profile and --profile-python do not cover these runs)")
+    p.add_argument("--half-load-variant", action="append", default=[], metavar="CE_NAME=VALUE",
+                   help="also run (b) in the half-peak run on hosts of their own with this setting "
+                        "(repeat for more), slice by slice beside the others: a setting's effect, paired")
     p.add_argument("--half-load-rate", type=float, default=None,
                    help="msgs/s of the latency runs instead of half the measured peak (the hops' floor at a light load)")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
@@ -1484,6 +1533,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.peak_concurrency = [int(x) for x in args.peak_concurrency.split(",")]
     if args.half_load_rate is not None and not args.half_load_rate > 0:
         p.error("--half-load-rate takes a rate above 0 messages per second")
+    variant = {}
+    for item in args.half_load_variant:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("CE_"):
+            p.error(f"--half-load-variant takes CE_NAME=VALUE (an engine setting), got {item!r}")
+        variant[name] = value
+    args.half_load_variant = variant
     if args.half_load_slices < 1:
         p.error("--half-load-slices takes a whole number of at least 1")
     if not args.ways or any(w not in WAYS for w in args.ways):

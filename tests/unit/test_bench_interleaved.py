@@ -90,16 +90,26 @@ def test_server_timing_reads_each_metrics_duration():
     assert server_timing("") == {}
 
 
-async def test_the_open_loop_keeps_the_hosts_time_of_each_answered_turn():
-    answers = iter([12.5, None, math.nan, 7.0])  # a host time, a failure, a reply without one, ...
+async def test_the_open_loop_keeps_the_hosts_times_of_each_answered_turn():
+    # host times, a failure, a reply without them, ...
+    answers = iter([(12.5, 2.0), None, (math.nan, math.nan), (7.0, 0.5)])
 
-    async def send(sid: str, text: str) -> float | None:
+    async def send(sid: str, text: str) -> tuple[float, float] | None:
         return next(answers)
 
-    hosts: list[float] = []
-    latencies, errors, _ = await open_loop(send, ["s1"], rate=1000.0, total=4, text=lambda: "hi", host_ms=hosts)
+    times: list[tuple[float, float]] = []
+    latencies, errors, _ = await open_loop(send, ["s1"], rate=1000.0, total=4, text=lambda: "hi", times=times)
     assert (len(latencies), errors) == (3, 1)
-    assert hosts == [12.5, 7.0]
+    assert times == [(12.5, 2.0), (7.0, 0.5)]
+
+
+def test_a_half_load_variant_is_an_engine_setting():
+    assert parse_args([]).half_load_variant == {}
+    given = parse_args(["--half-load-variant", "CE_FLUSH_INTERVAL_MS=0", "--half-load-variant", "CE_X=a=b"])
+    assert given.half_load_variant == {"CE_FLUSH_INTERVAL_MS": "0", "CE_X": "a=b"}
+    for bad in ("CE_FLUSH_INTERVAL_MS", "PATH=/tmp", "=1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--half-load-variant", bad])
 
 
 def test_cpu_share_adds_up_only_the_measured_intervals(monkeypatch):
@@ -130,3 +140,18 @@ def test_the_peak_is_the_last_level_that_beat_the_one_before_it():
     assert peak_index([None, 1.3, 1.02]) == 2  # a little more (the sweep stops there, at its peak)
     assert peak_index([None, 0.95, 1.4]) == 0  # a climb ends at the first level that does not beat the one before
     assert peak_index([None, None]) == 0
+
+
+def test_a_variant_changes_only_the_settings_its_variables_name():
+    import msgspec
+
+    from services.bench import Bench
+    from services.settings import Settings
+
+    bench = Bench(parse_args(["--half-load-variant", "CE_FLUSH_INTERVAL_MS=0"]))
+    bench.env = {"CE_SHARDS": "2", "CE_FLUSH_INTERVAL_MS": "5"}
+    running = msgspec.structs.replace(Settings.from_env(bench.env), anthropic_base_url="http://127.0.0.1:9")
+    variant = bench.variant_settings(running)
+    assert variant.flush_interval_ms == 0 and running.flush_interval_ms == 5
+    # everything else as the running stack has it, including what it set after reading the environment
+    assert msgspec.structs.replace(variant, flush_interval_ms=5.0) == running
