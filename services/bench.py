@@ -1392,6 +1392,15 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
     return doc
 
 
+def _each_way(values: dict[str, float], fmt: str) -> str:
+    return ", ".join(f"{w.replace('_ray', '/ray')} {fmt.format(v)}" for w, v in values.items())
+
+
+def _ms(value: float | None) -> str:
+    """A difference in ms, or "-" where no slice gave one."""
+    return "-" if value is None else f"{value:+.1f} ms"
+
+
 def print_table(doc: dict[str, Any]) -> None:
     def block(title: str, part: dict[str, Any]) -> None:
         print(f"\n{title}")
@@ -1427,16 +1436,14 @@ def print_table(doc: dict[str, Any]) -> None:
                       f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): "
                       f"{half['paired_added_p50_ms'] - in_host:+.1f} ms")
         if half.get("gate_p50_ms"):
-            print("  the output gate's p50 wait, each way: " + ", ".join(
-                f"{w.replace('_ray', '/ray')} {v:.1f} ms" for w, v in half["gate_p50_ms"].items()))
+            print("  the output gate's p50 wait, each way: " + _each_way(half["gate_p50_ms"], "{:.1f} ms"))
         variant = half.get("variant")
         if variant:
             print(f"  (b) on hosts with {' '.join(f'{k}={v}' for k, v in variant['env'].items())}: "
-                  f"{variant['paired_added_p50_ms']:+.1f} ms p50 added (median over slices; the host's own "
-                  f"{variant['paired_host_added_p50_ms']:+.1f} ms), {variant['added_p99_ms']:+.1f} ms p99")
+                  f"{_ms(variant['paired_added_p50_ms'])} p50 added (median over slices; the host's own "
+                  f"{_ms(variant['paired_host_added_p50_ms'])}), {_ms(variant['added_p99_ms'])} p99")
         if half.get("busy_pct"):
-            print("  the machine's CPU busy while each way ran its slices: " + ", ".join(
-                f"{w.replace('_ray', '/ray')} {v:.0f}%" for w, v in half["busy_pct"].items()))
+            print("  the machine's CPU busy while each way ran its slices: " + _each_way(half["busy_pct"], "{:.0f}%"))
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
