@@ -119,6 +119,24 @@ async def test_the_reply_says_how_long_its_turn_took_and_how_much_of_it_was_the_
     assert timing is not None and timing.gate_ms == 0 and timing.host_ms > 0
 
 
+async def test_a_turn_that_waited_while_its_session_was_passivated_is_timed_across_reactivation(world):
+    store = world.store
+    store.hold = asyncio.Event()  # every flush waits until the end of the wait below
+    host = await world.host(output_gate=False)
+    await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)  # released; its flush held
+    entry = host._sessions[KEY]
+    passivating = asyncio.create_task(host.passivate("t1", "s1"))  # holds the session until flushed
+    await eventually(entry.lock.locked)
+    waiting = asyncio.create_task(host.send("t1", "s1", "again", "m2"))  # queued behind it
+    await eventually(lambda: entry.queued == 1)
+    await asyncio.sleep(0.1)
+    store.hold.set()
+    assert await asyncio.wait_for(passivating, T) is True
+    reply = await asyncio.wait_for(waiting, T)  # ran on the session activated again
+    assert reply.reply == "echo: again" and len(store.activations) == 2
+    assert reply.timing is not None and reply.timing.host_ms >= 100 and reply.timing.gate_ms == 0
+
+
 async def test_without_the_output_gate_a_reply_does_not_wait_for_the_database(world):
     store = world.store
     store.hold = asyncio.Event()  # every flush hangs until the end of the test
