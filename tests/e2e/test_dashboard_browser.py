@@ -308,7 +308,13 @@ async def test_bad_input_shows_the_api_message_next_to_the_field_and_a_reload_lo
     await page.locator("#try-text").fill("hello there")
     await page.locator("#try-send").click()
     await expect(page.locator("#chat-log .msg.bot")).to_have_count(1)
+    # the turn over: the page has moved to the session and drawn it again (typing into a box that
+    # is being replaced is not what this checks), then the draft is in the tab's storage
+    await expect(page).to_have_url(f"{tab.url}/#/sessions/dash-reload")
+    await expect(page.locator("#session-detail")).to_contain_text("dash-reload")
+    await expect(page.locator("#try-send")).to_be_enabled()
     await page.locator("#try-text").fill("half-written message")
+    await page.wait_for_function("() => sessionStorage.getItem('ce.tryit.text') === JSON.stringify('half-written message')")
     await page.reload()
     await expect(page.locator("#try-text")).to_have_value("half-written message")
     await expect(page.locator("#try-session")).to_have_value("dash-reload")
