@@ -195,7 +195,8 @@ def server_timing(header: str) -> dict[str, float]:
 
 class CpuShare:
     """The machine's CPU time (every core, from /proc/stat via psutil) over the intervals between
-    `start()` and `stop()`: the share that was busy and the share the hypervisor stole."""
+    `start()` and `stop()`: the share that was busy and the share the hypervisor gave to other
+    guests (`steal`: a run with a large share measured the neighbours)."""
 
     def __init__(self) -> None:
         self.busy = self.steal = self.total = 0.0
@@ -211,17 +212,19 @@ class CpuShare:
         steal = getattr(t, "steal", 0.0)
         return total - idle - steal, steal, total
 
-    def start(self) -> None:
+    def start(self) -> CpuShare:
         self._at = self._read()
+        return self
 
-    def stop(self) -> None:
+    def stop(self) -> CpuShare:
         if self._at is None:
-            return
+            return self
         busy, steal, total = self._read()
         self.busy += busy - self._at[0]
         self.steal += steal - self._at[1]
         self.total += total - self._at[2]
         self._at = None
+        return self
 
     def percent(self) -> tuple[float, float]:
         """(busy %, steal %) of all the CPU time measured."""
@@ -620,26 +623,6 @@ class Meter:
         return cpu, extra, self.peak_rss / 2**20
 
 
-class Steal:
-    """The share of the machine's CPU time the hypervisor gave to others (`steal`, psutil's
-    cpu_times) from construction to `percent()`: a run with a large share measured the neighbours."""
-
-    def __init__(self) -> None:
-        self._start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[float, float]:
-        import psutil
-
-        t = psutil.cpu_times()
-        return getattr(t, "steal", 0.0), sum(t[:8])  # guest time is already inside user
-
-    def percent(self) -> float:
-        steal, total = self._read()
-        d_total = total - self._start[1]
-        return 100.0 * (steal - self._start[0]) / d_total if d_total > 0 else 0.0
-
-
 def rss_mb(pids: set[int]) -> float:
     import psutil
 
@@ -922,7 +905,7 @@ class Bench:
             meter = Meter(lambda: self.engine_cpu_pids(cpu_exclude), lambda: rss_set, self.helper_pids)
             profiler = self._profile_start(way, gate, placement, worker.pid)
             meter.start()
-            stolen = Steal()
+            stolen = CpuShare().start()
             worker.write(b"go")
             watch = asyncio.create_task(self._watch(placement))
             try:
@@ -930,7 +913,7 @@ class Bench:
             finally:
                 watch.cancel()
             cpu, helper_cpu, peak = meter.stop()
-            steal = stolen.percent()
+            steal = stolen.stop().percent()[1]
             await self._profile_stop(profiler)
         finally:
             await worker.close()
@@ -1006,10 +989,10 @@ class Bench:
         worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
         try:
             await worker.expect("ready")
-            stolen = Steal()
+            stolen = CpuShare().start()
             worker.write(b"go")
             done = await worker.expect("done")
-            steal = stolen.percent()
+            steal = stolen.stop().percent()[1]
         finally:
             await worker.close()
             ray_placement.close_lanes()
