@@ -253,9 +253,9 @@ def server_timing(timing: TurnTiming | None, gateway_s: float) -> str:
     return ", ".join(parts)
 
 
-def reply_response(reply: TurnReply, started: float) -> web.Response:
+def reply_response(reply: TurnReply, gateway_s: float) -> web.Response:
     response = json_response(reply_body(reply))
-    response.headers["Server-Timing"] = server_timing(reply.timing, time.perf_counter() - started)
+    response.headers["Server-Timing"] = server_timing(reply.timing, gateway_s)
     if reply.replay:
         response.headers["X-Replayed"] = "true"
     return response
@@ -296,8 +296,9 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         if _wants_stream(request):
             return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
         reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
-    deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return reply_response(reply, started)
+    seconds = time.perf_counter() - started
+    deps.metrics.observe_turn(reply, seconds)
+    return reply_response(reply, seconds)
 
 
 async def post_approval(request: web.Request) -> web.StreamResponse:
@@ -312,8 +313,9 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
             stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
             return await _sse(request, stream, started)
         reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
-    deps.metrics.observe_turn(reply, time.perf_counter() - started)
-    return reply_response(reply, started)
+    seconds = time.perf_counter() - started
+    deps.metrics.observe_turn(reply, seconds)
+    return reply_response(reply, seconds)
 
 
 async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:
