@@ -140,6 +140,9 @@ class SessionHost:
         self.flushed_sessions = 0
         self.last_flush_ms = 0.0
         self.activations = 0
+        #: reads of a stored answer for a message id the session's turn cache did not hold
+        #: (a client's id in a session of more than TURN_CACHE turns; gateway-made ids need none)
+        self.stored_turn_reads = 0
         #: how long recent activations of sessions with a past took (Postgres lease + state
         #: load): the cost of coming back after passivation, reported by the benchmark
         self.reactivation_ms: collections.deque[float] = collections.deque(maxlen=4096)
@@ -231,6 +234,7 @@ class SessionHost:
             "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
             "dirty": len(self._dirty), "activations": self.activations,
+            "stored_turn_reads": self.stored_turn_reads,
             "reactivation_p50_ms": _percentile(self.reactivation_ms, 50),
             "reactivation_p99_ms": _percentile(self.reactivation_ms, 99),
             "gc_collections": heap.collections(),  # the process's, every generation
@@ -240,14 +244,20 @@ class SessionHost:
 
     async def send(
         self, tenant_id: str, session_id: str, text: str, message_id: str | None,
-        emit: core.Emit = core._no_emit,
+        emit: core.Emit = core._no_emit, *, new_id: bool = False,
     ) -> TurnReply:
-        """Run one message; returns once its state is durable (output gate on)."""
+        """Run one message; returns once its state is durable (output gate on).
+
+        `new_id`: the caller made `message_id` up for this very call (the gateway does when the
+        client sent none), so no stored answer can have it and none is looked up. A retry of
+        the call may repeat it: a retry passes False.
+        """
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             state = entry.state
-            if message_id and message_id not in state.turns and not state.turns_complete:
+            if message_id and not new_id and message_id not in state.turns and not state.turns_complete:
                 # Only when the cache may have dropped it: most messages cost no read here.
+                self.stored_turn_reads += 1
                 stored = await self._store.get_turn(tenant_id, session_id, message_id)
                 if stored is not None:
                     state.turns[message_id] = stored
@@ -270,7 +280,7 @@ class SessionHost:
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None,
+        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
         """The same turn as events: text deltas, tool calls and results, then `done`.
 
@@ -286,7 +296,7 @@ class SessionHost:
                 if approval is not None:
                     reply = await self.decide(tenant_id, session_id, approval[0], approval[1], approval[2], emit)
                 else:
-                    reply = await self.send(tenant_id, session_id, text or "", message_id, emit)
+                    reply = await self.send(tenant_id, session_id, text or "", message_id, emit, new_id=new_id)
                 queue.put_nowait(StreamEvent(event="done", data=msgspec.to_builtins(reply)))
             except ChatEngineError as exc:
                 queue.put_nowait(StreamEvent(event="error", data=_error_data(exc)))

@@ -50,6 +50,9 @@ class LaneAddress(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     port: int
     token: str
+    #: what the host's calls take beyond what every version takes (a gateway sends an argument
+    #: only to a host that lists it; an older gateway ignores the field): see actors.ray_host
+    features: tuple[str, ...] = ()
 
 
 class _Call(msgspec.Struct, array_like=True):
@@ -113,10 +116,10 @@ class LaneServer:
         self._running: set[asyncio.Task] = set()
         self.calls = 0  # calls run (for the host's stats)
 
-    async def start(self, host: str) -> LaneAddress:
+    async def start(self, host: str, features: tuple[str, ...] = ()) -> LaneAddress:
         self._server = await asyncio.start_server(self._serve, host=host, port=0)
         port = self._server.sockets[0].getsockname()[1]
-        return LaneAddress(host=host, port=port, token=self._token)
+        return LaneAddress(host=host, port=port, token=self._token, features=features)
 
     async def close(self) -> None:
         """Stop accepting, let running calls write their replies (up to CLOSE_GRACE_S), then

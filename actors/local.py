@@ -19,8 +19,10 @@ class LocalRouter:
     def __init__(self, host: SessionHost) -> None:
         self.host = host
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
-        return await self.host.send(tenant_id, session_id, text, message_id)
+    async def send(
+        self, tenant_id: str, session_id: str, text: str, message_id: str | None, *, new_id: bool = False
+    ) -> TurnReply:
+        return await self.host.send(tenant_id, session_id, text, message_id, new_id=new_id)
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None
@@ -32,9 +34,9 @@ class LocalRouter:
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None,
+        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.host.stream(tenant_id, session_id, text, message_id, approval):
+        async for event in self.host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
             yield event
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:

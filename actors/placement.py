@@ -30,6 +30,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from actors.lane import LaneAddress, LaneBroken, LaneClient, LaneUnreachable
 from actors.ray_host import (
     LANE_METHODS,
+    NEW_ID,
     HostError,
     HostResult,
     SessionHostActor,
@@ -250,7 +251,15 @@ class Placement:
         names = [self._prefix + host_name(i) for i in range(self._state.shards)]
         return list(await asyncio.gather(*(self._handle(n).ready.remote() for n in names)))
 
-    async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any) -> Any:
+    def _takes_new_id(self, name: str) -> bool:
+        """Whether host `name` said (in its lane address) that its turns take `new_id`."""
+        lane = self._lanes.get(name)
+        address = lane.address if lane is not None else self._unreachable.get(name, (None, 0.0))[0]
+        return address is not None and NEW_ID in address.features
+
+    async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any, new_id: bool = False) -> Any:
+        """`new_id`: the turn's message id was made up for it (SessionHost.send); said to the
+        host on the first attempt only, since a retry may repeat a turn that ran."""
         for attempt in (0, 1):
             # routed again on the retry: the host may have died because a rescale retired it
             name = self.actor_name(tenant_id, session_id)
@@ -260,10 +269,10 @@ class Placement:
                     lane = await self._lane(name, handle)
                     if lane is not None:
                         try:
-                            return await lane.call(method, *args)
+                            return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
-                return await getattr(handle, method).remote(*args)
+                return await getattr(handle, method).remote(*args, *self._new_id_arg(name, new_id and not attempt))
             except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
                 # are. The turn may have run: the retry carries its message id, and the host
@@ -278,13 +287,19 @@ class Placement:
                 await asyncio.sleep(0.2)
         raise AssertionError("unreachable")
 
-    async def _turn_call(self, tenant_id: str, session_id: str, method: str, *args: Any) -> TurnReply:
+    def _new_id_arg(self, name: str, new_id: bool) -> tuple[bool, ...]:
+        """`new_id` as the last argument of a turn, for a host that takes it; nothing otherwise."""
+        return (True,) if new_id and self._takes_new_id(name) else ()
+
+    async def _turn_call(
+        self, tenant_id: str, session_id: str, method: str, *args: Any, new_id: bool = False
+    ) -> TurnReply:
         """A turn on the session's host; while the session moves between hosts (the host answers
         "moved", having run nothing) route again by the newest shard state and retry."""
         deadline = time.monotonic() + MOVED_RETRY_S
         delay = 0.02
         while True:
-            raw = await self._call(tenant_id, session_id, method, *args)
+            raw = await self._call(tenant_id, session_id, method, *args, new_id=new_id)
             result = result_decoder.decode(raw)
             error = result.error
             if error is None or error.reason != "moved" or time.monotonic() > deadline:
@@ -294,8 +309,11 @@ class Placement:
             await asyncio.sleep(delay)  # a rescale between its two steps: the commit is near
             delay = min(delay * 2, 0.25)
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
-        return await self._turn_call(tenant_id, session_id, "send", tenant_id, session_id, text, message_id)
+    async def send(
+        self, tenant_id: str, session_id: str, text: str, message_id: str | None, *, new_id: bool = False
+    ) -> TurnReply:
+        return await self._turn_call(tenant_id, session_id, "send", tenant_id, session_id, text, message_id,
+                                     new_id=new_id)
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None
@@ -306,16 +324,16 @@ class Placement:
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None,
+        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
         name = self.actor_name(tenant_id, session_id)
         try:
             deadline = time.monotonic() + MOVED_RETRY_S
             delay = 0.02
-            while True:
+            while True:  # a "moved" answer ran nothing: a message id new before is new still
                 name = self.actor_name(tenant_id, session_id)
                 gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
-                    tenant_id, session_id, text, message_id, approval
+                    tenant_id, session_id, text, message_id, approval, *self._new_id_arg(name, new_id)
                 )
                 moved: ShardState | bool | None = None
                 async for ref in gen:

@@ -51,6 +51,10 @@ DEDICATED_POOL_SIZE = 2  # of a dedicated actor (one session: the listener and o
 
 #: the calls a gateway may send over a shard host's lane (actors/lane.py): the turns
 LANE_METHODS = frozenset({"send", "decide"})
+#: a host lists in its lane address that `send` and `stream` take `new_id` (SessionHost.send): a
+#: gateway passes it only to a host that lists it, so gateways may be rolled before hosts
+NEW_ID = "new_id"
+LANE_FEATURES = (NEW_ID,)
 
 result_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(HostResult)
@@ -154,7 +158,7 @@ class SessionHostActor:
                 self._host = host
                 if not self._dedicated and self._settings.host_lane:
                     self._lane = LaneServer(self._lane_dispatch, LANE_METHODS)
-                    self._lane_address = await self._lane.start(ray.util.get_node_ip_address())
+                    self._lane_address = await self._lane.start(ray.util.get_node_ip_address(), LANE_FEATURES)
                 if self._dedicated:
                     self._watchdog = asyncio.create_task(self._exit_when_idle())
         return self._host
@@ -227,8 +231,10 @@ class SessionHostActor:
             except Exception as exc:  # noqa: BLE001 - errors travel as data
                 return self._error(exc)
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> bytes:
-        return await self._reply(lambda host: host.send(tenant_id, session_id, text, message_id))
+    async def send(
+        self, tenant_id: str, session_id: str, text: str, message_id: str | None, new_id: bool = False
+    ) -> bytes:
+        return await self._reply(lambda host: host.send(tenant_id, session_id, text, message_id, new_id=new_id))
 
     async def decide(
         self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
@@ -237,7 +243,7 @@ class SessionHostActor:
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None,
+        approval: tuple[str, bool, dict | None] | None = None, new_id: bool = False,
     ):
         """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
         with self._turn():
@@ -247,7 +253,7 @@ class SessionHostActor:
                 err = to_host_error(exc)
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
                 return
-            async for event in host.stream(tenant_id, session_id, text, message_id, approval):
+            async for event in host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
                 if event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved":
                     # nothing ran: the gateway routes again by this host's shard state and retries
                     event = StreamEvent(event="error", data={

@@ -58,10 +58,12 @@ BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 class SessionRouter(Protocol):
     """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply: ...
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
+                   new_id: bool = False) -> TurnReply: ...
     async def decide(self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None) -> TurnReply: ...
     def stream(self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-               approval: tuple[str, bool, dict | None] | None = None) -> AsyncIterator[StreamEvent]: ...
+               approval: tuple[str, bool, dict | None] | None = None, *,
+               new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
     async def stats(self) -> list[dict[str, Any]]: ...
 
@@ -290,12 +292,15 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     structlog.contextvars.bind_contextvars(session_id=session_id)
     # Every turn gets a message id here, so a retry of the hop to the actor (a host that died
     # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
+    # An id made here is new: the host need not look for a stored answer to it (`new_id`).
     message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
+    new_id = body.message_id is None
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
-            return await _sse(request, deps.router.stream(tenant_id, session_id, body.text, message_id), started)
-        reply = await deps.router.send(tenant_id, session_id, body.text, message_id)
+            stream = deps.router.stream(tenant_id, session_id, body.text, message_id, new_id=new_id)
+            return await _sse(request, stream, started)
+        reply = await deps.router.send(tenant_id, session_id, body.text, message_id, new_id=new_id)
     seconds = time.perf_counter() - started
     deps.metrics.observe_turn(reply, seconds)
     return reply_response(reply, seconds)

@@ -46,6 +46,11 @@ class GatewayMetrics:
             "ce_host_lane_turns", "Of those, turns that came over the host's lane (not Ray's task path)",
             ["host"], registry=r,
         )
+        self.stored_turn_reads = Gauge(
+            "ce_host_stored_turn_reads",
+            "Reads of a stored answer for a client's message id the host's turn cache did not hold",
+            ["host"], registry=r,
+        )
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
         if reply.replay:  # the stored answer to a repeated message id: nothing ran
@@ -81,6 +86,7 @@ class GatewayMetrics:
             self.flushed_sessions.labels(host).set(s["flushed_sessions"])
             self.host_turns.labels(host).set(s.get("turn_calls", 0))
             self.lane_turns.labels(host).set(s.get("lane_calls", 0))
+            self.stored_turn_reads.labels(host).set(s.get("stored_turn_reads", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

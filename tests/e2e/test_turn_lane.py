@@ -101,3 +101,32 @@ async def test_a_host_restarted_by_ray_gets_a_new_lane_and_the_gateway_finds_it(
     assert (new.port, new.token) != (old.port, old.token)
     stats = {s["host"]: s for s in await stack.placement.stats()}[name]
     assert stats["pid"] != pid and stats["lane_calls"] >= 1  # the gateway's turn came over the new lane
+
+
+async def test_a_long_session_looks_for_a_stored_answer_only_under_a_clients_message_id(stack, client, tenant):
+    from actors.session import TURN_CACHE
+
+    tenant_id, _key, headers = tenant
+    url = stack.gateway.url
+    session = "lane-long"
+    name = stack.placement.actor_name(tenant_id, session)
+
+    async def reads() -> int:
+        return {s["host"]: s["stored_turn_reads"] for s in await stack.placement.stats()}[name]
+
+    first = await send(client, url, headers, session, "hello", "ll-m0")  # a client's id
+    assert first.reply is not None, first.failures
+    before = await reads()
+    for i in range(TURN_CACHE + 1):  # past the host's turn cache, with ids the gateway makes up
+        async with client.post(f"{url}/v1/sessions/{session}/messages", headers=headers,
+                               json={"text": f"hello {i}"}) as r:
+            assert r.status == 200, await r.text()
+    assert await reads() == before  # a made-up id has no stored answer to look for
+
+    again = await send(client, url, headers, session, "not run", "ll-m0")  # older than the cache
+    assert again.reply is not None and again.reply["reply"] == first.reply["reply"]
+    fresh = await send(client, url, headers, session, "hello", "ll-m1")  # a client's new id
+    assert fresh.reply is not None and fresh.reply["message_id"] == "ll-m1", fresh.failures
+    assert await reads() == before + 2
+    async with client.get(f"{url}/metrics") as r:  # what an operator sees
+        assert f'ce_host_stored_turn_reads{{host="{name}"}} {before + 2}.0' in await r.text()

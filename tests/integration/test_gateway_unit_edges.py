@@ -41,9 +41,12 @@ class FakeRouter:
         self.handoff = False
         self.timing: TurnTiming | None = None
         self.calls: list[tuple[str, str]] = []
+        self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None) -> TurnReply:
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
+                   new_id: bool = False) -> TurnReply:
         self.calls.append((tenant_id, session_id))
+        self.ids.append((message_id, new_id))
         if self.raises is not None:
             raise self.raises
         return reply(session_id, message_id or "m-1", handoff=self.handoff, timing=self.timing)
@@ -51,7 +54,9 @@ class FakeRouter:
     async def decide(self, tenant_id, session_id, approval_id, approve, edited=None) -> TurnReply:
         return await self.send(tenant_id, session_id, "", approval_id)
 
-    async def stream(self, tenant_id, session_id, text, message_id, approval=None) -> AsyncIterator[StreamEvent]:
+    async def stream(self, tenant_id, session_id, text, message_id, approval=None, *,
+                     new_id: bool = False) -> AsyncIterator[StreamEvent]:
+        self.ids.append((message_id, new_id))
         yield StreamEvent(event="text", data="hel")
         if self.raises is not None:
             yield StreamEvent(event="error", data={"kind": "overloaded", "message": str(self.raises)})
@@ -185,6 +190,22 @@ async def test_the_tenant_comes_from_the_key_alone(gateway, pool):
     await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
     tenant = await TenantRepo(pool).tenant_for_key(headers["Authorization"].split()[1])
     assert router.calls == [(tenant.id, "s1")]
+
+
+async def test_only_a_message_id_the_gateway_made_up_is_passed_on_as_new(gateway):
+    # A made-up id cannot have a stored answer, so the host skips looking for one; a client's id
+    # may repeat one of any age, so it is looked for (SessionHost.send).
+    client, router, headers = gateway
+    sse = {**headers, "Accept": "text/event-stream"}
+    for h, body in ((headers, {"text": "hi"}), (headers, {"text": "hi", "message_id": "c-1"}),
+                    (sse, {"text": "hi"}), (sse, {"text": "hi", "message_id": "c-2"})):
+        async with client.post("/v1/sessions/s1/messages", headers=h, json=body) as r:
+            assert r.status == 200
+            await r.read()
+    (made, new), client_ids = router.ids[0], router.ids[1::2]
+    assert made.startswith("m_") and new is True
+    assert router.ids[2][0].startswith("m_") and router.ids[2][0] != made and router.ids[2][1] is True
+    assert client_ids == [("c-1", False), ("c-2", False)]
 
 
 @pytest.mark.parametrize(("raw", "ago"), [

@@ -489,8 +489,27 @@ async def test_a_message_id_older_than_the_turn_cache_is_looked_up_in_the_store(
     requests, get_turns = len(model.requests), store.get_turn_calls
     again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m0"), T)
     assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
-    assert store.get_turn_calls == get_turns + 1
+    assert store.get_turn_calls == get_turns + 1 and host.stats()["stored_turn_reads"] == 1
     assert len(model.requests) == requests and world.calls() == [("lookup", "q")]
+
+
+async def test_an_id_made_up_for_the_message_is_not_looked_up_even_past_the_turn_cache(world):
+    from actors.session import TURN_CACHE
+
+    store = world.store
+    host = await world.host()
+    for i in range(TURN_CACHE + 1):  # the cache has dropped m0: any other id may be stored
+        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}", new_id=True), T)
+    assert store.get_turn_calls == 0
+    reply = await asyncio.wait_for(host.send("t1", "s1", "hello again", "made-up", new_id=True), T)
+    assert not reply.replay and store.get_turn_calls == 0
+    events = [e async for e in host.stream("t1", "s1", "and again", "made-up-2", new_id=True)]
+    assert events[-1].event == "done" and store.get_turn_calls == 0
+
+    # a client's id (or a retry's) is looked for: it may be the answer to an old message
+    await asyncio.wait_for(host.send("t1", "s1", "hello", "client-id"), T)
+    again = await asyncio.wait_for(host.send("t1", "s1", "hello", "m0"), T)
+    assert again.replay and store.get_turn_calls == 2 and host.stats()["stored_turn_reads"] == 2
 
 
 # -- shutdown ------------------------------------------------------------------------------------

@@ -256,3 +256,51 @@ async def test_a_connect_that_hangs_is_unreachable_after_the_connect_timeout(mon
     with pytest.raises(LaneUnreachable, match="TimeoutError"):
         await asyncio.wait_for(client.call("send", "x"), 5)
     assert asyncio.get_running_loop().time() - started < 2
+
+
+async def test_a_new_message_id_is_said_only_to_a_host_that_takes_it_and_never_on_a_retry(monkeypatch):
+    from actors.placement import Placement
+    from actors.ray_host import LANE_FEATURES
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake = FakeHostHandle(await server.start("127.0.0.1", LANE_FEATURES))
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    await p._call("t", "s", "send", "t", "s", "one", "m1", new_id=True)
+    await p._call("t", "s", "send", "t", "s", "two", "c-2")  # a client's id
+    assert [args for _, args in host.calls] == [["t", "s", "one", "m1", True], ["t", "s", "two", "c-2"]]
+
+    # the lane breaks under a turn: the retry may repeat a turn that ran, so its id is not new
+    host.gates["t"] = asyncio.Event()
+    call = asyncio.create_task(p._call("t", "s", "send", "t", "s", "three", "m3", new_id=True))
+    await asyncio.sleep(0.1)
+    await server.close()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake.address = await server.start("127.0.0.1", LANE_FEATURES)
+    await asyncio.sleep(0.4)
+    assert [args for _, args in host.calls[2:]] == [["t", "s", "three", "m3", True], ["t", "s", "three", "m3"]]
+    await server.close()
+    with pytest.raises(Overloaded):
+        await asyncio.wait_for(call, 5)
+    host.gates.pop("t").set()
+
+    # a host of an earlier version lists no features: it gets the arguments it knows, on the
+    # lane and through Ray when its lane cannot be reached
+    older = Host()
+    server = LaneServer(older.dispatch, frozenset({"send"}))
+    fake.address = await server.start("127.0.0.1")
+    p.close_lanes()
+    await p._call("t", "s", "send", "t", "s", "four", "m4", new_id=True)
+    assert [args for _, args in older.calls] == [["t", "s", "four", "m4"]]
+    await server.close()
+    p.close_lanes()
+    await p._call("t", "s", "send", "t", "s", "five", "m5", new_id=True)
+    fake.address = msgspec.structs.replace(fake.address, features=LANE_FEATURES)  # a newer one, unreachable too
+    p.close_lanes()
+    p._unreachable.clear()
+    await p._call("t", "s", "send", "t", "s", "six", "m6", new_id=True)
+    assert fake.ray_turns == [("t", "s", "five", "m5"), ("t", "s", "six", "m6", True)]
