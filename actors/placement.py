@@ -252,10 +252,11 @@ class Placement:
         return list(await asyncio.gather(*(self._handle(n).ready.remote() for n in names)))
 
     def _takes_new_id(self, name: str) -> bool:
-        """Whether host `name` said (in its lane address) that its turns take `new_id`."""
+        """Whether host `name` takes `new_id`: its lane address says so, and that lane is still
+        open. A host that died or restarted (perhaps on an earlier version) broke the lane when
+        its process ended, so the features of a broken or unreachable lane count for nothing."""
         lane = self._lanes.get(name)
-        address = lane.address if lane is not None else self._unreachable.get(name, (None, 0.0))[0]
-        return address is not None and NEW_ID in address.features
+        return lane is not None and not lane.broken and NEW_ID in lane.address.features
 
     async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any, new_id: bool = False) -> Any:
         """`new_id`: the turn's message id was made up for it (SessionHost.send); said to the
@@ -272,7 +273,7 @@ class Placement:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
-                return await getattr(handle, method).remote(*args, *self._new_id_arg(name, new_id and not attempt))
+                return await getattr(handle, method).remote(*args)  # no open lane: no new_id either
             except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
                 # are. The turn may have run: the retry carries its message id, and the host
@@ -300,6 +301,7 @@ class Placement:
         delay = 0.02
         while True:
             raw = await self._call(tenant_id, session_id, method, *args, new_id=new_id)
+            new_id = False  # that call may have retried a turn that ran before it came back "moved"
             result = result_decoder.decode(raw)
             error = result.error
             if error is None or error.reason != "moved" or time.monotonic() > deadline:

@@ -112,15 +112,18 @@ async def test_a_long_session_looks_for_a_stored_answer_only_under_a_clients_mes
     name = stack.placement.actor_name(tenant_id, session)
 
     async def reads() -> int:
-        return {s["host"]: s["stored_turn_reads"] for s in await stack.placement.stats()}[name]
+        return {s["host"]: s.get("stored_turn_reads") for s in await stack.placement.stats()}[name]
 
     first = await send(client, url, headers, session, "hello", "ll-m0")  # a client's id
     assert first.reply is not None, first.failures
     before = await reads()
-    for i in range(TURN_CACHE + 1):  # past the host's turn cache, with ids the gateway makes up
+    for i in range(TURN_CACHE + 3):  # past the host's turn cache, with ids the gateway makes up
         async with client.post(f"{url}/v1/sessions/{session}/messages", headers=headers,
                                json={"text": f"hello {i}"}) as r:
             assert r.status == 200, await r.text()
+    async with client.post(f"{url}/v1/sessions/{session}/messages", json={"text": "and streamed"},
+                           headers={**headers, "Accept": "text/event-stream"}) as r:
+        assert r.status == 200 and "event: done" in await r.text()  # through Ray, the lane open
     assert await reads() == before  # a made-up id has no stored answer to look for
 
     again = await send(client, url, headers, session, "not run", "ll-m0")  # older than the cache
