@@ -111,6 +111,7 @@ class GatewayDeps:
 
 DEPS = web.AppKey("deps", GatewayDeps)
 TENANT = web.RequestKey("ce_tenant_id", str)
+REQUEST_ID = web.RequestKey("ce_request_id", str)
 
 _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
@@ -125,53 +126,65 @@ def problem(status: int, title: str, detail: str, *, headers: dict[str, str] | N
                         content_type="application/problem+json", headers=headers)
 
 
+def _http_problem(exc: web.HTTPException, request: web.Request) -> tuple[int, str, str, dict[str, str] | None]:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return 405, exc.reason, f"{request.method} is not allowed on {request.path}; use {allowed}", {"Allow": allowed}
+    if isinstance(exc, web.HTTPNotFound):
+        return 404, exc.reason, f"there is no route {request.path}; the routes are listed in /openapi.json", None
+    return exc.status, exc.reason, exc.text or exc.reason, None
+
+
+def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, float | None]:
+    """What a request that failed with `exc` answers: (status, title, detail, retry after s or
+    None). A problem+json response says it, or, once an SSE stream began, its last event."""
+    if isinstance(exc, msgspec.ValidationError):
+        return 422, "Invalid body", f"{exc}; fix the field and send again", None
+    if isinstance(exc, msgspec.DecodeError):
+        return 400, "Malformed JSON", f"the body is not valid JSON ({exc}); send a JSON object", None
+    if isinstance(exc, InvalidInput):
+        return 422, "Invalid body", str(exc), None
+    if isinstance(exc, NotFound):
+        return 404, "Not found", str(exc), None
+    if isinstance(exc, Conflict):
+        return 409, "Conflict", str(exc), None
+    if isinstance(exc, Overloaded):
+        return exc.status, "Too many requests" if exc.status == 429 else "Overloaded", str(exc), exc.retry_after
+    if isinstance(exc, ChatEngineError):
+        if getattr(exc, "retryable", False):
+            return 503, "Unavailable", str(exc), 1.0
+        kind = getattr(getattr(exc, "error", None), "kind", None)
+        if kind == "not_found":
+            return 404, "Not found", str(exc), None
+        if kind == "internal":
+            # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
+            return 500, "Internal error", str(exc), None
+        log.warning("request_failed", error=type(exc).__name__)
+        return 400, "Request failed", str(exc), None
+    log.error("unhandled_error", path=path, exc_info=exc)
+    return 500, "Internal error", f"something went wrong on our side; quote request id {request_id}", None
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    request[REQUEST_ID] = request_id
     if "\x00" in request.path or "\x00" in request.query_string:
         # Postgres cannot store or compare a NUL character: refuse it here, not as a storage error
         return problem(422, "Invalid request", "the URL holds a NUL character (%00); remove it")
     try:
         response = await handler(request)
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return problem(405, exc.reason, f"{request.method} is not allowed on {request.path}; use {allowed}",
-                       headers={"Allow": allowed})
-    except web.HTTPNotFound as exc:
-        return problem(404, exc.reason, f"there is no route {request.path}; the routes are listed in /openapi.json")
     except web.HTTPException as exc:
-        if exc.status >= 400:
-            return problem(exc.status, exc.reason, exc.text or exc.reason)
-        raise
-    except msgspec.ValidationError as exc:
-        return problem(422, "Invalid body", f"{exc}; fix the field and send again")
-    except msgspec.DecodeError as exc:
-        return problem(400, "Malformed JSON", f"the body is not valid JSON ({exc}); send a JSON object")
-    except InvalidInput as exc:
-        return problem(422, "Invalid body", str(exc))
-    except NotFound as exc:
-        return problem(404, "Not found", str(exc))
-    except Conflict as exc:
-        return problem(409, "Conflict", str(exc))
-    except Overloaded as exc:
-        title = "Too many requests" if exc.status == 429 else "Overloaded"
-        return problem(exc.status, title, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
-    except ChatEngineError as exc:
-        if getattr(exc, "retryable", False):
-            return problem(503, "Unavailable", str(exc), headers={"Retry-After": "1"})
-        kind = getattr(getattr(exc, "error", None), "kind", None)
-        if kind == "not_found":
-            return problem(404, "Not found", str(exc))
-        if kind == "internal":
-            # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
-            return problem(500, "Internal error", str(exc))
-        log.warning("request_failed", error=type(exc).__name__)
-        return problem(400, "Request failed", str(exc))
-    except Exception:
-        log.exception("unhandled_error", path=request.path)
-        return problem(500, "Internal error", f"something went wrong on our side; quote request id {request_id}")
+        if exc.status < 400:
+            raise
+        status, title, detail, headers = _http_problem(exc, request)
+        return problem(status, title, detail, headers=headers)
+    except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
+        status, title, detail, retry_after = failure(exc, request_id, request.path)
+        headers = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        return problem(status, title, detail, headers=headers)
     response.headers.setdefault("X-Request-Id", request_id)
     return response
 
@@ -329,18 +342,34 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     })
     await response.prepare(request)
     deps = request.app[DEPS]
-    async for event in events:
-        data = event.data
-        if event.event == "done":
-            deps.metrics.observe_turn(msgspec.convert(data, TurnReply), time.perf_counter() - started)
-            data = reply_body(data)
-        try:
-            await response.write(b"event: " + event.event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
-        except (ConnectionResetError, RuntimeError):
-            # The client went away; the turn still completes and is stored inside the actor.
-            log.info("sse_client_disconnected")
-            break
+    try:
+        async for event in events:
+            data = event.data
+            if event.event == "done":
+                deps.metrics.observe_turn(msgspec.convert(data, TurnReply), time.perf_counter() - started)
+                data = reply_body(data)
+            if not await _write_event(response, event.event, data):
+                break
+    except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
+        # The status went out with the first event: a failure from here on is the last event,
+        # as a problem's fields, not a connection cut without a word.
+        status, title, detail, retry_after = failure(exc, request[REQUEST_ID], request.path)
+        data = {"title": title, "status": status, "detail": detail}
+        if retry_after is not None:
+            data["retry_after"] = retry_after
+        await _write_event(response, "error", data)
     return response
+
+
+async def _write_event(response: web.StreamResponse, event: str, data: Any) -> bool:
+    """Write one SSE event; False when the client has gone away (the turn still completes and
+    is stored inside the actor)."""
+    try:
+        await response.write(b"event: " + event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
+    except (ConnectionResetError, RuntimeError):
+        log.info("sse_client_disconnected")
+        return False
+    return True
 
 
 async def get_session(request: web.Request) -> web.Response:

@@ -42,6 +42,7 @@ class FakeRouter:
         self.timing: TurnTiming | None = None
         self.calls: list[tuple[str, str]] = []
         self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
+        self.stream_crash: BaseException | None = None  # raised by a stream after its first event
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
                    new_id: bool = False) -> TurnReply:
@@ -58,6 +59,8 @@ class FakeRouter:
                      new_id: bool = False) -> AsyncIterator[StreamEvent]:
         self.ids.append((message_id, new_id))
         yield StreamEvent(event="text", data="hel")
+        if self.stream_crash is not None:
+            raise self.stream_crash
         if self.raises is not None:
             yield StreamEvent(event="error", data={"kind": "overloaded", "message": str(self.raises)})
             return
@@ -146,6 +149,33 @@ async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_eve
     router.raises = Overloaded("too many messages waiting for session 's1'", retry_after=2)
     text = await (await client.post("/v1/sessions/s1/messages", headers=sse, json={"text": "hi"})).text()
     assert text.rstrip().split("\n\n")[-1].startswith("event: error\n")
+
+
+@pytest.mark.parametrize(("crash", "title", "retry_after"), [
+    (Overloaded("the session host is restarting; retry with the same message_id", retry_after=1.5,
+                reason="restarting"), "Overloaded", 1.5),
+    (HostFailure(HostError(kind="internal", message="the session host failed to run this turn; retry shortly")),
+     "Internal error", None),
+    (RuntimeError("password=hunter2 in a stack trace"), "Internal error", None),
+])
+async def test_a_stream_that_breaks_off_ends_with_an_error_event(gateway, crash, title, retry_after):
+    # Once the events began the status is sent: a failure of the router after that is told in
+    # band, as the last event, never as a connection cut without a word.
+    client, router, headers = gateway
+    router.stream_crash = crash
+    r = await client.post("/v1/sessions/s1/messages", json={"text": "hi"},
+                          headers={**headers, "Accept": "text/event-stream", "X-Request-Id": "req-7"})
+    text = await r.text()
+    frames = [f for f in text.split("\n\n") if f]
+    assert r.status == 200 and frames[0] == 'event: text\ndata: "hel"'
+    assert frames[-1].startswith("event: error\ndata: "), text
+    error = json.loads(frames[-1].split("data: ", 1)[1])
+    assert error["title"] == title and error.get("retry_after") == retry_after
+    assert "hunter2" not in text
+    if isinstance(crash, RuntimeError):
+        assert "req-7" in error["detail"]
+    else:
+        assert error["detail"] == str(crash)
 
 
 @pytest.mark.parametrize(("error", "status", "retry_after"), [
