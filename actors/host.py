@@ -282,11 +282,13 @@ class SessionHost:
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
-        """The same turn as events: text deltas, tool calls and results, then `done`.
+        """The same turn as events: text deltas, tool calls and results, then `done`; a turn that
+        fails raises its error once the events before it are out, as `send` would.
 
         The turn runs to completion and is stored even when the consumer goes away.
         """
         queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+        failed: list[Exception] = []
 
         async def emit(event: StreamEvent) -> None:
             queue.put_nowait(event)
@@ -298,11 +300,10 @@ class SessionHost:
                 else:
                     reply = await self.send(tenant_id, session_id, text or "", message_id, emit, new_id=new_id)
                 queue.put_nowait(StreamEvent(event="done", data=msgspec.to_builtins(reply)))
-            except ChatEngineError as exc:
-                queue.put_nowait(StreamEvent(event="error", data=_error_data(exc)))
             except Exception as exc:
-                log.exception("turn_failed", session_id=session_id)
-                queue.put_nowait(StreamEvent(event="error", data={"title": "turn failed", "detail": type(exc).__name__}))
+                if not isinstance(exc, ChatEngineError):
+                    log.exception("turn_failed", session_id=session_id)
+                failed.append(exc)  # raised to the consumer, if one is still there
             finally:
                 queue.put_nowait(None)
 
@@ -311,6 +312,8 @@ class SessionHost:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
         while (event := await queue.get()) is not None:
             yield event
+        if failed:
+            raise failed[0]
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
         entry = self._sessions.get((tenant_id, session_id))
@@ -652,11 +655,3 @@ def _resolve(waiters: dict[Key, list[asyncio.Future[None]]]) -> None:
 
 def _lease_lost(session_id: str) -> LeaseLost:
     return LeaseLost(f"session {session_id!r} was taken over by another activation; retry the message")
-
-
-def _error_data(exc: ChatEngineError) -> dict[str, Any]:
-    data: dict[str, Any] = {"title": type(exc).__name__, "detail": str(exc)}
-    if isinstance(exc, Overloaded):
-        data["retry_after"] = exc.retry_after
-        data["reason"] = exc.reason
-    return data

@@ -36,8 +36,13 @@ class LocalRouter:
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
-        async for event in self.host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
-            yield event
+        try:
+            async for event in self.host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
+                yield event
+        except SessionError as exc:
+            if approval is None:
+                raise
+            raise NotFound(str(exc), kind="approval", key=approval[0]) from None
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
         return await self.host.view(tenant_id, session_id)

@@ -328,16 +328,18 @@ class Placement:
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
         approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
     ) -> AsyncIterator[StreamEvent]:
+        """The turn's events; a turn that fails raises its error (as `send` does) once the events
+        before it are out."""
         name = self.actor_name(tenant_id, session_id)
-        try:
-            deadline = time.monotonic() + MOVED_RETRY_S
-            delay = 0.02
-            while True:  # a "moved" answer ran nothing: a message id new before is new still
-                name = self.actor_name(tenant_id, session_id)
+        deadline = time.monotonic() + MOVED_RETRY_S
+        delay = 0.02
+        while True:  # a "moved" answer ran nothing: a message id new before is new still
+            name = self.actor_name(tenant_id, session_id)
+            moved: ShardState | bool | None = None
+            try:
                 gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
                     tenant_id, session_id, text, message_id, approval, *self._new_id_arg(name, new_id)
                 )
-                moved: ShardState | bool | None = None
                 async for ref in gen:
                     event = event_decoder.decode(await ref)
                     if moved is None and _is_moved(event) and time.monotonic() < deadline:
@@ -345,18 +347,18 @@ class Placement:
                         moved = msgspec.convert(raw, ShardState) if raw else True
                         continue
                     moved = False
+                    if event.event == "error":
+                        _unwrap(HostResult(error=_host_error(event.data)))  # raises
                     yield event
-                if not moved:
-                    return
-                if not (isinstance(moved, ShardState) and self.apply_shard_state(moved)):
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.25)
-        except (ActorDiedError, ActorUnavailableError, RayActorError, Overloaded):
-            self._forget(name)
-            yield StreamEvent(event="error", data={
-                "kind": "overloaded", "message": "the session host is restarting; retry with the same message_id",
-                "retry_after": 1.0,
-            })
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                self._forget(name)
+                raise Overloaded("the session host is restarting; retry with the same message_id",
+                                 retry_after=1.0, reason="restarting") from exc
+            if not moved:
+                return
+            if not (isinstance(moved, ShardState) and self.apply_shard_state(moved)):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
 
     def _absent(self, tenant_id: str, session_id: str) -> bool:
         """Dedicated and no actor runs the session: it is not live, and reading it (or passivating
@@ -572,6 +574,16 @@ class Placement:
 
 def _is_moved(event: StreamEvent) -> bool:
     return event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved"
+
+
+def _host_error(data: Any) -> HostError:
+    """A stream's `error` event as the HostError it carries (a host of an older version sent
+    `title` and `detail` instead: its detail is kept, its kind unknown)."""
+    try:
+        return msgspec.convert(data, HostError)
+    except msgspec.ValidationError:
+        detail = data.get("detail") if isinstance(data, dict) else None
+        return HostError(kind="internal", message=str(detail or "the session host failed to run this turn; retry shortly"))
 
 
 def _unwrap(result: HostResult) -> TurnReply:

@@ -253,12 +253,15 @@ class SessionHostActor:
                 err = to_host_error(exc)
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
                 return
-            async for event in host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
-                if event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved":
+            try:
+                async for event in host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
+                    yield result_encoder.encode(event)
+            except Exception as exc:  # noqa: BLE001 - errors travel as data: the last event
+                err = to_host_error(exc)
+                if isinstance(exc, SessionMoved):
                     # nothing ran: the gateway routes again by this host's shard state and retries
-                    event = StreamEvent(event="error", data={
-                        **event.data, "shard_state": msgspec.to_builtins(self._shard_state)})
-                yield result_encoder.encode(event)
+                    err = msgspec.structs.replace(err, shard_state=self._shard_state)
+                yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
 
     async def view(self, tenant_id: str, session_id: str) -> bytes | None:
         host = await self._ensure()

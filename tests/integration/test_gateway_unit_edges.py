@@ -42,7 +42,6 @@ class FakeRouter:
         self.timing: TurnTiming | None = None
         self.calls: list[tuple[str, str]] = []
         self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
-        self.stream_crash: BaseException | None = None  # raised by a stream after its first event
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
                    new_id: bool = False) -> TurnReply:
@@ -59,11 +58,8 @@ class FakeRouter:
                      new_id: bool = False) -> AsyncIterator[StreamEvent]:
         self.ids.append((message_id, new_id))
         yield StreamEvent(event="text", data="hel")
-        if self.stream_crash is not None:
-            raise self.stream_crash
-        if self.raises is not None:
-            yield StreamEvent(event="error", data={"kind": "overloaded", "message": str(self.raises)})
-            return
+        if self.raises is not None:  # as the routers do: the turn's error once the events before it are out
+            raise self.raises
         yield StreamEvent(event="done", data=msgspec.to_builtins(
             reply(session_id, message_id or "m-1", timing=self.timing)))
 
@@ -146,9 +142,12 @@ async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_eve
     assert frames[-1].startswith("event: done\ndata: ")
     assert json.loads(frames[-1].split("data: ", 1)[1])["handoff"] is False
 
-    router.raises = Overloaded("too many messages waiting for session 's1'", retry_after=2)
+    router.raises = Overloaded("too many messages waiting for session 's1'", retry_after=2, reason="mailbox")
     text = await (await client.post("/v1/sessions/s1/messages", headers=sse, json={"text": "hi"})).text()
-    assert text.rstrip().split("\n\n")[-1].startswith("event: error\n")
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: error\n")
+    assert json.loads(last.split("data: ", 1)[1]) == {
+        "title": "Too many requests", "status": 429, "detail": str(router.raises), "retry_after": 2}
 
 
 @pytest.mark.parametrize(("crash", "title", "retry_after"), [
@@ -159,10 +158,11 @@ async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_eve
     (RuntimeError("password=hunter2 in a stack trace"), "Internal error", None),
 ])
 async def test_a_stream_that_breaks_off_ends_with_an_error_event(gateway, crash, title, retry_after):
-    # Once the events began the status is sent: a failure of the router after that is told in
-    # band, as the last event, never as a connection cut without a word.
+    # Once the events began the status is sent: a failure of the router after that (the turn's
+    # own, or anything unexpected) is told in band, as the last event, never as a connection cut
+    # without a word.
     client, router, headers = gateway
-    router.stream_crash = crash
+    router.raises = crash
     r = await client.post("/v1/sessions/s1/messages", json={"text": "hi"},
                           headers={**headers, "Accept": "text/event-stream", "X-Request-Id": "req-7"})
     text = await r.text()

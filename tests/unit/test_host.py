@@ -593,6 +593,19 @@ async def test_stream_yields_tool_events_and_text_then_done_once_durable(world):
     assert durable_at_done is True
 
 
+async def test_a_stream_whose_turn_fails_raises_its_error_after_the_events_before_it(world):
+    # As `send` raises: the router and the gateway then answer it as they answer a JSON turn's error
+    store = world.store
+    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    events = []
+    with pytest.raises(Overloaded, match="retry with the same message_id") as info:
+        async with asyncio.timeout(T):
+            async for event in host.stream("t1", "s1", "use lookup q", "m1"):
+                events.append(event.event)
+    assert events == ["tool_call", "tool_result", "text"] and info.value.reason == "unsaved"
+
+
 async def test_a_stream_abandoned_after_its_first_event_still_completes_and_is_saved(world):
     store = world.store
     host = await world.host()
