@@ -88,6 +88,16 @@ def reply_ok(body: dict[str, Any], *, tool_round: bool) -> bool:
     return len(calls) == 1 and bool(calls[0].get("success")) and body.get("rounds") == 2
 
 
+def sessions_per_host(tenant_id: str, sessions: list[str], shards: int) -> list[int]:
+    """How many of `sessions` each of `shards` hosts owns (the gateway's routing)."""
+    from actors.sharding import rendezvous_index, session_key
+
+    counts = [0] * shards
+    for sid in sessions:
+        counts[rendezvous_index(session_key(tenant_id, sid), shards)] += 1
+    return counts
+
+
 async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: int, text: Callable[[], str]
                       ) -> dict[str, Any]:
     """`concurrency` clients, each waiting for its reply before sending the next message.
@@ -1011,9 +1021,14 @@ class Bench:
             f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
             + "; machine busy while each way ran: "
             + ", ".join(f"{w} {v:.0f}%" for w, v in done["busy_pct"].items()), file=sys.stderr)
+        # 64 sessions fall on the hosts as their ids hash: rarely evenly, and the host with more
+        # of them queues longer (with thousands of sessions the shares even out)
+        split = sessions_per_host(self.tenant_id, spec.way_sessions["sharded"], a.shards)
+        print(f"      (b)'s {len(spec.way_sessions['sharded'])} sessions per host: "
+              + "/".join(map(str, split)), file=sys.stderr)
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
-        return {**done, "steal_pct": steal}
+        return {**done, "steal_pct": steal, "sessions_per_host": split}
 
     async def _watch(self, placement: Any) -> None:
         """Say what the hosts are doing when a run takes far longer than it should."""

@@ -155,3 +155,13 @@ def test_a_variant_changes_only_the_settings_its_variables_name():
     assert variant.flush_interval_ms == 0 and running.flush_interval_ms == 5
     # everything else as the running stack has it, including what it set after reading the environment
     assert msgspec.structs.replace(variant, flush_interval_ms=5.0) == running
+
+
+def test_sessions_per_host_counts_each_session_on_the_host_the_gateway_routes_it_to():
+    from actors.sharding import rendezvous_index, session_key
+
+    sessions = [f"b1-half-sharded-{i}" for i in range(64)]
+    split = bench.sessions_per_host("t_1", sessions, 2)
+    owners = [rendezvous_index(session_key("t_1", s), 2) for s in sessions]
+    assert split == [owners.count(0), owners.count(1)] and sum(split) == 64
+    assert bench.sessions_per_host("t_1", sessions, 1) == [64]
