@@ -577,13 +577,18 @@ def _is_moved(event: StreamEvent) -> bool:
 
 
 def _host_error(data: Any) -> HostError:
-    """A stream's `error` event as the HostError it carries (a host of an older version sent
-    `title` and `detail` instead: its detail is kept, its kind unknown)."""
+    """A stream's `error` event as the HostError it carries. A host of an older version sent
+    `title`, `detail` and, when a retry helps, `retry_after` and `reason`: those are kept."""
     try:
         return msgspec.convert(data, HostError)
     except msgspec.ValidationError:
-        detail = data.get("detail") if isinstance(data, dict) else None
-        return HostError(kind="internal", message=str(detail or "the session host failed to run this turn; retry shortly"))
+        old = data if isinstance(data, dict) else {}
+        message = str(old.get("detail") or "the session host failed to run this turn; retry shortly")
+        retry_after = old.get("retry_after")
+        if isinstance(retry_after, int | float):
+            return HostError(kind="overloaded", message=message, retry_after=float(retry_after),
+                             reason=str(old.get("reason") or "host_busy"))
+        return HostError(kind="internal", message=message)
 
 
 def _unwrap(result: HostResult) -> TurnReply:
