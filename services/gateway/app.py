@@ -337,22 +337,28 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
 
 
 async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started: float) -> web.StreamResponse:
+    # The status goes out with the first event. Until then a failure (a host at capacity, the
+    # session's mailbox full, a forged approval id) is answered as for a JSON turn: a problem with
+    # its status and Retry-After, which a client or a proxy acts on without reading the stream.
+    events = aiter(events)
+    event = await anext(events, None)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
     await response.prepare(request)
     deps = request.app[DEPS]
     try:
-        async for event in events:
+        while event is not None:
             data = event.data
             if event.event == "done":
                 deps.metrics.observe_turn(msgspec.convert(data, TurnReply), time.perf_counter() - started)
                 data = reply_body(data)
             if not await _write_event(response, event.event, data):
                 break
+            event = await anext(events, None)
     except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
-        # The status went out with the first event: a failure from here on is the last event,
-        # as a problem's fields, not a connection cut without a word.
+        # After the first event a failure is the last event, as a problem's fields, not a
+        # connection cut without a word.
         status, title, detail, retry_after = failure(exc, request[REQUEST_ID], request.path)
         data = {"title": title, "status": status, "detail": detail}
         if retry_after is not None:

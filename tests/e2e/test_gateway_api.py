@@ -613,11 +613,9 @@ async def test_sse_streams_approval_required_then_done_with_the_pending_approval
     assert events[-1][0] == "done" and "pending_approval" not in events[-1][1]
     assert events[-1][1]["tool_calls"][0]["success"] is False
 
-    # decided already: the stream's status went out first, so the 404 a JSON call gets is its last event
+    # decided already: refused before any event, so with the 404 problem a JSON call gets
     async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/approvals/{done['pending_approval']['approval_id']}",
                            headers={**tenant[2], "Accept": "text/event-stream"}, json={"approve": True}) as r:
-        assert r.status == 200
-        events = await read_sse(r)
-    assert [n for n, _ in events] == ["error"], events
-    assert events[0][1]["status"] == 404 and events[0][1]["title"] == "Not found", events
-    assert done["pending_approval"]["approval_id"] in events[0][1]["detail"], events
+        problem = await r.json(content_type="application/problem+json")
+    assert r.status == 404 and problem["title"] == "Not found", problem
+    assert done["pending_approval"]["approval_id"] in problem["detail"], problem

@@ -42,6 +42,7 @@ class FakeRouter:
         self.timing: TurnTiming | None = None
         self.calls: list[tuple[str, str]] = []
         self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
+        self.refuses: BaseException | None = None  # raised by a stream before its first event
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
                    new_id: bool = False) -> TurnReply:
@@ -57,6 +58,8 @@ class FakeRouter:
     async def stream(self, tenant_id, session_id, text, message_id, approval=None, *,
                      new_id: bool = False) -> AsyncIterator[StreamEvent]:
         self.ids.append((message_id, new_id))
+        if self.refuses is not None:
+            raise self.refuses
         yield StreamEvent(event="text", data="hel")
         if self.raises is not None:  # as the routers do: the turn's error once the events before it are out
             raise self.raises
@@ -148,6 +151,23 @@ async def test_sse_done_carries_handoff_and_a_failed_turn_ends_with_an_error_eve
     assert last.startswith("event: error\n")
     assert json.loads(last.split("data: ", 1)[1]) == {
         "title": "Too many requests", "status": 429, "detail": str(router.raises), "retry_after": 2}
+
+
+@pytest.mark.parametrize(("refusal", "status", "retry_after"), [
+    (Overloaded("too many messages waiting for session 's1'; wait", retry_after=2.4, reason="mailbox"), 429, "3"),
+    (Overloaded("this session host is at capacity; retry shortly", retry_after=1, reason="host_busy"), 503, "1"),
+    (HostFailure(HostError(kind="not_found", message="no pending approval 'ap-1' in this session")), 404, None),
+])
+async def test_a_stream_refused_before_its_first_event_is_answered_with_the_problems_status(
+        gateway, refusal, status, retry_after):
+    # Nothing was sent yet: the status a JSON turn gets, with Retry-After, not 200 and an event
+    client, router, headers = gateway
+    router.refuses = refusal
+    r = await client.post("/v1/sessions/s1/messages", json={"text": "hi"},
+                          headers={**headers, "Accept": "text/event-stream"})
+    body = await problem_of(r)
+    assert r.status == status and body["detail"] == str(refusal), body
+    assert r.headers.get("Retry-After") == retry_after
 
 
 @pytest.mark.parametrize(("crash", "title", "retry_after"), [
