@@ -345,7 +345,11 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
-    await response.prepare(request)
+    try:
+        await response.prepare(request)
+    except ConnectionResetError:  # gone before the first event: the turn still completes and is stored
+        log.info("sse_client_disconnected")
+        return response
     deps = request.app[DEPS]
     try:
         while event is not None:

@@ -7,15 +7,19 @@ SessionRouter port is a fake (FakeRouter implements the gateway's Protocol).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 import pytest_asyncio
+import structlog
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from actors.placement import HostFailure
@@ -43,6 +47,7 @@ class FakeRouter:
         self.calls: list[tuple[str, str]] = []
         self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
         self.refuses: BaseException | None = None  # raised by a stream before its first event
+        self.hold: asyncio.Event | None = None  # a stream's first event waits for it
 
     async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
                    new_id: bool = False) -> TurnReply:
@@ -60,6 +65,8 @@ class FakeRouter:
         self.ids.append((message_id, new_id))
         if self.refuses is not None:
             raise self.refuses
+        if self.hold is not None:
+            await self.hold.wait()
         yield StreamEvent(event="text", data="hel")
         if self.raises is not None:  # as the routers do: the turn's error once the events before it are out
             raise self.raises
@@ -73,12 +80,18 @@ class FakeRouter:
         raise RuntimeError("host down")
 
 
-@pytest_asyncio.fixture
-async def gateway(pool) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
-    router = FakeRouter()
+async def _deps(pool, router: FakeRouter) -> tuple[GatewayDeps, Any]:
+    """The gateway's real repositories over `router`, and a new tenant's key."""
     deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
                        sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
     _, key = await TenantRepo(pool).create_tenant(f"edges-{id(router)}")
+    return deps, key
+
+
+@pytest_asyncio.fixture
+async def gateway(pool) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
+    router = FakeRouter()
+    deps, key = await _deps(pool, router)
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
         yield client, router, {"Authorization": f"Bearer {key.api_key}"}
 
@@ -168,6 +181,33 @@ async def test_a_stream_refused_before_its_first_event_is_answered_with_the_prob
     body = await problem_of(r)
     assert r.status == status and body["detail"] == str(refusal), body
     assert r.headers.get("Retry-After") == retry_after
+
+
+async def test_a_stream_whose_client_left_before_its_first_event_ends_quietly(pool):
+    # A contact closing the app while the model thinks is routine: logged as a hang-up, no error.
+    # The gateway's own server settings (TestServer cancels a handler whose client went away).
+    router = FakeRouter()
+    router.hold = asyncio.Event()
+    deps, key = await _deps(pool, router)
+    runner = web.AppRunner(build_app(deps), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/sessions/s1/messages"
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with aiohttp.ClientSession() as http:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(http.post(url, json={"text": "hi"}, headers={
+                        "Authorization": f"Bearer {key.api_key}", "Accept": "text/event-stream"}), 0.3)
+            await asyncio.sleep(0.1)  # the server sees the connection close
+            router.hold.set()
+            async with asyncio.timeout(5):
+                while not any(e["event"] == "sse_client_disconnected" for e in logs):
+                    await asyncio.sleep(0.02)
+        assert [e for e in logs if e["log_level"] in ("error", "critical")] == [], logs
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize(("crash", "title", "retry_after"), [
