@@ -171,11 +171,18 @@ async def errors_middleware(request: web.Request, handler):
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
     request[REQUEST_ID] = request_id
+    response = await _answer(request, handler, request_id)
+    # on every answer, errors most of all: the id to quote to support and to find in the logs
+    response.headers.setdefault("X-Request-Id", request_id)
+    return response
+
+
+async def _answer(request: web.Request, handler, request_id: str) -> web.StreamResponse:
     if "\x00" in request.path or "\x00" in request.query_string:
         # Postgres cannot store or compare a NUL character: refuse it here, not as a storage error
         return problem(422, "Invalid request", "the URL holds a NUL character (%00); remove it")
     try:
-        response = await handler(request)
+        return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -185,8 +192,6 @@ async def errors_middleware(request: web.Request, handler):
         status, title, detail, retry_after = failure(exc, request_id, request.path)
         headers = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
         return problem(status, title, detail, headers=headers)
-    response.headers.setdefault("X-Request-Id", request_id)
-    return response
 
 
 @web.middleware

@@ -265,6 +265,21 @@ async def test_an_unexpected_crash_is_500_with_the_request_id_and_no_internals(g
                           json={"text": "hi"})
     body = await problem_of(r)
     assert r.status == 500 and "req-42" in body["detail"] and "hunter2" not in json.dumps(body)
+    assert r.headers["X-Request-Id"] == "req-42"
+
+
+async def test_every_answer_carries_its_request_id_errors_too(gateway):
+    client, router, headers = gateway
+    router.raises = NotFound("tool 'x' does not exist for this tenant", kind="tool", key="x")
+    answers = [await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"}),
+               await client.get("/v1/no-such-route", headers=headers),
+               await client.get("/v1/sessions/s1%00", headers=headers),
+               await client.get("/v1/tools")]  # no key: 401
+    assert [r.status for r in answers] == [404, 404, 422, 401]
+    ids = [r.headers.get("X-Request-Id") for r in answers]
+    assert all(ids) and len(set(ids)) == 4, ids
+    r = await client.post("/v1/sessions/s1/messages", headers={**headers, "X-Request-Id": "req-9"}, json={"text": "hi"})
+    assert r.status == 404 and r.headers["X-Request-Id"] == "req-9"
 
 
 async def test_metrics_render_when_the_hosts_are_down(gateway):
