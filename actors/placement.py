@@ -236,8 +236,7 @@ class Placement:
         except ValueError:
             first = self._missing.setdefault(name, time.monotonic())
             if time.monotonic() - first < MISSING_HOST_GRACE_S:
-                raise Overloaded("the session host is restarting; retry with the same message_id",
-                                 retry_after=1.0, reason="restarting") from None
+                raise _restarting() from None
             log.warning("session_host_recreated", host=name)
             return self._handle(name)
         self._missing.pop(name, None)
@@ -280,10 +279,7 @@ class Placement:
                 # answers a message id it has answered with the stored reply.
                 self._forget(name)
                 if attempt:
-                    raise Overloaded(
-                        "the session host is restarting; retry with the same message_id", retry_after=1.0,
-                        reason="restarting",
-                    ) from exc
+                    raise _restarting() from exc
                 log.warning("session_host_unavailable", host=name, error=type(exc).__name__)
                 await asyncio.sleep(0.2)
         raise AssertionError("unreachable")
@@ -348,12 +344,11 @@ class Placement:
                         continue
                     moved = False
                     if event.event == "error":
-                        _unwrap(HostResult(error=_host_error(event.data)))  # raises
+                        raise _host_exception(_host_error(event.data))
                     yield event
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
                 self._forget(name)
-                raise Overloaded("the session host is restarting; retry with the same message_id",
-                                 retry_after=1.0, reason="restarting") from exc
+                raise _restarting() from exc
             if not moved:
                 return
             if not (isinstance(moved, ShardState) and self.apply_shard_state(moved)):
@@ -591,11 +586,21 @@ def _host_error(data: Any) -> HostError:
         return HostError(kind="internal", message=message)
 
 
+def _restarting() -> Overloaded:
+    return Overloaded("the session host is restarting; retry with the same message_id", retry_after=1.0,
+                      reason="restarting")
+
+
+def _host_exception(error: HostError) -> ChatEngineError:
+    """What a turn that the host answered with `error` raises, JSON or streamed."""
+    if error.kind in ("overloaded", "lease_lost", "unavailable"):
+        return Overloaded(error.message, retry_after=error.retry_after or 1.0,
+                          reason=error.reason or ("restarting" if error.kind == "lease_lost" else "host_busy"))
+    return HostFailure(error)
+
+
 def _unwrap(result: HostResult) -> TurnReply:
     if result.error is not None:
-        if result.error.kind in ("overloaded", "lease_lost", "unavailable"):
-            raise Overloaded(result.error.message, retry_after=result.error.retry_after or 1.0,
-                             reason=result.error.reason or ("restarting" if result.error.kind == "lease_lost" else "host_busy"))
-        raise HostFailure(result.error)
+        raise _host_exception(result.error)
     assert result.reply is not None
     return result.reply

@@ -4,17 +4,14 @@
 from __future__ import annotations
 
 import msgspec
-import pytest
 
-from actors.placement import HostFailure, _host_error, _unwrap
-from actors.ray_host import HostError, HostResult
+from actors.placement import HostFailure, _host_error, _host_exception
+from actors.ray_host import HostError
 from services.errors import Overloaded
 
 
 def raised(data) -> Exception:
-    with pytest.raises(Exception) as info:
-        _unwrap(HostResult(error=_host_error(data)))
-    return info.value
+    return _host_exception(_host_error(data))
 
 
 def test_a_host_error_event_raises_what_the_json_turn_would():
