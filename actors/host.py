@@ -255,12 +255,8 @@ class SessionHost:
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             state = entry.state
-            if message_id and not new_id and message_id not in state.turns and not state.turns_complete:
-                # Only when the cache may have dropped it: most messages cost no read here.
-                self.stored_turn_reads += 1
-                stored = await self._store.get_turn(tenant_id, session_id, message_id)
-                if stored is not None:
-                    state.turns[message_id] = stored
+            if message_id and not new_id:
+                await self._load_turn(state, message_id)
             finished: list[JobRecord] = []
             waiting = state.snapshot.extra.get(core.JOBS_KEY)
             if waiting and self._jobs is not None and message_id not in state.turns:
@@ -274,9 +270,22 @@ class SessionHost:
         edited: dict[str, dict[str, Any]] | None = None, emit: core.Emit = core._no_emit,
     ) -> TurnReply:
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            decided = core.decided_turn(entry.state.snapshot, approval_id)
+            if decided is not None:  # asked again: its answer is replayed, from Postgres if need be
+                await self._load_turn(entry.state, decided)
             return await core.handle_approval(entry.state, approval_id, approve, env, emit, edited_arguments=edited)
 
         return await self._turn(tenant_id, session_id, run)
+
+    async def _load_turn(self, state: SessionState, message_id: str) -> None:
+        """Put turn `message_id`'s stored answer in the session's cache if it may be missing there
+        (only when the cache may have dropped it: most turns cost no read here)."""
+        if message_id in state.turns or state.turns_complete:
+            return
+        self.stored_turn_reads += 1
+        stored = await self._store.get_turn(state.tenant_id, state.session_id, message_id)
+        if stored is not None:
+            state.turns[message_id] = stored
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,

@@ -77,6 +77,8 @@ MARKER_HANDOFF_REASON = "the assistant asked for a human"
 HANDOFF_RECORD_S = 10.0  # how long a [[HANDOFF]] waits to record its handoff
 JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
 CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session (per-session limits)
+DECIDED_KEY = "decided"  # snapshot.extra: [approval id, message id] of the latest decided approvals
+DECIDED_KEPT = 32
 HANDED_OFF_REPLY = (
     "You have been handed over to a member of our team; they will reply here as soon as they can."
 )
@@ -355,11 +357,18 @@ async def _handle_approval(
         raise SessionError("this approval id is not valid for this session; use the id from the reply",
                            kind="not_found")
     if pending is None or not secrets.compare_digest(pending.approval_id, approval_id):
-        raise SessionError(f"no pending approval {approval_id[:60]!r} in this session (already decided or "
-                           "replaced by a newer message)", kind="not_found")
+        decided = decided_turn(state.snapshot, approval_id)
+        if decided is not None and decided in state.turns:
+            # Decided already (a client that lost the answer asks again): the turn's stored
+            # answer, as a repeated message_id gets it; the first decision stands, nothing runs.
+            return msgspec.structs.replace(msgspec.convert(state.turns[decided], TurnReply), replay=True)
+        raise SessionError(f"no pending approval {approval_id[:60]!r} in this session (a newer message replaced "
+                           f"it, or it was decided before the session's latest {DECIDED_KEPT} decisions); send "
+                           "the contact's message again to ask anew", kind="not_found")
     if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
         return msgspec.convert(state.turns[pending.message_id], TurnReply)
     state.snapshot.pending = None
+    remember_decided(state.snapshot, approval_id, pending.message_id)
     state._touch()
     turn = _Turn(pending.message_id)
     turn.usage = {k: list(v) for k, v in pending.usage.items()}
@@ -385,6 +394,22 @@ async def _handle_approval(
         outcomes = env.executor.deny(plan, ctx, reason=reason)
     await _absorb(state, turn, outcomes, emit, pending.message_id)
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
+
+
+def remember_decided(snapshot: SessionSnapshot, approval_id: str, message_id: str) -> None:
+    """Note that `approval_id` was decided and resumed turn `message_id` (its answer is stored
+    under it): asked again, the approval answers with it. The latest DECIDED_KEPT are kept."""
+    decided = snapshot.extra.setdefault(DECIDED_KEY, [])
+    decided.append([approval_id, message_id])
+    del decided[:-DECIDED_KEPT]
+
+
+def decided_turn(snapshot: SessionSnapshot, approval_id: str) -> str | None:
+    """The message id of the turn `approval_id` resumed when it was decided, or None."""
+    for decided, message_id in reversed(snapshot.extra.get(DECIDED_KEY) or []):
+        if secrets.compare_digest(decided.encode(), approval_id.encode()):
+            return message_id
+    return None
 
 
 async def _loop(

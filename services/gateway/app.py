@@ -350,6 +350,8 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
+    if event is not None and event.event == "done" and event.data.get("replay"):
+        response.headers["X-Replayed"] = "true"  # a stored answer, as a JSON turn says it
     try:
         await response.prepare(request)
     except ConnectionResetError:  # gone before the first event: the turn still completes and is stored

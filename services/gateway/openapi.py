@@ -78,7 +78,7 @@ def _core_document() -> dict[str, Any]:
             "Server-Timing": {"description": "ms: gateway (the whole turn here), host (the session host's part), "
                               "gate (the host's wait for durability); JSON replies only",
                               "schema": {"type": "string"}},
-            "X-Replayed": {"description": "true: the stored answer to a repeated message_id", "schema": {"type": "string"}},
+            "X-Replayed": {"description": "true: the stored answer to a repeated message_id or an approval already decided", "schema": {"type": "string"}},
         }
         return o
 

@@ -67,10 +67,14 @@ async def test_forged_replayed_and_foreign_approval_ids_are_refused(stack, clien
     status, body = await post(client, f"{gw}/v1/sessions/rob-other/approvals/{approval}", headers, {"approve": True})
     assert status == 404  # an id signed for another session
     assert backend.requests == []
-    status, body = await post(client, f"{gw}/v1/sessions/rob-1/approvals/{approval}", headers, {"approve": True})
-    assert status == 200 and body["tool_calls"][0]["success"]
-    status, body = await post(client, f"{gw}/v1/sessions/rob-1/approvals/{approval}", headers, {"approve": True})
-    assert status == 404 and len(backend.requests) == 1  # replay: nothing runs again
+    status, first = await post(client, f"{gw}/v1/sessions/rob-1/approvals/{approval}", headers, {"approve": True})
+    assert status == 200 and first["tool_calls"][0]["success"]
+    # asked again (a client that lost the answer), even declining: the first answer, nothing runs
+    async with client.post(f"{gw}/v1/sessions/rob-1/approvals/{approval}", headers=headers,
+                           json={"approve": False}) as r:
+        assert r.status == 200 and r.headers["X-Replayed"] == "true"
+        assert await r.json() == first
+    assert len(backend.requests) == 1
 
 
 async def test_an_approver_edits_arguments_and_they_are_validated_before_anything_runs(stack, client, tenant, backend):

@@ -613,9 +613,19 @@ async def test_sse_streams_approval_required_then_done_with_the_pending_approval
     assert events[-1][0] == "done" and "pending_approval" not in events[-1][1]
     assert events[-1][1]["tool_calls"][0]["success"] is False
 
-    # decided already: refused before any event, so with the 404 problem a JSON call gets
+    decided = events[-1][1]
+
+    # decided already: the stored answer, its one event `done`, said to be a replay
     async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/approvals/{done['pending_approval']['approval_id']}",
+                           headers={**tenant[2], "Accept": "text/event-stream"}, json={"approve": True}) as r:
+        assert r.status == 200 and r.headers["X-Replayed"] == "true"
+        events = await read_sse(r)
+    assert events == [("done", decided)], events
+
+    # an id never issued: refused before any event, so with the 404 problem a JSON call gets
+    forged = done["pending_approval"]["approval_id"].split(".")[0] + ".AAAAAAAAAAAAAAAAAAAAAAAA"
+    async with client.post(f"{stack.gateway.url}/v1/sessions/{session}/approvals/{forged}",
                            headers={**tenant[2], "Accept": "text/event-stream"}, json={"approve": True}) as r:
         problem = await r.json(content_type="application/problem+json")
     assert r.status == 404 and problem["title"] == "Not found", problem
-    assert done["pending_approval"]["approval_id"] in problem["detail"], problem
+    assert "not valid for this session" in problem["detail"], problem

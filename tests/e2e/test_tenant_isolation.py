@@ -195,8 +195,10 @@ async def test_another_tenant_cannot_decide_a_held_approval(world):
     assert "pending_approval" not in decided
     [call] = decided["tool_calls"]
     assert call["name"] == "cancel_order" and call["success"] is False
-    status, problem = await a.call("POST", path, {"approve": True})
-    assert status == 404, "a decided approval cannot be decided again"
+    status, again = await a.call("POST", path, {"approve": True})
+    assert status == 200 and again == decided, "a decided approval answers as it did, and runs nothing"
+    status, problem = await b.call("POST", path, {"approve": True})
+    assert status == 404 and "approval" in problem["detail"], "nor does another tenant get its answer"
 
 
 ALL_ROUTES = [

@@ -263,7 +263,7 @@ class FakeTenants:
     def __init__(self, model: RuleModel | None = None) -> None:
         self.model = model or RuleModel()
         self.handler_calls: list[tuple[str, str, str]] = []
-        registry = HandlerRegistry()
+        registry = self.registry = HandlerRegistry()
 
         @registry.register("lookup")
         async def lookup(args: dict[str, Any], ctx: TrustedContext) -> Any:

@@ -15,7 +15,7 @@ import pytest
 
 from actors.host import HostSettings, LeaseLost, SessionHost
 from services.errors import Overloaded
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
 KEY = ("t1", "s1")
@@ -510,6 +510,30 @@ async def test_an_id_made_up_for_the_message_is_not_looked_up_even_past_the_turn
     await asyncio.wait_for(host.send("t1", "s1", "hello", "client-id"), T)
     again = await asyncio.wait_for(host.send("t1", "s1", "hello", "m0"), T)
     assert again.replay and store.get_turn_calls == 2 and host.stats()["stored_turn_reads"] == 2
+
+
+async def test_an_approval_decided_long_ago_answers_again_from_the_store_and_runs_nothing(world):
+    from actors.session import TURN_CACHE
+    from services.tools.registry import build_catalog
+
+    store, tenants = world.store, world.tenants
+    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
+    tenants.env = msgspec.structs.replace(
+        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    host = await world.host()
+    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    approval = held.pending_approval.approval_id
+    first = await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
+    assert first.reply == "done: {\"found\":\"q\"}" and world.calls() == [("lookup", "q")]
+    for i in range(1, TURN_CACHE + 1):  # m0's answer leaves the turn cache
+        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
+    assert await host.passivate("t1", "s1") is True
+    requests, get_turns = len(world.model.requests), store.get_turn_calls
+
+    again = await asyncio.wait_for(host.decide("t1", "s1", approval, False), T)
+    assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
+    assert store.get_turn_calls == get_turns + 1 and host.stats()["stored_turn_reads"] == 1
+    assert len(world.model.requests) == requests and world.calls() == [("lookup", "q")]
 
 
 # -- shutdown ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import pytest
 from actors.session import (
     MAX_ROUNDS,
     ROUND_CAP_REPLY,
-    SessionError,
     TurnEnv,
     handle_approval,
     handle_message,
@@ -291,8 +290,8 @@ async def test_write_tool_holds_the_turn_until_approved_then_resumes(registry):
     assert snapshot.pending["approval_id"] == held.pending_approval.approval_id
     done = await handle_approval(state, held.pending_approval.approval_id, True, env)
     assert registry.calls == ["lookup"] and done.reply == "booked" and done.pending_approval is None
-    with pytest.raises(SessionError, match="no pending approval"):
-        await handle_approval(state, held.pending_approval.approval_id, True, env)
+    again = await handle_approval(state, held.pending_approval.approval_id, True, env)  # decided: replayed
+    assert again.replay and again.reply == "booked" and registry.calls == ["lookup"]
 
 
 async def test_denied_approval_goes_back_to_the_model_in_band(registry):

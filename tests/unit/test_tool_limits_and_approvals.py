@@ -8,13 +8,24 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 import pytest
 
-from actors.session import SessionError, TurnEnv, handle_approval, handle_message, new_state
+from actors.session import (
+    DECIDED_KEPT,
+    DECIDED_KEY,
+    SessionError,
+    TurnEnv,
+    decided_turn,
+    handle_approval,
+    handle_message,
+    new_state,
+    remember_decided,
+)
 from services.approvals import approval_keys, new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
 from services.tools.errors import UpstreamStatus, UpstreamTimeout
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
+from storage.records import SessionSnapshot
 from tests.unit.test_session_loop import ScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
@@ -164,14 +175,42 @@ async def test_a_forged_approval_id_is_refused_and_runs_nothing(reg):
     assert reg.log == [] and state.snapshot.pending is not None
 
 
-async def test_a_replayed_approval_id_is_refused(reg):
+async def test_a_decided_approval_answers_again_with_its_reply_and_runs_nothing(reg):
     state = new_state("t", "s")
-    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "ok", "again"]), reg, [WRITE])
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "booked", "again"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    approval = held.pending_approval.approval_id
+    first = await handle_approval(state, approval, True, env)
+    assert first.reply == "booked" and not first.replay
+    # a client that lost the answer asks again, even with the other decision: the first stands
+    again = await handle_approval(state, approval, False, env)
+    assert again.replay and again.reply == "booked" and again.tool_calls == first.tool_calls
+    assert reg.log == [("ok", "1")]
+
+
+async def test_a_decided_approval_is_known_after_a_reactivation_and_only_the_latest_are_kept(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "booked"]), reg, [WRITE])
     held = await handle_message(state, "book", "m1", env)
     await handle_approval(state, held.pending_approval.approval_id, True, env)
+    # the record travels with the snapshot that is flushed, as a list (jsonb keeps no key order)
+    stored = msgspec.json.decode(msgspec.json.encode(state.take_delta().snapshot), type=SessionSnapshot)
+    assert decided_turn(stored, held.pending_approval.approval_id) == "m1"
+    for n in range(DECIDED_KEPT + 5):
+        remember_decided(stored, f"apr_{n}", f"m_{n}")
+    assert decided_turn(stored, held.pending_approval.approval_id) is None
+    assert decided_turn(stored, "apr_4") is None and decided_turn(stored, "apr_5") == "m_5"
+    assert len(stored.extra[DECIDED_KEY]) == DECIDED_KEPT
+
+
+async def test_an_approval_never_decided_is_refused_once_a_newer_message_replaced_it(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "moved on", "again"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    await handle_message(state, "never mind", "m2", env)
     with pytest.raises(SessionError, match="no pending approval"):
         await handle_approval(state, held.pending_approval.approval_id, True, env)
-    assert reg.log == [("ok", "1")]
+    assert reg.log == []
 
 
 async def test_an_expired_approval_ends_in_an_in_band_result_and_runs_nothing(reg):
