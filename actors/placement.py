@@ -275,8 +275,8 @@ class Placement:
                 return await getattr(handle, method).remote(*args)  # no open lane: no new_id either
             except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
-                # are. The turn may have run: the retry carries its message id, and the host
-                # answers a message id it has answered with the stored reply.
+                # are. The turn may have run: the retry carries its message id (or approval id),
+                # and the host answers one it has answered (or decided) with the stored reply.
                 self._forget(name)
                 if attempt:
                     raise _restarting() from exc
