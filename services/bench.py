@@ -67,11 +67,13 @@ HELLO_TEXT = "hello, who are you?"
 # load: closed and open loops (run inside the worker process)
 # =============================================================================================
 
-#: one message sent and checked: the session host's own time for the turn and, of it, its wait at
-#: the output gate, in ms (nan when the reply did not say), or None when it failed
-Times = tuple[float, float]
+#: one message sent and checked: the session host's own time for the turn, of it its wait at the
+#: output gate, and the gateway's time from the body read to the reply (the host's time, the lane
+#: both ways), in ms (nan when the reply did not say or, in process, there is no gateway), or None
+#: when it failed
+Times = tuple[float, float, float]
 Send = Callable[[str, str], Awaitable[Times | None]]
-UNKNOWN: Times = (math.nan, math.nan)
+UNKNOWN: Times = (math.nan, math.nan, math.nan)
 
 
 def order_text() -> str:
@@ -356,6 +358,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         slices = []
         host_slices = []  # the same slices, the session host's own time of each turn
         gates: dict[str, list[float]] = {}  # per way, each turn's wait at the output gate
+        in_gateway: dict[str, list[float]] = {}  # per way, each turn's time in the gateway less the host's
         cpu = {way: CpuShare() for way in senders}
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
@@ -370,6 +373,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
                 cpu[way].stop()
                 host_row[way] = ([t[0] for t in times], 0, row[way][2])
                 gates.setdefault(way, []).extend(t[1] for t in times)
+                in_gateway.setdefault(way, []).extend(t[2] - t[0] for t in times if not math.isnan(t[2]))
             sent += size
             slices.append(row)
             host_slices.append(host_row)
@@ -378,6 +382,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         result["host_p50_ms"] = {w: v["p50_ms"] for w, v in hosts["ways"].items()}
         result["paired_host_added_p50_ms"] = hosts["paired_added_p50_ms"]
         result["gate_p50_ms"] = {w: percentile(gates.get(w, []), 50) for w in senders}
+        result["gateway_own_p50_ms"] = {w: percentile(v, 50) for w, v in in_gateway.items() if v}
         result["busy_pct"] = {w: c.percent()[0] for w, c in cpu.items()}
         result["slice_steal_pct"] = {w: c.percent()[1] for w, c in cpu.items()}
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
@@ -436,7 +441,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
         if not reply_ok(body, tool_round=tool_round):
             _error_sample(f"unexpected reply: {str(body)[:300]}")
             return None
-        return UNKNOWN if reply.timing is None else (reply.timing.host_ms, reply.timing.gate_ms)
+        return UNKNOWN if reply.timing is None else (reply.timing.host_ms, reply.timing.gate_ms, math.nan)
 
     async def close() -> None:
         await host.stop()
@@ -471,7 +476,7 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
             _error_sample(f"unexpected reply: {raw[:300]!r}")
             return None
         said = server_timing(timing)
-        return said.get("host", math.nan), said.get("gate", math.nan)
+        return said.get("host", math.nan), said.get("gate", math.nan), said.get("gateway", math.nan)
 
     async def close() -> None:
         await client.close()
@@ -1021,6 +1026,9 @@ class Bench:
             f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
             + "; machine busy while each way ran: "
             + ", ".join(f"{w} {v:.0f}%" for w, v in done["busy_pct"].items()), file=sys.stderr)
+        if done.get("gateway_own_p50_ms"):
+            print("      in the gateway less the host's time (handler, lane both ways), p50: " + ", ".join(
+                f"{w} {v:.1f} ms" for w, v in done["gateway_own_p50_ms"].items()), file=sys.stderr)
         # 64 sessions fall on the hosts as their ids hash: rarely evenly, and the host with more
         # of them queues longer (with thousands of sessions the shares even out)
         split = sessions_per_host(self.tenant_id, spec.way_sessions["sharded"], a.shards)
@@ -1129,6 +1137,11 @@ class Bench:
                 "added_p50_ms_via_ray": hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms_via_ray": hal["sharded_ray"]["p99_ms"] - hal["inprocess"]["p99_ms"],
                 "gate_p50_ms": {w: statistics.median(r["gate_p50_ms"][w] for r in rounds) for w in hruns},
+                # of the hop: the gateway's own part (its time less the host's: handler, lane both ways)
+                "gateway_own_p50_ms": {
+                    w: statistics.median(r["gateway_own_p50_ms"][w] for r in rounds)
+                    for w in hruns if all(w in r.get("gateway_own_p50_ms", {}) for r in rounds)
+                },
             }
             if a.half_load_variant:
                 half["variant"] = {
@@ -1430,9 +1443,14 @@ def print_table(doc: dict[str, Any]) -> None:
                   + (f" (through Ray's task path {via_ray:+.1f} ms)" if via_ray is not None else ""))
             in_host = half.get("paired_host_added_p50_ms")
             if in_host is not None:
+                hop = half["paired_added_p50_ms"] - in_host
                 print(f"  of which the session host's own time of a turn (Server-Timing `host`, the same way paired): "
-                      f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): "
-                      f"{half['paired_added_p50_ms'] - in_host:+.1f} ms")
+                      f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): {hop:+.1f} ms")
+                in_gateway = (half.get("gateway_own_p50_ms") or {}).get("sharded")
+                if in_gateway is not None:
+                    print(f"  of the hop, in the gateway (Server-Timing `gateway` less `host`, p50): {in_gateway:.1f} ms "
+                          f"(its handler and the lane both ways); about {hop - in_gateway:+.1f} ms the client, "
+                          "the HTTP legs and the gateway's HTTP server around its handler")
         if half.get("gate_p50_ms"):
             print("  the output gate's p50 wait, each way: " + _each_way(half["gate_p50_ms"], "{:.1f} ms"))
         variant = half.get("variant")
