@@ -358,10 +358,16 @@ async def _handle_approval(
                            kind="not_found")
     if pending is None or not secrets.compare_digest(pending.approval_id, approval_id):
         decided = decided_turn(state.snapshot, approval_id)
-        if decided is not None and decided in state.turns:
+        stored = state.turns.get(decided) if decided is not None else None
+        if stored is not None:
+            if (stored.get("pending_approval") or {}).get("approval_id") == approval_id:
+                # the state was saved between the decision and the turn's end, then its host stopped
+                raise SessionError(f"approval {approval_id[:60]!r} was decided but the turn it resumed did not "
+                                   "finish (its session host stopped); send the contact's message again",
+                                   kind="not_found")
             # Decided already (a client that lost the answer asks again): the turn's stored
             # answer, as a repeated message_id gets it; the first decision stands, nothing runs.
-            return msgspec.structs.replace(msgspec.convert(state.turns[decided], TurnReply), replay=True)
+            return msgspec.structs.replace(msgspec.convert(stored, TurnReply), replay=True)
         raise SessionError(f"no pending approval {approval_id[:60]!r} in this session (a newer message replaced "
                            f"it, or it was decided before the session's latest {DECIDED_KEPT} decisions); send "
                            "the contact's message again to ask anew", kind="not_found")

@@ -203,6 +203,19 @@ async def test_a_decided_approval_is_known_after_a_reactivation_and_only_the_lat
     assert len(stored.extra[DECIDED_KEY]) == DECIDED_KEPT
 
 
+async def test_a_decision_whose_turn_never_finished_is_refused_not_replayed_as_still_pending(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "booked"]), reg, [WRITE])
+    held = await handle_message(state, "book", "m1", env)
+    approval = held.pending_approval.approval_id
+    # what a host that stopped mid-resume leaves saved: decided, but the answer is the held one
+    state.snapshot.pending = None
+    remember_decided(state.snapshot, approval, "m1")
+    with pytest.raises(SessionError, match="did not finish"):
+        await handle_approval(state, approval, True, env)
+    assert reg.log == []
+
+
 async def test_an_approval_never_decided_is_refused_once_a_newer_message_replaced_it(reg):
     state = new_state("t", "s")
     env = env_for(ScriptedLLM([[("book", {"q": "1"})], "moved on", "again"]), reg, [WRITE])
