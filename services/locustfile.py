@@ -12,7 +12,8 @@ would. Scenarios, by weight:
 A reply counts as a failure when the HTTP status is not 200 or the body does not say what the
 scenario expects (the tool ran, failed in-band, or was held for approval); a 429 (admission
 control: the tenant's rate or a session's mailbox) is counted apart as shed load. An approval
-answered 429 is retried after Retry-After, as a person would, so the held turn is not abandoned.
+answered 429 or 503 is retried after Retry-After, as a person would, so the held turn is not
+abandoned (a decision asked again answers as it did: nothing runs twice).
 
 Stages (users, seconds) come from LT_STAGES ("10:20,25:20,..."); every request is also kept per
 stage in LT_STAGE_FILE (JSON), from which services/loadtest.py finds the knee.
@@ -180,8 +181,8 @@ class Contact(FastHttpUser):
             with self.client.post(f"/v1/sessions/{self.session_id}/approvals/{approval_id}",
                                   data=b'{"approve": true}', headers=self.headers, name="booking (approve)",
                                   catch_response=True) as r:
-                if r.status_code == 429 and attempt < 3:
-                    r.failure(f"HTTP 429: {(r.text or '')[:120]}")
+                if r.status_code in (429, 503) and attempt < 3:
+                    r.failure(f"HTTP {r.status_code}: {(r.text or '')[:120]}")  # 429 is counted as shed
                     time.sleep(float(r.headers.get("Retry-After", "1")))
                     continue
                 self._approved(r)
