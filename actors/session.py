@@ -178,7 +178,7 @@ class SessionState:
                 UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                 for m, (i, o) in self._usage.items()
             ],
-            turns=self._turns,
+            turns=_latest_answers(self._turns),
         )
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
         self._restored_usage = []
@@ -362,15 +362,16 @@ async def _handle_approval(
         if stored is not None:
             if (stored.get("pending_approval") or {}).get("approval_id") == approval_id:
                 # the state was saved between the decision and the turn's end, then its host stopped
-                raise SessionError(f"approval {approval_id[:60]!r} was decided but the turn it resumed did not "
-                                   "finish (its session host stopped); send the contact's message again",
-                                   kind="not_found")
+                raise SessionError(f"approval {approval_id[:60]!r} was decided but the turn it resumed stopped "
+                                   "before it finished (a host restart or an error; its tools may have run, "
+                                   "writes with their idempotency key); send the contact's request again as a "
+                                   "new message", kind="not_found")
             # Decided already (a client that lost the answer asks again): the turn's stored
             # answer, as a repeated message_id gets it; the first decision stands, nothing runs.
             return msgspec.structs.replace(msgspec.convert(stored, TurnReply), replay=True)
         raise SessionError(f"no pending approval {approval_id[:60]!r} in this session (a newer message replaced "
                            f"it, or it was decided before the session's latest {DECIDED_KEPT} decisions); send "
-                           "the contact's message again to ask anew", kind="not_found")
+                           "the contact's request again as a new message to ask anew", kind="not_found")
     if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
         return msgspec.convert(state.turns[pending.message_id], TurnReply)
     state.snapshot.pending = None
@@ -400,6 +401,13 @@ async def _handle_approval(
         outcomes = env.executor.deny(plan, ctx, reason=reason)
     await _absorb(state, turn, outcomes, emit, pending.message_id)
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
+
+
+def _latest_answers(turns: list[TurnRecord]) -> list[TurnRecord]:
+    """One answer per message id, the latest (a turn held for approval, then resumed), in the
+    order the message ids first came: one flush statement cannot write a stored answer twice."""
+    latest = {t.message_id: t for t in turns}
+    return list(latest.values()) if len(latest) < len(turns) else turns
 
 
 def remember_decided(snapshot: SessionSnapshot, approval_id: str, message_id: str) -> None:

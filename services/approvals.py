@@ -2,7 +2,8 @@
 
 An id is `apr_<nonce>.<mac>` where mac = HMAC-SHA256(key, "tenant\\0session\\0nonce"), truncated.
 The key is derived from CE_SECRET_KEY (every configured key verifies, the first signs: rotation).
-Replay is prevented by the session itself: a decided approval is no longer pending.
+Replay is prevented by the session itself: a decided approval is no longer pending, and asked again
+it answers with the stored answer of the turn it resumed (actors.session), running nothing.
 """
 
 from __future__ import annotations

@@ -373,7 +373,8 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
                 cpu[way].stop()
                 host_row[way] = ([t[0] for t in times], 0, row[way][2])
                 gates.setdefault(way, []).extend(t[1] for t in times)
-                in_gateway.setdefault(way, []).extend(t[2] - t[0] for t in times if not math.isnan(t[2]))
+                in_gateway.setdefault(way, []).extend(
+                    t[2] - t[0] for t in times if not (math.isnan(t[0]) or math.isnan(t[2])))
             sent += size
             slices.append(row)
             host_slices.append(host_row)

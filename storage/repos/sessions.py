@@ -81,9 +81,14 @@ _ADD_USAGE = (
     # a retried delta (same newest seq) adds nothing: its tokens are already in
     "WHERE EXCLUDED.applied_seq IS NULL OR u.applied_seq IS NULL OR u.applied_seq < EXCLUDED.applied_seq"
 )
+# A message id's answer is written once: a retried flush changes nothing. One exception: an answer
+# held for approval gives way to the answer of the turn its approval resumed (held again, or done).
+_KEEP_TURN = (
+    "ON CONFLICT (session_id, message_id) DO UPDATE SET response = EXCLUDED.response "
+    "WHERE ce_turns.response ? 'pending_approval'"
+)
 _INSERT_TURN = (
-    "INSERT INTO ce_turns (tenant_id, session_id, message_id, response) VALUES ($1, $2, $3, $4) "
-    "ON CONFLICT (session_id, message_id) DO NOTHING"
+    "INSERT INTO ce_turns (tenant_id, session_id, message_id, response) VALUES ($1, $2, $3, $4) " + _KEEP_TURN
 )
 
 # The whole flush as ONE statement, so one round trip and no BEGIN/COMMIT (a statement is its own
@@ -92,7 +97,7 @@ _INSERT_TURN = (
 # row a newer activation changed after this statement began is re-read when locked, so its new
 # epoch fails the join and that session's delta is refused. JSON travels as text cast to jsonb:
 # a jsonb[] parameter would read a list of content blocks as a second array dimension.
-_FLUSH = """
+_FLUSH = f"""
 WITH d AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bool[], $6::bigint[])
         AS d(id, tenant_id, snapshot, message_count, handoff, epoch)
@@ -143,7 +148,7 @@ WITH d AS (
     SELECT t.tenant_id, t.session_id, t.message_id, t.response::jsonb
     FROM unnest($36::text[], $37::text[], $38::text[], $39::text[]) AS t(tenant_id, session_id, message_id, response)
     JOIN ok ON ok.id = t.session_id
-    ON CONFLICT (session_id, message_id) DO NOTHING
+    {_KEEP_TURN}
 )
 SELECT id FROM ok
 """

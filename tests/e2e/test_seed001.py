@@ -230,3 +230,11 @@ async def test_a_pending_approval_survives_passivation(stack, client, tenant, ba
     status, done = await post(client, f"{gw}/v1/sessions/ap-5/approvals/{approval}", headers, {"approve": True})
     assert status == 200 and done["tool_calls"][0]["name"] == "archive_order" and done["tool_calls"][0]["success"]
     assert len(backend.to("/archive_order")) == 1
+    # reloaded from Postgres once more, the decision and its message answer as they did, stored
+    assert await stack.placement.passivate(tenant_id, "ap-5") is True
+    status, again = await post(client, f"{gw}/v1/sessions/ap-5/approvals/{approval}", headers, {"approve": True})
+    assert status == 200 and again == done, again
+    status, resent = await post(client, f"{gw}/v1/sessions/ap-5/messages", headers,
+                                {"text": call("archive_order", {"ref": "Z"}), "message_id": held["message_id"]})
+    assert status == 200 and resent == done, resent  # the finished answer, not the held one
+    assert len(backend.to("/archive_order")) == 1

@@ -267,6 +267,33 @@ async def test_retried_flush_does_not_duplicate_rows_or_tokens_and_turns_keep_th
     assert await sessions.get_turn(tenant.id, s, "m2") is None
 
 
+async def test_a_held_answer_gives_way_to_the_answer_its_approval_led_to_and_nothing_else_does(
+    sessions, pool, make_tenant
+):
+    # A turn held for approval is stored (the client must see it durable before deciding); once
+    # decided, the same message id's answer is the resumed turn's: held again, then finished.
+    tenant, _ = await make_tenant()
+    held_1 = {"reply": "confirm?", "pending_approval": {"approval_id": "apr_1"}}
+    held_2 = {"reply": "and this?", "pending_approval": {"approval_id": "apr_2"}}
+    for batch in ("one by one", "in one batch"):  # the second goes statement by statement
+        s = sid()
+        lease = await sessions.activate(tenant.id, s, owner="h")
+
+        def turn(response, s=s, lease=lease):
+            return delta(tenant.id, s, lease.epoch, turns=[TurnRecord(message_id="m1", response=response)])
+
+        if batch == "one by one":
+            await sessions.flush([turn(held_1)])
+            await sessions.flush([turn(held_2)])
+            assert await sessions.get_turn(tenant.id, s, "m1") == held_2
+            await sessions.flush([turn({"reply": "done"})])
+        else:
+            await sessions.flush([turn(held_1), turn(held_2), turn({"reply": "done"})])
+        await sessions.flush([turn(held_1)])  # a stale retry of the held answer changes nothing
+        await sessions.flush([turn({"reply": "other"})])  # nor does a second finished answer
+        assert await sessions.get_turn(tenant.id, s, "m1") == {"reply": "done"}, batch
+
+
 async def test_a_retry_that_carries_newer_tokens_too_adds_only_the_newer(sessions, pool, make_tenant):
     # The first flush committed but its acknowledgement was lost; before the retry, a turn added
     # messages and tokens: the retry carries both deltas' tokens, each tagged with its own seq.

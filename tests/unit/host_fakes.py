@@ -151,9 +151,11 @@ class FakeSessionStore:
             self.messages[key].append(m)
             seqs.add(m.seq)
         self.variables[key].update(delta.variables)
-        for t in delta.turns:
-            if t.message_id in self.turns[key]:
+        for t in delta.turns:  # as Postgres keeps them (storage.repos.sessions): the first answer,
+            stored = self.turns[key].get(t.message_id)  # unless it was held for approval
+            if stored is not None and "pending_approval" not in stored:
                 self.duplicates.append(f"{key} turn {t.message_id}")
+                continue
             self.turns[key][t.message_id] = t.response
         ids = {c.id for c in self.tool_calls[key]}
         for c in delta.tool_calls:

@@ -534,6 +534,7 @@ async def test_an_approval_decided_long_ago_answers_again_from_the_store_and_run
     assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
     assert store.get_turn_calls == get_turns + 1 and host.stats()["stored_turn_reads"] == 1
     assert len(world.model.requests) == requests and world.calls() == [("lookup", "q")]
+    assert store.duplicates == []  # the held answer gave way to the finished one, once
 
 
 # -- shutdown ------------------------------------------------------------------------------------

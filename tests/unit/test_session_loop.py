@@ -330,6 +330,23 @@ def test_restore_delta_puts_back_everything_a_failed_flush_held(registry):
     assert [t.message_id for t in merged.turns] == ["m1", "m2"]
 
 
+async def test_a_delta_holds_one_answer_per_message_id_the_latest(registry):
+    # held, then decided before any flush (output gate off), or a failed flush put back: one
+    # statement cannot write the same stored answer twice, and the latest is the one to keep
+    state = new_state("t", "s")
+    env = make_env(ScriptedLLM([[("book", {"q": "10:00"})], "booked"]), registry, [WRITE])
+    held = await handle_message(state, "book 10", "m1", env)
+    first = state.take_delta()
+    await handle_approval(state, held.pending_approval.approval_id, True, env)
+    state.restore_delta(first)
+    turns = state.take_delta().turns
+    assert [t.message_id for t in turns] == ["m1"] and turns[0].response["reply"] == "booked"
+    held = await handle_message(state, "book 11", "m2", make_env(ScriptedLLM([[("book", {"q": "11:00"})]]), registry, [WRITE]))
+    await handle_approval(state, held.pending_approval.approval_id, False, make_env(ScriptedLLM(["not booked"]), registry, [WRITE]))
+    turns = state.take_delta().turns
+    assert [(t.message_id, t.response["reply"]) for t in turns] == [("m2", "not booked")]
+
+
 async def test_a_restored_deltas_tokens_keep_their_own_seq_so_a_retried_flush_cannot_add_them_twice(registry):
     state = new_state("t", "s")
     await handle_message(state, "hi", "m1", make_env(ScriptedLLM(["hello"]), registry, []))

@@ -211,7 +211,7 @@ async def test_a_decision_whose_turn_never_finished_is_refused_not_replayed_as_s
     # what a host that stopped mid-resume leaves saved: decided, but the answer is the held one
     state.snapshot.pending = None
     remember_decided(state.snapshot, approval, "m1")
-    with pytest.raises(SessionError, match="did not finish"):
+    with pytest.raises(SessionError, match="stopped before it finished"):
         await handle_approval(state, approval, True, env)
     assert reg.log == []
 
