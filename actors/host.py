@@ -285,7 +285,7 @@ class SessionHost:
         self.stored_turn_reads += 1
         stored = await self._store.get_turn(state.tenant_id, state.session_id, message_id)
         if stored is not None:
-            state.turns[message_id] = stored
+            state.cache_turn(message_id, stored)
 
     async def stream(
         self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,

@@ -115,6 +115,7 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     usage: dict[str, list[int]] = {}
     tool_calls: list[ToolCallSummary] = []
     client_actions: list[dict[str, Any]] = []
+    deliveries: list[dict[str, Any]] = []  # finished jobs the held turn delivered (taken off the list)
 
 
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,51 +149,58 @@ class SessionState:
         self.turns: dict[str, dict[str, Any]] = {}
         #: every stored turn of this session is in `turns` (so a message_id not there is new)
         self.turns_complete = not activated.history
+        # changes of the turn in progress; sealed into `_sealed` when its answer is remembered
         self._messages: list[MessageRecord] = []
         self._variables: dict[str, str] = {}
         self._calls: list[ToolCallRecord] = []
         self._usage: dict[str, list[int]] = {}
-        self._restored_usage: list[UsageDelta] = []  # from deltas whose flush failed, oldest first
         self._turns: list[TurnRecord] = []
         self._dirty = False
+        self._sealed: SessionDelta | None = None  # whole turns' changes, not yet taken by a flush
+        self._attempted = 0  # leading usage rows of `_sealed` a failed flush held (kept apart)
 
     # -- flush deltas ----------------------------------------------------------------------
 
     @property
     def dirty(self) -> bool:
-        return self._dirty
+        """Something is not written yet: whole turns', or a turn's still in progress."""
+        return self._sealed is not None or self._dirty
 
     def take_delta(self) -> SessionDelta | None:
-        """Everything changed since the last take, or None; the state is clean afterwards."""
-        if not self._dirty:
-            return None
-        newest = self._messages[-1].seq if self._messages else None  # appended in seq order
-        delta = SessionDelta(
-            tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
-            # A deep copy: the store encodes it after awaits, while later turns change the original.
-            snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
-            messages=self._messages, variables=self._variables, tool_calls=self._calls,
-            # restored usage keeps its own seq: merged into the newer tokens, a flush retried
-            # after a lost acknowledgement would add it twice
-            usage=self._restored_usage + [
-                UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
-                for m, (i, o) in self._usage.items()
-            ],
-            turns=_latest_answers(self._turns),
-        )
-        self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
-        self._restored_usage = []
-        self._dirty = False
+        """What whole turns changed since the last take, or None. Never part of a turn: a flush
+        that wrote the first half of a turn whose host then died would leave it stored half done,
+        and the retry of its message id would run it again on top of that."""
+        delta, self._sealed, self._attempted = self._sealed, None, 0
         return delta
 
     def restore_delta(self, delta: SessionDelta) -> None:
         """Put back a delta whose flush failed, before anything newer, so nothing is lost."""
-        self._messages = delta.messages + self._messages
-        self._variables = {**delta.variables, **self._variables}
-        self._calls = delta.tool_calls + self._calls
-        self._restored_usage = list(delta.usage) + self._restored_usage
-        self._turns = delta.turns + self._turns
-        self._dirty = True
+        self._sealed = delta if self._sealed is None else _joined(delta, self._sealed)
+        self._attempted = len(delta.usage)
+
+    def _seal(self) -> None:
+        """The turn in progress is whole (its answer is remembered): its changes may be written."""
+        if not self._dirty:
+            return
+        newest = self._messages[-1].seq if self._messages else None  # appended in seq order
+        turn = SessionDelta(
+            tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
+            # A deep copy: the store encodes it after awaits, while later turns change the original.
+            snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
+            messages=self._messages, variables=self._variables, tool_calls=self._calls,
+            usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
+                   for m, (i, o) in self._usage.items()],
+            turns=_latest_answers(self._turns),
+        )
+        self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
+        self._dirty = False
+        if self._sealed is None:
+            self._sealed = turn
+            return
+        joined = _joined(self._sealed, turn)
+        # one usage row per model for turns no flush has tried yet (the newest seq covers them)
+        usage = joined.usage[: self._attempted] + _summed(joined.usage[self._attempted:])
+        self._sealed = msgspec.structs.replace(joined, usage=usage)
 
     def _touch(self) -> None:
         self._dirty = True
@@ -232,14 +240,19 @@ class SessionState:
         self.turns.update(list(turns.items())[-TURN_CACHE:])
         self.turns_complete = complete
 
-    def remember_turn(self, message_id: str, reply: TurnReply) -> None:
-        response = msgspec.to_builtins(reply)
+    def cache_turn(self, message_id: str, response: dict[str, Any]) -> None:
+        """Keep an answer in the turn cache (its latest TURN_CACHE answers)."""
         self.turns[message_id] = response
-        if len(self.turns) > TURN_CACHE:
+        while len(self.turns) > TURN_CACHE:
             self.turns.pop(next(iter(self.turns)))
             self.turns_complete = False
+
+    def remember_turn(self, message_id: str, reply: TurnReply) -> None:
+        response = msgspec.to_builtins(reply)
+        self.cache_turn(message_id, response)
         self._turns.append(TurnRecord(message_id=message_id, response=response))
         self._touch()
+        self._seal()  # the last thing a turn does (finished, or held for approval)
 
     def tool_state(self, turn_calls: dict[str, int] | None = None) -> SessionToolState:
         return SessionToolState(
@@ -381,6 +394,7 @@ async def _handle_approval(
     turn.usage = {k: list(v) for k, v in pending.usage.items()}
     turn.tool_calls = list(pending.tool_calls)
     turn.client_actions = list(pending.client_actions)
+    turn.deliveries = list(pending.deliveries)  # the final answer replaces the held one, stored
     turn.rounds = pending.round
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
@@ -401,6 +415,31 @@ async def _handle_approval(
         outcomes = env.executor.deny(plan, ctx, reason=reason)
     await _absorb(state, turn, outcomes, emit, pending.message_id)
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
+
+
+def _joined(older: SessionDelta, newer: SessionDelta) -> SessionDelta:
+    """Two deltas of one session as one, `older` first. Usage rows stay apart, each with its own
+    seq: one may be a retry of a flush whose acknowledgement was lost, whose tokens the store
+    holds already (it skips a row whose seq it has applied)."""
+    return SessionDelta(
+        tenant_id=newer.tenant_id, session_id=newer.session_id, epoch=newer.epoch, snapshot=newer.snapshot,
+        messages=older.messages + newer.messages, variables={**older.variables, **newer.variables},
+        tool_calls=older.tool_calls + newer.tool_calls, usage=older.usage + newer.usage,
+        turns=_latest_answers(older.turns + newer.turns),
+    )
+
+
+def _summed(usage: list[UsageDelta]) -> list[UsageDelta]:
+    """Usage rows of turns no flush has tried, one per model: tokens added, the newest seq."""
+    out: dict[str, UsageDelta] = {}
+    for u in usage:
+        was = out.get(u.model)
+        out[u.model] = u if was is None else UsageDelta(
+            model=u.model, input_tokens=was.input_tokens + u.input_tokens,
+            output_tokens=was.output_tokens + u.output_tokens,
+            through_seq=u.through_seq if u.through_seq is not None else was.through_seq,
+        )
+    return list(out.values())
 
 
 def _latest_answers(turns: list[TurnRecord]) -> list[TurnRecord]:
@@ -585,6 +624,7 @@ async def _hold(
         message_id=turn.message_id, calls=calls,
         round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
+        deliveries=turn.deliveries,
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()

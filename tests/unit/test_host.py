@@ -199,6 +199,29 @@ async def test_a_turn_finishing_while_another_runs_waits_for_it_and_both_share_o
     assert store.deltas_per_flush == [2]
 
 
+
+async def test_a_flush_never_takes_a_turn_half_done(world):
+    # The session's next message starts while its first waits at the gate: the flush must write
+    # the first turn whole and nothing of the second (a host dying then would leave half a turn
+    # stored, which a retry of its message id would run again on top of).
+    store, model = world.store, world.model
+    other, second = model.hold("other"), model.hold("second")
+    host = await world.host(flush_interval_s=0.2)
+    busy = asyncio.create_task(host.send("t1", "s2", "other", "m-other"))  # keeps the window open
+    await asyncio.wait_for(model.entered("other").wait(), T)
+    first = asyncio.create_task(host.send("t1", "s1", "first", "m1"))
+    await eventually(lambda: ("exit", "first") in model.log)
+    running = asyncio.create_task(host.send("t1", "s1", "second", "m2"))
+    await asyncio.wait_for(model.entered("second").wait(), T)  # its user message is in memory now
+    assert (await asyncio.wait_for(first, T)).reply == "echo: first"  # flushed when the window ran out
+    assert store.texts(KEY) == ["first", "echo: first"], "a flush wrote part of a turn in progress"
+    second.set()
+    other.set()
+    assert (await asyncio.wait_for(running, T)).reply == "echo: second"
+    await asyncio.wait_for(busy, T)
+    assert store.texts(KEY) == ["first", "echo: first", "second", "echo: second"] and store.duplicates == []
+
+
 # -- Postgres away -------------------------------------------------------------------------------
 
 
@@ -510,6 +533,9 @@ async def test_an_id_made_up_for_the_message_is_not_looked_up_even_past_the_turn
     await asyncio.wait_for(host.send("t1", "s1", "hello", "client-id"), T)
     again = await asyncio.wait_for(host.send("t1", "s1", "hello", "m0"), T)
     assert again.replay and store.get_turn_calls == 2 and host.stats()["stored_turn_reads"] == 2
+    for i in range(10):  # old answers read back stay within the cache's bound
+        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
+    assert len(host._sessions[KEY].state.turns) <= TURN_CACHE
 
 
 async def test_an_approval_decided_long_ago_answers_again_from_the_store_and_runs_nothing(world):

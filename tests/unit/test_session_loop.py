@@ -330,6 +330,19 @@ def test_restore_delta_puts_back_everything_a_failed_flush_held(registry):
     assert [t.message_id for t in merged.turns] == ["m1", "m2"]
 
 
+async def test_a_delta_never_holds_a_turn_in_progress_and_sums_whole_turns_tokens(registry):
+    state = new_state("t", "s")
+    await handle_message(state, "hi", "m1", make_env(ScriptedLLM(["hello"]), registry, []))
+    await handle_message(state, "again", "m2", make_env(ScriptedLLM(["hello again"]), registry, []))
+    state.set_variable("half", "done")  # a turn in progress: not taken until its answer is
+    delta = state.take_delta()
+    assert [m.seq for m in delta.messages] == [0, 1, 2, 3] and delta.variables == {}
+    assert [(u.model, u.input_tokens, u.through_seq) for u in delta.usage] == [("main", 20, 3)]
+    assert state.dirty and state.take_delta() is None
+    await handle_message(state, "more", "m3", make_env(ScriptedLLM(["ok"]), registry, []))
+    assert state.take_delta().variables == {"half": "done"}
+
+
 async def test_a_delta_holds_one_answer_per_message_id_the_latest(registry):
     # held, then decided before any flush (output gate off), or a failed flush put back: one
     # statement cannot write the same stored answer twice, and the latest is the one to keep

@@ -11,6 +11,7 @@ import pytest
 from actors.session import (
     DECIDED_KEPT,
     DECIDED_KEY,
+    JOBS_KEY,
     SessionError,
     TurnEnv,
     decided_turn,
@@ -25,7 +26,7 @@ from services.tools.errors import UpstreamStatus, UpstreamTimeout
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from storage.records import SessionSnapshot
+from storage.records import JobRecord, SessionSnapshot
 from tests.unit.test_session_loop import ScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
@@ -214,6 +215,19 @@ async def test_a_decision_whose_turn_never_finished_is_refused_not_replayed_as_s
     with pytest.raises(SessionError, match="stopped before it finished"):
         await handle_approval(state, approval, True, env)
     assert reg.log == []
+
+
+async def test_a_job_delivered_to_a_held_turn_is_in_its_final_answer_too(reg):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "1"})], "booked"]), reg, [WRITE])
+    state.snapshot.extra[JOBS_KEY] = ["j1"]
+    job = JobRecord(id="j1", tenant_id="t", session_id="s", tool_name="export", status="succeeded", result={"n": 1})
+    held = await handle_message(state, "book", "m1", env, finished_jobs=[job])
+    assert [d["job_id"] for d in held.deliveries] == ["j1"] and state.snapshot.extra[JOBS_KEY] == []
+    # the answer stored for m1 becomes the final one: it must still carry the delivery
+    done = await handle_approval(state, held.pending_approval.approval_id, True, env)
+    assert [d["job_id"] for d in done.deliveries] == ["j1"]
+    assert [d["job_id"] for d in state.turns["m1"]["deliveries"]] == ["j1"]
 
 
 async def test_an_approval_never_decided_is_refused_once_a_newer_message_replaced_it(reg):
