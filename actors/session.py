@@ -190,17 +190,16 @@ class SessionState:
             messages=self._messages, variables=self._variables, tool_calls=self._calls,
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                    for m, (i, o) in self._usage.items()],
-            turns=_latest_answers(self._turns),
+            turns=self._turns,  # one turn's: its one answer (a turn ends by remembering it)
         )
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
         self._dirty = False
         if self._sealed is None:
             self._sealed = turn
             return
-        joined = _joined(self._sealed, turn)
         # one usage row per model for turns no flush has tried yet (the newest seq covers them)
-        usage = joined.usage[: self._attempted] + _summed(joined.usage[self._attempted:])
-        self._sealed = msgspec.structs.replace(joined, usage=usage)
+        sealed, tried = self._sealed, self._attempted
+        self._sealed = _joined(sealed, turn, usage=sealed.usage[:tried] + _summed(sealed.usage[tried:] + turn.usage))
 
     def _touch(self) -> None:
         self._dirty = True
@@ -417,14 +416,15 @@ async def _handle_approval(
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
 
 
-def _joined(older: SessionDelta, newer: SessionDelta) -> SessionDelta:
-    """Two deltas of one session as one, `older` first. Usage rows stay apart, each with its own
-    seq: one may be a retry of a flush whose acknowledgement was lost, whose tokens the store
-    holds already (it skips a row whose seq it has applied)."""
+def _joined(older: SessionDelta, newer: SessionDelta, *, usage: list[UsageDelta] | None = None) -> SessionDelta:
+    """Two deltas of one session as one, `older` first. Unless `usage` is given, usage rows stay
+    apart, each with its own seq: one may be a retry of a flush whose acknowledgement was lost,
+    whose tokens the store holds already (it skips a row whose seq it has applied)."""
     return SessionDelta(
         tenant_id=newer.tenant_id, session_id=newer.session_id, epoch=newer.epoch, snapshot=newer.snapshot,
         messages=older.messages + newer.messages, variables={**older.variables, **newer.variables},
-        tool_calls=older.tool_calls + newer.tool_calls, usage=older.usage + newer.usage,
+        tool_calls=older.tool_calls + newer.tool_calls,
+        usage=older.usage + newer.usage if usage is None else usage,
         turns=_latest_answers(older.turns + newer.turns),
     )
 
