@@ -292,7 +292,8 @@ class Placement:
         self, tenant_id: str, session_id: str, method: str, *args: Any, new_id: bool = False
     ) -> TurnReply:
         """A turn on the session's host; while the session moves between hosts (the host answers
-        "moved", having run nothing) route again by the newest shard state and retry."""
+        "moved", having run nothing) route again by the newest shard state and retry, and while
+        its dedicated actor exits (refused, having run nothing) retry on the one that follows."""
         deadline = time.monotonic() + MOVED_RETRY_S
         delay = 0.02
         while True:
@@ -300,12 +301,23 @@ class Placement:
             new_id = False  # that call may have retried a turn that ran before it came back "moved"
             result = result_decoder.decode(raw)
             error = result.error
-            if error is None or error.reason != "moved" or time.monotonic() > deadline:
+            if error is None or not self._ran_nothing(error.reason) or time.monotonic() > deadline:
                 return _unwrap(result)
-            if error.shard_state is not None and self.apply_shard_state(error.shard_state):
-                continue  # a newer count: the session's host is known now
-            await asyncio.sleep(delay)  # a rescale between its two steps: the commit is near
+            if error.reason == "moved":
+                if error.shard_state is not None and self.apply_shard_state(error.shard_state):
+                    continue  # a newer count: the session's host is known now
+            else:
+                self._forget(self.actor_name(tenant_id, session_id))
+            await asyncio.sleep(delay)  # a rescale between its two steps, or an exit: either ends soon
             delay = min(delay * 2, 0.25)
+
+    def _ran_nothing(self, reason: str | None) -> bool:
+        """A turn refused for `reason` ran nothing and is retried by the gateway: "moved" (a shard
+        host hands its sessions on), or "shutting_down" from a dedicated actor, whose session has
+        passivated and whose process is about to be killed by its idle watchdog; the next call
+        creates a new actor (get_if_exists), which re-activates the session from Postgres. A shard
+        host shutting down is a restart or a stop the operator asked for: the client retries."""
+        return reason == "moved" or (reason == "shutting_down" and self._mode == "dedicated")
 
     async def send(
         self, tenant_id: str, session_id: str, text: str, message_id: str | None, *, new_id: bool = False
@@ -326,32 +338,42 @@ class Placement:
     ) -> AsyncIterator[StreamEvent]:
         """The turn's events; a turn that fails raises its error (as `send` does) once the events
         before it are out."""
-        name = self.actor_name(tenant_id, session_id)
         deadline = time.monotonic() + MOVED_RETRY_S
         delay = 0.02
-        while True:  # a "moved" answer ran nothing: a message id new before is new still
+        exiting = False  # an earlier attempt was refused by a dedicated actor about to be killed
+        while True:  # a refusal ran nothing: a message id new before is new still
             name = self.actor_name(tenant_id, session_id)
-            moved: ShardState | bool | None = None
+            refused: ShardState | bool | None = None  # None: no event yet; truthy: retry
             try:
                 gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
                     tenant_id, session_id, text, message_id, approval, *self._new_id_arg(name, new_id)
                 )
                 async for ref in gen:
                     event = event_decoder.decode(await ref)
-                    if moved is None and _is_moved(event) and time.monotonic() < deadline:
+                    reason = _refusal(event)
+                    if refused is None and self._ran_nothing(reason) and time.monotonic() < deadline:
                         raw = event.data.get("shard_state")  # the first event: nothing ran
-                        moved = msgspec.convert(raw, ShardState) if raw else True
+                        refused = msgspec.convert(raw, ShardState) if raw else True
+                        if reason == "shutting_down":
+                            exiting = True
+                            self._forget(name)
                         continue
-                    moved = False
+                    refused = False
                     if event.event == "error":
                         raise _host_exception(_host_error(event.data))
                     yield event
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
                 self._forget(name)
-                raise _restarting() from exc
-            if not moved:
+                if not (exiting and refused is None and time.monotonic() < deadline):
+                    raise _restarting() from exc
+                # the exiting actor was killed as this call reached it: the next call creates a
+                # new one. Said as not new: had a new actor begun the turn and died, the retry is
+                # answered as any retried message id is (the stored reply, if it was stored).
+                new_id = False
+                refused = True
+            if not refused:
                 return
-            if not (isinstance(moved, ShardState) and self.apply_shard_state(moved)):
+            if not (isinstance(refused, ShardState) and self.apply_shard_state(refused)):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
 
@@ -567,8 +589,11 @@ class Placement:
             self._forget(name)
 
 
-def _is_moved(event: StreamEvent) -> bool:
-    return event.event == "error" and isinstance(event.data, dict) and event.data.get("reason") == "moved"
+def _refusal(event: StreamEvent) -> str | None:
+    """The reason of an `error` event (a refusal when it is a stream's first), else None."""
+    if event.event == "error" and isinstance(event.data, dict):
+        return event.data.get("reason")
+    return None
 
 
 def _host_error(data: Any) -> HostError:

@@ -376,10 +376,13 @@ async def test_both_placements_serve_the_same_conversations(mode, stack, dedicat
         # A dedicated session idle for idle_seconds (30 s here) passivates and its process exits;
         # on a slow machine the first conversations end that long before the last. Each session's
         # last message again (answered from its stored turn: nothing runs twice) makes every one
-        # live when the actors are listed.
+        # live when the actors are listed. One that reaches its actor as it exits is served by the
+        # next actor (test_a_message_reaching_a_dedicated_actor_as_it_exits...); a 503 left (the
+        # new actor not up within the gateway's one retry) is retried as a client would.
         last = {s.session_id: s for s in sent}
-        again = await asyncio.gather(*(send(client, gateway.url, headers, sid, "again", s.message_id)
+        again = await asyncio.gather(*(send(client, gateway.url, headers, sid, "again", s.message_id, retries=2)
                                        for sid, s in last.items()))
+        assert [a.failures for a in again if a.reply is None] == []
         assert [a.reply for a in again] == [s.reply for s in last.values()]
     named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
     if mode == "dedicated":
@@ -483,5 +486,47 @@ async def test_a_passivated_dedicated_session_frees_its_actor_and_comes_back_on_
     rows = (await db_state(db, tenant_id))[sid]
     assert rows["epoch"] == 2 and rows["seqs"] == list(range(2 * MESSAGES_PER_TOOL_TURN))
     handle = ray.get_actor(name, namespace=NAMESPACE)
+    await handle.shutdown.remote()
+    ray.kill(handle, no_restart=True)
+
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
+async def test_a_message_reaching_a_dedicated_actor_as_it_exits_is_served_by_the_next_one(
+    sse, stack, dedicated_gateway, client, tenant
+):
+    """A dedicated actor whose session passivated shuts down, then is killed; a message arriving in
+    between is refused by it having run nothing, so the gateway waits for the next actor instead of
+    answering 503 (a contact writing again just as the idle timeout ends is the common case)."""
+    from tests.e2e.api import post
+
+    tenant_id, _key, headers = tenant
+    url, placement = dedicated_gateway.url, dedicated_gateway.placement
+    await register_order_tools(client, url, headers, stack.demo_store.url)
+    sid = f"dedicated-exiting-{'sse' if sse else 'json'}"
+    name = placement.actor_name(tenant_id, sid)
+    note = call_lines(("note_order", {"order_id": "7070"}))
+    m0 = await send(client, url, headers, sid, note, f"{sid}-m0")
+    assert calls_of(m0.reply) == [("note_order", True)]
+
+    old = ray.get_actor(name, namespace=NAMESPACE)
+    assert await old.shutdown.remote() is True  # what the idle watchdog does before its kill
+
+    async def kill_later() -> None:
+        await asyncio.sleep(0.5)
+        ray.kill(old, no_restart=True)
+
+    killer = asyncio.create_task(kill_later())
+    status, body = await post(client, f"{url}/v1/sessions/{sid}/messages", headers,
+                              {"text": note, "message_id": f"{sid}-m1"}, sse=sse)
+    await killer
+    assert status == 200, body
+    reply = body[-1][1] if sse else body
+    if sse:
+        assert body[-1][0] == "done", body
+    # the new actor re-activated the session from Postgres: the one-shot tool was already done
+    assert [(c["name"], c["success"]) for c in reply["tool_calls"]] == [("note_order", False)], reply
+    assert "already done" in reply["tool_calls"][0]["error"]
+    handle = ray.get_actor(name, namespace=NAMESPACE)
+    assert handle._actor_id != old._actor_id
     await handle.shutdown.remote()
     ray.kill(handle, no_restart=True)
