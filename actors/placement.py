@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import msgspec
 import ray
 import structlog
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from actors.lane import LaneAddress, LaneBroken, LaneClient, LaneUnreachable
 from actors.ray_host import (
@@ -272,7 +272,7 @@ class Placement:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
-                return await getattr(handle, method).remote(*args)  # no open lane: no new_id either
+                return await _plain(getattr(handle, method).remote(*args))  # no open lane: no new_id either
             except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
                 # are. The turn may have run: the retry carries its message id (or approval id),
@@ -397,7 +397,7 @@ class Placement:
     async def contract(self, tenant_id: str) -> dict[str, Any]:
         """The tool-contract report, computed by a session host (its registry is what runs)."""
         index = rendezvous_index(tenant_id, self._state.shards)
-        return await self._handle(self._prefix + host_name(index)).contract.remote(tenant_id)
+        return await _plain(self._handle(self._prefix + host_name(index)).contract.remote(tenant_id))
 
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
         if self._absent(tenant_id, session_id):
@@ -587,6 +587,18 @@ class Placement:
                 log.warning("retired_host_shutdown_failed", host=name)
             ray.kill(handle, no_restart=True)
             self._forget(name)
+
+
+async def _plain(ref: Any) -> Any:
+    """The result of a host call; an error of ours the host raised is raised as itself. Ray raises
+    it as a RayTaskError that is also of its class, whose text is the host's whole traceback (file
+    paths, pid, actor id): the gateway answers with an error's text, so that must not reach it."""
+    try:
+        return await ref
+    except RayTaskError as exc:
+        if isinstance(exc.cause, ChatEngineError):
+            raise exc.cause from exc
+        raise
 
 
 def _refusal(event: StreamEvent) -> str | None:

@@ -264,6 +264,8 @@ class SessionHostActor:
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
 
     async def view(self, tenant_id: str, session_id: str) -> bytes | None:
+        if self._stopping and self._host is None:
+            return None  # stopped, every session flushed: the gateway reads the stored session
         host = await self._ensure()
         v = await host.view(tenant_id, session_id)
         return None if v is None else result_encoder.encode(v)

@@ -28,6 +28,7 @@ import ray
 
 from actors.placement import NAMESPACE, SESSION_PREFIX
 from actors.ray_host import DEDICATED_POOL_SIZE
+from services.errors import Overloaded
 from services.stack import DEMO_STORE_HOST
 from storage.records import SessionDelta, session_uid
 from tests.e2e.helpers import (
@@ -510,6 +511,16 @@ async def test_a_message_reaching_a_dedicated_actor_as_it_exits_is_served_by_the
 
     old = ray.get_actor(name, namespace=NAMESPACE)
     assert await old.shutdown.remote() is True  # what the idle watchdog does before its kill
+    if not sse:  # reading the session meanwhile answers what is stored, not 503
+        async with client.get(f"{url}/v1/sessions/{sid}", headers=headers) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["messages"] == MESSAGES_PER_TOOL_TURN
+        # an error the host raises reaches the gateway as itself: its text, not the host's
+        # traceback (which the gateway would have answered with: paths, pid, actor id)
+        with pytest.raises(Overloaded) as refused:
+            await placement.passivate(tenant_id, sid)
+        assert not isinstance(refused.value, ray.exceptions.RayTaskError)
+        assert str(refused.value) == "this session host is shutting down; retry in a moment"
 
     async def kill_later() -> None:
         await asyncio.sleep(0.5)
