@@ -143,7 +143,9 @@ class SessionState:
         self.session_id = activated.session_id
         self.epoch = activated.epoch
         self.variables: dict[str, str] = dict(activated.variables)
-        self.snapshot: SessionSnapshot = msgspec.structs.replace(activated.snapshot)
+        self.snapshot: SessionSnapshot = _copied(activated.snapshot)
+        #: the snapshot as of the last whole turn (turns change `snapshot` in place as they run)
+        self._whole_snapshot = activated.snapshot
         self.history: list[ChatMessage] = [_to_chat(m) for m in activated.history]
         self.next_seq = (activated.history[-1].seq + 1) if activated.history else 0
         self.turns: dict[str, dict[str, Any]] = {}
@@ -183,10 +185,11 @@ class SessionState:
         if not self._dirty:
             return
         newest = self._messages[-1].seq if self._messages else None  # appended in seq order
+        # A deep copy: the store encodes it after awaits, while later turns change the original.
+        self._whole_snapshot = _copied(self.snapshot)
         turn = SessionDelta(
             tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
-            # A deep copy: the store encodes it after awaits, while later turns change the original.
-            snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
+            snapshot=self._whole_snapshot,
             messages=self._messages, variables=self._variables, tool_calls=self._calls,
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                    for m, (i, o) in self._usage.items()],
@@ -194,6 +197,27 @@ class SessionState:
         )
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
         self._dirty = False
+        self._add(turn)
+
+    def abandon_turn(self) -> bool:
+        """Drop what a turn that raised half way changed; True when it had changed anything. The
+        cached state is then ahead of anything a flush may write (the host replaces it from the
+        store before the session's next turn). The calls of tools that really ran and the model's
+        tokens are kept for the flush, under the snapshot of the last whole turn."""
+        if not self._dirty:
+            return False
+        calls, usage = self._calls, self._usage
+        self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
+        self._dirty = False
+        if calls or usage:
+            self._add(SessionDelta(
+                tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
+                snapshot=self._whole_snapshot, tool_calls=calls,
+                usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o) for m, (i, o) in usage.items()],
+            ))
+        return True
+
+    def _add(self, turn: SessionDelta) -> None:
         if self._sealed is None:
             self._sealed = turn
             return
@@ -447,6 +471,10 @@ def _latest_answers(turns: list[TurnRecord]) -> list[TurnRecord]:
     order the message ids first came: one flush statement cannot write a stored answer twice."""
     latest = {t.message_id: t for t in turns}
     return list(latest.values()) if len(latest) < len(turns) else turns
+
+
+def _copied(snapshot: SessionSnapshot) -> SessionSnapshot:
+    return msgspec.convert(msgspec.to_builtins(snapshot), SessionSnapshot)
 
 
 def remember_decided(snapshot: SessionSnapshot, approval_id: str, message_id: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from actors.host import HostSettings, LeaseLost, SessionHost
 from services.errors import Overloaded
+from services.llm.port import ToolResultBlock
 from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
@@ -220,6 +221,36 @@ async def test_a_flush_never_takes_a_turn_half_done(world):
     assert (await asyncio.wait_for(running, T)).reply == "echo: second"
     await asyncio.wait_for(busy, T)
     assert store.texts(KEY) == ["first", "echo: first", "second", "echo: second"] and store.duplicates == []
+
+
+async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it(world):
+    # Something unexpected raises after the tool ran (not a model error, which is answered
+    # in-band): the turn's user message, tool call and result are in memory, its answer is not.
+    # None of that may be written with the next turn, nor shown to the model again; the tool's
+    # call record and the model's tokens are kept, as every call that really ran is.
+    store, model = world.store, world.model
+    scripted = model.stream
+
+    def stream(request):
+        if any(isinstance(b, ToolResultBlock) for b in request.messages[-1].content):
+            raise RuntimeError("a bug in the turn")
+        return scripted(request)
+
+    model.stream = stream
+    host = await world.host()
+    with pytest.raises(RuntimeError, match="a bug in the turn"):
+        await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+    assert world.calls() == [("lookup", "boom")]
+    model.stream = scripted
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert [m.role for m in model.requests[-1].messages] == ["user"], "the half turn reached the model"
+    assert store.texts(KEY) == ["hello", "echo: hello"] and store.seqs(KEY) == [0, 1]
+    assert set(store.turns[KEY]) == {"m2"}
+    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+    assert store.usage[KEY] == {"main": [20, 6]}
+    # the same message id again runs the turn anew: it was never answered
+    assert (await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)).reply.startswith("done: ")
+    assert store.seqs(KEY) == [0, 1, 2, 3, 4, 5]
 
 
 # -- Postgres away -------------------------------------------------------------------------------
