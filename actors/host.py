@@ -390,7 +390,13 @@ class SessionHost:
             if not evicted and entry.spoiled:
                 # The last turn raised half way: the session goes on from what is stored, with
                 # what that turn kept (its tools' calls) written first.
-                await self._release(key, entry)
+                try:
+                    await asyncio.wait_for(self._release(key, entry), self._settings.gate_timeout_s)
+                except TimeoutError:
+                    raise Overloaded(
+                        f"session {session_id!r} cannot take messages until its last turn's records are saved "
+                        "(database unavailable); retry shortly", retry_after=2.0, reason="unsaved",
+                    ) from None
                 evicted = True
             if not evicted and not self.owns(tenant_id, session_id):
                 # The shard view changed while this turn waited (or while the session was being

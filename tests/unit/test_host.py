@@ -223,12 +223,9 @@ async def test_a_flush_never_takes_a_turn_half_done(world):
     assert store.texts(KEY) == ["first", "echo: first", "second", "echo: second"] and store.duplicates == []
 
 
-async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it(world):
-    # Something unexpected raises after the tool ran (not a model error, which is answered
-    # in-band): the turn's user message, tool call and result are in memory, its answer is not.
-    # None of that may be written with the next turn, nor shown to the model again; the tool's
-    # call record and the model's tokens are kept, as every call that really ran is.
-    store, model = world.store, world.model
+def failing_after_tools(model):
+    """Make the model client raise (a bug, not an LLMError) once a tool's result comes back;
+    returns the scripted stream to put back."""
     scripted = model.stream
 
     def stream(request):
@@ -237,6 +234,16 @@ async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it
         return scripted(request)
 
     model.stream = stream
+    return scripted
+
+
+async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it(world):
+    # Something unexpected raises after the tool ran (not a model error, which is answered
+    # in-band): the turn's user message, tool call and result are in memory, its answer is not.
+    # None of that may be written with the next turn, nor shown to the model again; the tool's
+    # call record and the model's tokens are kept, as every call that really ran is.
+    store, model = world.store, world.model
+    scripted = failing_after_tools(model)
     host = await world.host()
     with pytest.raises(RuntimeError, match="a bug in the turn"):
         await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
@@ -251,6 +258,23 @@ async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it
     # the same message id again runs the turn anew: it was never answered
     assert (await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)).reply.startswith("done: ")
     assert store.seqs(KEY) == [0, 1, 2, 3, 4, 5]
+
+
+async def test_after_a_failed_turn_the_next_message_waits_for_its_records_only_up_to_the_gate_timeout(world):
+    store, model = world.store, world.model
+    scripted = failing_after_tools(model)
+    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    with pytest.raises(RuntimeError):
+        await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+    model.stream = scripted
+    with pytest.raises(Overloaded, match="retry shortly") as info:
+        await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
+    assert info.value.reason == "unsaved"
+    store.down = False
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert store.texts(KEY) == ["hello", "echo: hello"]
+    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
 
 
 # -- Postgres away -------------------------------------------------------------------------------
