@@ -96,7 +96,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("last_used", "lock", "queued", "spoiled", "stale", "state")
+    __slots__ = ("last_used", "lock", "queued", "stale", "state")
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
@@ -104,7 +104,6 @@ class _Entry:
         self.last_used = time.monotonic()
         self.queued = 0
         self.stale = False  # a flush of this copy was refused: a newer activation owns the session
-        self.spoiled = False  # a turn raised half way: this copy is ahead of what may be written
 
 
 class SessionHost:
@@ -387,17 +386,6 @@ class SessionHost:
         try:
             self._refuse_if_closing()  # stop() began while this turn waited: run nothing
             evicted = self._sessions.get(key) is not entry
-            if not evicted and entry.spoiled:
-                # The last turn raised half way: the session goes on from what is stored, with
-                # what that turn kept (its tools' calls) written first.
-                try:
-                    await asyncio.wait_for(self._release(key, entry), self._settings.gate_timeout_s)
-                except TimeoutError:
-                    raise Overloaded(
-                        f"session {session_id!r} cannot take messages until its last turn's records are saved "
-                        "(database unavailable); retry shortly", retry_after=2.0, reason="unsaved",
-                    ) from None
-                evicted = True
             if not evicted and not self.owns(tenant_id, session_id):
                 # The shard view changed while this turn waited (or while the session was being
                 # activated): run nothing here; hand the session over flushed.
@@ -410,11 +398,9 @@ class SessionHost:
                 try:
                     reply = await run(entry, env)
                 except BaseException:
-                    if entry.state.abandon_turn():
-                        entry.spoiled = True
-                        if entry.state.dirty:
-                            self._dirty.add(key)
-                            self._wake.set()
+                    if entry.state.close_failed_turn():  # what ran is written, made whole
+                        self._dirty.add(key)
+                        self._wake.set()
                     raise
                 finally:
                     self._busy -= 1

@@ -86,6 +86,11 @@ LLM_DOWN_REPLY = (
     "I'm sorry, I can't answer right now because of a technical problem. Please try again in a moment."
 )
 ROUND_CAP_REPLY = "I'm sorry, I couldn't finish that. Could you tell me a little more about what you need?"
+#: the result a tool call gets when its turn failed before recording one
+INTERRUPTED_RESULT = (
+    "the turn stopped (an internal error) before this call's result was recorded; it may have run: "
+    "check before calling it again"
+)
 
 Emit = Callable[[StreamEvent], Awaitable[None]]
 
@@ -143,9 +148,7 @@ class SessionState:
         self.session_id = activated.session_id
         self.epoch = activated.epoch
         self.variables: dict[str, str] = dict(activated.variables)
-        self.snapshot: SessionSnapshot = _copied(activated.snapshot)
-        #: the snapshot as of the last whole turn (turns change `snapshot` in place as they run)
-        self._whole_snapshot = activated.snapshot
+        self.snapshot: SessionSnapshot = msgspec.structs.replace(activated.snapshot)
         self.history: list[ChatMessage] = [_to_chat(m) for m in activated.history]
         self.next_seq = (activated.history[-1].seq + 1) if activated.history else 0
         self.turns: dict[str, dict[str, Any]] = {}
@@ -158,6 +161,7 @@ class SessionState:
         self._usage: dict[str, list[int]] = {}
         self._turns: list[TurnRecord] = []
         self._dirty = False
+        self.turn_message_id: str | None = None  # the message id of the turn running (or last run)
         self._sealed: SessionDelta | None = None  # whole turns' changes, not yet taken by a flush
         self._attempted = 0  # leading usage rows of `_sealed` a failed flush held (kept apart)
 
@@ -185,11 +189,10 @@ class SessionState:
         if not self._dirty:
             return
         newest = self._messages[-1].seq if self._messages else None  # appended in seq order
-        # A deep copy: the store encodes it after awaits, while later turns change the original.
-        self._whole_snapshot = _copied(self.snapshot)
         turn = SessionDelta(
             tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
-            snapshot=self._whole_snapshot,
+            # A deep copy: the store encodes it after awaits, while later turns change the original.
+            snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
             messages=self._messages, variables=self._variables, tool_calls=self._calls,
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                    for m, (i, o) in self._usage.items()],
@@ -197,33 +200,30 @@ class SessionState:
         )
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
         self._dirty = False
-        self._add(turn)
-
-    def abandon_turn(self) -> bool:
-        """Drop what a turn that raised half way changed; True when it had changed anything. The
-        cached state is then ahead of anything a flush may write (the host replaces it from the
-        store before the session's next turn). The calls of tools that really ran and the model's
-        tokens are kept for the flush, under the snapshot of the last whole turn."""
-        if not self._dirty:
-            return False
-        calls, usage = self._calls, self._usage
-        self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
-        self._dirty = False
-        if calls or usage:
-            self._add(SessionDelta(
-                tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
-                snapshot=self._whole_snapshot, tool_calls=calls,
-                usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o) for m, (i, o) in usage.items()],
-            ))
-        return True
-
-    def _add(self, turn: SessionDelta) -> None:
         if self._sealed is None:
             self._sealed = turn
             return
         # one usage row per model for turns no flush has tried yet (the newest seq covers them)
         sealed, tried = self._sealed, self._attempted
         self._sealed = _joined(sealed, turn, usage=sealed.usage[:tried] + _summed(sealed.usage[tried:] + turn.usage))
+
+    def close_failed_turn(self) -> bool:
+        """A turn raised half way (a bug or a cancellation; model and tool errors are answered
+        in-band): what it did stays, since its tools ran and the model spent its tokens (an
+        approval it resumed stays decided, so its tools never run twice), made whole so that later
+        turns build on a valid conversation: each tool call it left without a result gets one
+        saying so. No answer is remembered for its message id: sent again, it runs anew. Returns
+        True when there was something to seal for the flush."""
+        if not self._dirty:
+            return False
+        last = self.history[-1] if self.history else None
+        unanswered = [b for b in last.content if isinstance(b, ToolUseBlock)] if last and last.role == "assistant" else []
+        if unanswered:
+            self.append(ChatMessage(role="user", content=[
+                ToolResultBlock(tool_use_id=b.id, content=INTERRUPTED_RESULT, is_error=True) for b in unanswered
+            ]), self.turn_message_id)
+        self._seal()
+        return True
 
     def _touch(self) -> None:
         self._dirty = True
@@ -344,6 +344,7 @@ async def _handle_message(
     message_id = message_id or f"m_{secrets.token_hex(8)}"
     if message_id in state.turns:
         return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
+    state.turn_message_id = message_id
     turn = _Turn(message_id)
     content: list[ContentBlock] = []
     if state.snapshot.pending is not None:
@@ -410,6 +411,7 @@ async def _handle_approval(
                            "the contact's request again as a new message to ask anew", kind="not_found")
     if pending.message_id in state.turns and state.turns[pending.message_id].get("pending_approval") is None:
         return msgspec.convert(state.turns[pending.message_id], TurnReply)
+    state.turn_message_id = pending.message_id
     state.snapshot.pending = None
     remember_decided(state.snapshot, approval_id, pending.message_id)
     state._touch()
@@ -471,10 +473,6 @@ def _latest_answers(turns: list[TurnRecord]) -> list[TurnRecord]:
     order the message ids first came: one flush statement cannot write a stored answer twice."""
     latest = {t.message_id: t for t in turns}
     return list(latest.values()) if len(latest) < len(turns) else turns
-
-
-def _copied(snapshot: SessionSnapshot) -> SessionSnapshot:
-    return msgspec.convert(msgspec.to_builtins(snapshot), SessionSnapshot)
 
 
 def remember_decided(snapshot: SessionSnapshot, approval_id: str, message_id: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from actors.host import HostSettings, LeaseLost, SessionHost
 from services.errors import Overloaded
-from services.llm.port import ToolResultBlock
+from services.llm.port import ToolResultBlock, ToolUseBlock
 from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
@@ -237,44 +237,82 @@ def failing_after_tools(model):
     return scripted
 
 
-async def test_a_turn_that_fails_half_way_leaves_its_session_as_stored_before_it(world):
-    # Something unexpected raises after the tool ran (not a model error, which is answered
-    # in-band): the turn's user message, tool call and result are in memory, its answer is not.
-    # None of that may be written with the next turn, nor shown to the model again; the tool's
-    # call record and the model's tokens are kept, as every call that really ran is.
+def assert_paired(messages) -> None:
+    """Every tool call the model is shown has its result in the very next message."""
+    for i, m in enumerate(messages):
+        calls = {b.id for b in m.content if isinstance(b, ToolUseBlock)}
+        if calls:
+            after = messages[i + 1].content if i + 1 < len(messages) else []
+            assert calls == {b.tool_use_id for b in after if isinstance(b, ToolResultBlock)}, messages
+
+
+async def test_a_turn_that_fails_half_way_is_kept_whole_but_unanswered_and_its_id_runs_anew(world):
+    # Something unexpected raises after the tool ran (model and tool errors are answered in-band):
+    # what ran is written (the tool did run, the model spent its tokens), nothing is answered.
     store, model = world.store, world.model
     scripted = failing_after_tools(model)
     host = await world.host()
     with pytest.raises(RuntimeError, match="a bug in the turn"):
         await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
-    assert world.calls() == [("lookup", "boom")]
+    await eventually(lambda: store.seqs(KEY) == [0, 1, 2])  # flushed without waiting for a next turn
+    assert store.texts(KEY) == ["use lookup boom"] and "m1" not in store.turns[KEY]
+    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+    assert store.usage[KEY] == {"main": [10, 3]} and store.snapshots[KEY].message_count == 3
     model.stream = scripted
     assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
-    assert [m.role for m in model.requests[-1].messages] == ["user"], "the half turn reached the model"
-    assert store.texts(KEY) == ["hello", "echo: hello"] and store.seqs(KEY) == [0, 1]
-    assert set(store.turns[KEY]) == {"m2"}
-    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
-    assert store.usage[KEY] == {"main": [20, 6]}
-    # the same message id again runs the turn anew: it was never answered
-    assert (await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)).reply.startswith("done: ")
-    assert store.seqs(KEY) == [0, 1, 2, 3, 4, 5]
+    assert [m.role for m in model.requests[-1].messages] == ["user", "assistant", "user", "user"]
+    assert_paired(model.requests[-1].messages)
+    # never answered, so the same message id runs again (its tool with the same idempotency key)
+    retried = await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+    assert retried.reply.startswith("done: ") and world.calls() == [("lookup", "boom")] * 2
+    assert store.seqs(KEY) == list(range(9)) and set(store.turns[KEY]) == {"m1", "m2"}
 
 
-async def test_after_a_failed_turn_the_next_message_waits_for_its_records_only_up_to_the_gate_timeout(world):
-    store, model = world.store, world.model
+async def test_a_turn_that_fails_between_a_tool_call_and_its_result_leaves_the_conversation_valid(world):
+    # Without the closing result, every later request would show the model a tool call with no
+    # result after it, which the model API refuses: the session would answer nothing again.
+    from actors.session import INTERRUPTED_RESULT
+
+    store, model, executor = world.store, world.model, world.tenants.env.executor
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("the executor broke")
+
+    executor.execute = broken
+    host = await world.host()
+    with pytest.raises(RuntimeError, match="the executor broke"):
+        await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    del executor.execute
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    shown = model.requests[-1].messages
+    assert_paired(shown)
+    assert [(b.content, b.is_error) for b in shown[2].content] == [(INTERRUPTED_RESULT, True)]
+    assert store.seqs(KEY) == [0, 1, 2, 3, 4] and store.texts(KEY) == ["use lookup q", "hello", "echo: hello"]
+
+
+async def test_an_approval_whose_resumed_turn_failed_stays_decided_and_never_runs_its_tools_twice(world):
+    from actors.session import SessionError
+    from services.tools.registry import build_catalog
+
+    store, tenants, model = world.store, world.tenants, world.model
+    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
+    tenants.env = msgspec.structs.replace(
+        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    host = await world.host()
+    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    approval = held.pending_approval.approval_id
     scripted = failing_after_tools(model)
-    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
-    store.down = True
-    with pytest.raises(RuntimeError):
-        await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+    with pytest.raises(RuntimeError, match="a bug in the turn"):
+        await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
     model.stream = scripted
-    with pytest.raises(Overloaded, match="retry shortly") as info:
-        await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
-    assert info.value.reason == "unsaved"
-    store.down = False
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
-    assert store.texts(KEY) == ["hello", "echo: hello"]
-    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+    assert world.calls() == [("lookup", "q")]
+    with pytest.raises(SessionError, match="was decided but the turn it resumed stopped"):
+        await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
+    assert world.calls() == [("lookup", "q")]
+    await eventually(lambda: store.snapshots[KEY].pending is None)
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)).reply == "echo: hello"
+    assert_paired(model.requests[-1].messages)
+    assert world.calls() == [("lookup", "q")]
 
 
 # -- Postgres away -------------------------------------------------------------------------------
