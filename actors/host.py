@@ -398,7 +398,11 @@ class SessionHost:
                 try:
                     reply = await run(entry, env)
                 except BaseException:
-                    if entry.state.close_failed_turn():  # what ran is written, made whole
+                    try:  # what ran is kept, made whole, and written without waiting for a next turn
+                        entry.state.close_failed_turn()
+                    except Exception:  # the turn's own error is the one to raise
+                        log.exception("failed_turn_not_closed", session_id=session_id)
+                    if entry.state.dirty:
                         self._dirty.add(key)
                         self._wake.set()
                     raise

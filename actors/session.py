@@ -207,23 +207,24 @@ class SessionState:
         sealed, tried = self._sealed, self._attempted
         self._sealed = _joined(sealed, turn, usage=sealed.usage[:tried] + _summed(sealed.usage[tried:] + turn.usage))
 
-    def close_failed_turn(self) -> bool:
+    def close_failed_turn(self) -> None:
         """A turn raised half way (a bug or a cancellation; model and tool errors are answered
         in-band): what it did stays, since its tools ran and the model spent its tokens (an
         approval it resumed stays decided, so its tools never run twice), made whole so that later
         turns build on a valid conversation: each tool call it left without a result gets one
-        saying so. No answer is remembered for its message id: sent again, it runs anew. Returns
-        True when there was something to seal for the flush."""
-        if not self._dirty:
-            return False
+        saying so, and calls it was holding for approval are held no more. No answer is
+        remembered for its message id: sent again, it runs anew (a resumed approval's message id
+        keeps its held answer, and the approval says it was decided)."""
         last = self.history[-1] if self.history else None
         unanswered = [b for b in last.content if isinstance(b, ToolUseBlock)] if last and last.role == "assistant" else []
+        if not self._dirty and (not unanswered or self.snapshot.pending is not None):
+            return  # nothing changed: calls held by an earlier turn stay held
         if unanswered:
+            self.snapshot.pending = None
             self.append(ChatMessage(role="user", content=[
                 ToolResultBlock(tool_use_id=b.id, content=INTERRUPTED_RESULT, is_error=True) for b in unanswered
             ]), self.turn_message_id)
         self._seal()
-        return True
 
     def _touch(self) -> None:
         self._dirty = True
@@ -352,6 +353,7 @@ async def _handle_message(
         # every tool_use keeps exactly one tool_result.
         pending = msgspec.convert(state.snapshot.pending, PendingTurn)
         state.snapshot.pending = None
+        state._touch()
         content += _declined_results(pending, "the customer sent a new message instead of approving")
     deliveries = _deliver_jobs(state, finished_jobs)
     for delivery in deliveries:

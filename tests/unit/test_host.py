@@ -238,12 +238,16 @@ def failing_after_tools(model):
 
 
 def assert_paired(messages) -> None:
-    """Every tool call the model is shown has its result in the very next message."""
+    """As the model API requires: the results of an assistant message's tool calls, each once, all
+    in the very next message, and no result anywhere else."""
     for i, m in enumerate(messages):
-        calls = {b.id for b in m.content if isinstance(b, ToolUseBlock)}
-        if calls:
-            after = messages[i + 1].content if i + 1 < len(messages) else []
-            assert calls == {b.tool_use_id for b in after if isinstance(b, ToolResultBlock)}, messages
+        results = [b.tool_use_id for b in m.content if isinstance(b, ToolResultBlock)]
+        before = messages[i - 1] if i else None
+        calls = [b.id for b in before.content if isinstance(b, ToolUseBlock)] if before and before.role == "assistant" else []
+        assert sorted(results) == sorted(calls) or (not results and not calls and m.role == "user") \
+            or m.role == "assistant", messages
+        if m.role == "assistant" and any(isinstance(b, ToolUseBlock) for b in m.content):
+            assert i + 1 < len(messages), "a tool call without its result ends the conversation"
 
 
 async def test_a_turn_that_fails_half_way_is_kept_whole_but_unanswered_and_its_id_runs_anew(world):
@@ -313,6 +317,70 @@ async def test_an_approval_whose_resumed_turn_failed_stays_decided_and_never_run
     assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)).reply == "echo: hello"
     assert_paired(model.requests[-1].messages)
     assert world.calls() == [("lookup", "q")]
+
+
+async def test_a_turn_that_fails_as_it_holds_calls_for_approval_leaves_no_approval_behind(world):
+    # The calls got their closing results: the approval cannot run them too, and the next message
+    # does not decline them a second time.
+    from services.tools.registry import build_catalog
+
+    store, tenants, model = world.store, world.tenants, world.model
+    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
+    tenants.env = msgspec.structs.replace(
+        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    host = await world.host()
+
+    async def emit(event):
+        if event.event == "approval_required":
+            raise RuntimeError("the watcher broke")
+
+    with pytest.raises(RuntimeError, match="the watcher broke"):
+        await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0", emit), T)
+    await eventually(lambda: store.seqs(KEY) == [0, 1, 2])
+    assert store.snapshots[KEY].pending is None
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)).reply == "echo: hello"
+    assert_paired(model.requests[-1].messages)
+    assert world.calls() == []
+
+
+async def test_a_turn_cancelled_half_way_is_kept_and_written(world):
+    store, model = world.store, world.model
+    model.hold("use lookup q")
+    host = await world.host()
+    task = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    await asyncio.wait_for(model.entered("use lookup q").wait(), T)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually(lambda: store.texts(KEY) == ["use lookup q"])
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert store.texts(KEY) == ["use lookup q", "hello", "echo: hello"] and set(store.turns[KEY]) == {"m2"}
+
+
+async def test_a_message_turn_that_fails_after_taking_over_a_held_approval_closes_its_calls(world, monkeypatch):
+    # The new message ends the held calls (declined), then something raises before that is
+    # recorded: the held calls get their closing results, never none and never two.
+    import actors.session as core
+    from services.tools.registry import build_catalog
+
+    store, tenants, model = world.store, world.tenants, world.model
+    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
+    tenants.env = msgspec.structs.replace(
+        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    host = await world.host()
+    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    assert held.pending_approval is not None
+
+    def broken(*args):
+        raise RuntimeError("a bug in the turn")
+
+    monkeypatch.setattr(core, "_declined_results", broken)
+    with pytest.raises(RuntimeError, match="a bug in the turn"):
+        await asyncio.wait_for(host.send("t1", "s1", "never mind", "m1"), T)
+    monkeypatch.undo()
+    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert_paired(model.requests[-1].messages)
+    assert store.snapshots[KEY].pending is None and world.calls() == []
 
 
 # -- Postgres away -------------------------------------------------------------------------------
