@@ -25,7 +25,19 @@ from typing import Any, Protocol
 import msgspec
 import ray
 import structlog
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    RaySystemError,
+    RayTaskError,
+    RpcError,
+    WorkerCrashedError,
+)
 
 from actors.lane import LaneAddress, LaneBroken, LaneClient, LaneUnreachable
 from actors.ray_host import (
@@ -56,6 +68,11 @@ __all__ = ["HOST_PREFIX", "NAMESPACE", "SESSION_PREFIX", "Placement", "host_name
 HOST_CPUS = 0.001
 #: how long a gateway keeps re-routing a turn for a session that is moving between hosts
 MOVED_RETRY_S = 15.0
+#: how Ray says a call to a host did not come back because the host, its worker, its node or the
+#: cluster's own services failed (not because the host's code raised): the call may have run, so
+#: it is retried once with the same message id, then answered 503 "restarting" (never a 500)
+HOST_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, NodeDiedError, WorkerCrashedError,
+             ObjectLostError, LocalRayletDiedError, ActorUnschedulableError, RaySystemError, RpcError)
 #: a host beyond the new count stays up after the commit, answering "moved" with the new state to
 #: gateways whose notification is late, until no turn reached it for RETIRE_QUIET_S (at most
 #: RETIRE_DRAIN_S); killed at once, such a gateway's retry would create it again (get_if_exists)
@@ -273,7 +290,7 @@ class Placement:
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
                 return await _plain(getattr(handle, method).remote(*args))  # no open lane: no new_id either
-            except (ActorDiedError, ActorUnavailableError, RayActorError, LaneBroken) as exc:
+            except (*HOST_LOST, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
                 # are. The turn may have run: the retry carries its message id (or approval id),
                 # and the host answers one it has answered (or decided) with the stored reply.
@@ -362,7 +379,7 @@ class Placement:
                     if event.event == "error":
                         raise _host_exception(_host_error(event.data))
                     yield event
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            except HOST_LOST as exc:
                 self._forget(name)
                 if not (exiting and refused is None and time.monotonic() < deadline):
                     raise _restarting() from exc

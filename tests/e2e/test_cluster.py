@@ -185,6 +185,12 @@ class Cluster:
         path = self.root / "gateway.log"
         return path.read_text()[-4000:] if path.exists() else ""
 
+    def gateway_errors(self) -> list[str]:
+        """The gateway's error-level log lines (why a request was answered 500), newest last."""
+        path = self.root / "gateway.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [line[:3000] for line in lines if '"level": "error"' in line or '"level":"error"' in line][-5:]
+
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -278,7 +284,7 @@ async def cluster(fresh_db, model, backend):
                 await node.stop()
         if log is not None:
             log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True) if not os.environ.get("KEEP_CLUSTER_ROOT") else print("kept", root)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -342,8 +348,9 @@ class Traffic:
     """Each session sends its messages one after another until told to stop; a 503 (or a
     connection error) is retried with the same message_id, honouring Retry-After."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, headers: dict, sessions: list[str]) -> None:
-        self.http, self.url, self.headers, self.sessions = http, url, headers, sessions
+    def __init__(self, http: aiohttp.ClientSession, cluster: Cluster, headers: dict, sessions: list[str]) -> None:
+        self.http, self.url, self.headers, self.sessions = http, cluster.url, headers, sessions
+        self.cluster = cluster
         self.sent: dict[str, list[Sent]] = {s: [] for s in sessions}
         self.stop = asyncio.Event()
         self.errors: list[str] = []
@@ -387,20 +394,24 @@ class Traffic:
             k += 1
             await asyncio.sleep(0.05)
 
+    def failed(self) -> dict[str, list[str]]:
+        """The failed requests, with the gateway's error log lines that say why."""
+        return {"requests": self.errors, "gateway errors": self.cluster.gateway_errors()}
+
     def acked(self, session_id: str, after: float = 0.0) -> int:
         return sum(1 for s in self.sent[session_id] if s.reply is not None and s.acked_at > after)
 
     async def until(self, predicate, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
-            assert not self.errors, self.errors
+            assert not self.errors, self.failed()
             assert time.monotonic() < deadline, {s: self.acked(s) for s in self.sessions}
             await asyncio.sleep(0.1)
 
     async def finish(self) -> list[Sent]:
         self.stop.set()
         await asyncio.wait_for(asyncio.gather(*self._tasks), 120)
-        assert not self.errors, self.errors
+        assert not self.errors, self.failed()
         return [s for sents in self.sent.values() for s in sents]
 
 
@@ -490,7 +501,7 @@ async def test_session_hosts_spread_over_both_nodes_and_chat_flows_through_each(
     assert all(h["shards"] == 2 for h in hosts.values())
 
     sessions = pick_sessions(tenant_id, "spread", {0: 2, 1: 2}, lambda s: host_of(tenant_id, s, 2))
-    async with Traffic(http, cluster.url, headers, [s for ss in sessions.values() for s in ss]) as traffic:
+    async with Traffic(http, cluster, headers, [s for ss in sessions.values() for s in ss]) as traffic:
         await traffic.until(lambda: all(traffic.acked(s) >= 2 for s in traffic.sessions))
         sent = await traffic.finish()
     assert all(not s.failures for s in sent)
@@ -520,7 +531,7 @@ async def test_rescaling_2_4_3_under_traffic_moves_each_session_once_and_loses_o
     sessions = [s for ss in picked.values() for s in ss]
     moves = {s: (path(s)[0] != path(s)[1]) + (path(s)[1] != path(s)[2]) for s in sessions}
 
-    async with Traffic(http, cluster.url, headers, sessions) as traffic:
+    async with Traffic(http, cluster, headers, sessions) as traffic:
         await traffic.until(lambda: all(traffic.acked(s) >= 2 for s in sessions))
         async with db.acquire() as conn:  # every session activated so far is live (idle time: 300 s)
             live = [(r["tenant_id"], r["session_key"]) for r in await conn.fetch(
@@ -577,7 +588,7 @@ async def test_restart_hosts_rolls_every_host_onto_new_settings_while_traffic_fl
     tenant_id, headers = tenant
     before = await cluster.probe()
     sessions = [f"rh-{i}" for i in range(8)]
-    async with Traffic(http, cluster.url, headers, sessions) as traffic:
+    async with Traffic(http, cluster, headers, sessions) as traffic:
         await traffic.until(lambda: all(traffic.acked(s) >= 2 for s in sessions))
         started = time.monotonic()
         report = await cluster.operator("restart-hosts", CE_FLUSH_INTERVAL_MS="3")
@@ -617,7 +628,7 @@ async def test_losing_the_second_node_mid_traffic_loses_nothing_and_its_sessions
     picked = pick_sessions(tenant_id, "nl", {"worker": 5, "head": 5},
                            lambda s: "worker" if host_of(tenant_id, s, shards_n) in on_worker else "head")
     sessions = picked["worker"] + picked["head"]
-    async with Traffic(http, cluster.url, headers, sessions) as traffic:
+    async with Traffic(http, cluster, headers, sessions) as traffic:
         await traffic.until(lambda: all(traffic.acked(s) >= 2 for s in sessions))
         killed_at = time.monotonic()
         assert cluster.worker is not None and cluster.worker.kill() > 0  # raylet, agents, host workers

@@ -245,6 +245,49 @@ async def test_a_lane_that_breaks_mid_call_is_retried_once_then_503(monkeypatch)
     host.gates["t"].set()
 
 
+def _ray_failures() -> list[BaseException]:
+    from ray import exceptions as rx
+
+    return [rx.NodeDiedError("node gone"), rx.WorkerCrashedError(), rx.OwnerDiedError("ab", None, ""),
+            rx.ObjectLostError("ab", None, ""), rx.ActorUnschedulableError("no node fits"),
+            rx.RaySystemError("raylet connection lost"), rx.LocalRayletDiedError(), rx.RpcError("gcs away")]
+
+
+@pytest.mark.parametrize("failure", _ray_failures(), ids=lambda e: type(e).__name__)
+async def test_a_host_call_lost_to_any_ray_failure_is_retried_with_its_id_then_answered_503(failure):
+    # Not only an actor's death: a node, a worker, a lost reply or Ray's own services failing
+    # mid-turn is the host being unreachable, never an internal error (500) of the gateway.
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    class Flaky:
+        def __init__(self, failures: int) -> None:
+            self.failures, self.turns = failures, []
+            self.lane = _Method(self._no_lane)
+            self.send = _Method(self._send)
+
+        async def _no_lane(self) -> None:
+            return None  # turns through Ray
+
+        async def _send(self, *args) -> bytes:
+            self.turns.append(args)
+            if len(self.turns) <= self.failures:
+                raise failure
+            return b"answered"
+
+    p = Placement(Settings(shards=1))
+    once = Flaky(1)
+    p._routed_handle = lambda _name: once  # no Ray here
+    assert await p._call("t", "s", "send", "t", "s", "hi", "m1") == b"answered"
+    assert [t[3] for t in once.turns] == ["m1", "m1"]
+    twice = Flaky(2)
+    p._routed_handle = lambda _name: twice
+    with pytest.raises(Overloaded, match="restarting; retry with the same message_id") as info:
+        await p._call("t", "s", "send", "t", "s", "hi", "m2")
+    assert info.value.status == 503 and info.value.retry_after == 1.0
+
+
 async def test_a_connect_that_hangs_is_unreachable_after_the_connect_timeout(monkeypatch):
     async def dropped(*_args, **_kwargs):  # a network that drops the SYNs: no answer at all
         await asyncio.sleep(3600)
