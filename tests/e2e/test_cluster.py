@@ -284,7 +284,10 @@ async def cluster(fresh_db, model, backend):
                 await node.stop()
         if log is not None:
             log.close()
-        shutil.rmtree(root, ignore_errors=True) if not os.environ.get("KEEP_CLUSTER_ROOT") else print("kept", root)
+        if os.environ.get("KEEP_CLUSTER_ROOT"):  # to read the nodes' and the gateway's logs afterwards
+            print("kept", root)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest_asyncio.fixture(scope="module")
