@@ -223,6 +223,15 @@ async def test_a_flush_never_takes_a_turn_half_done(world):
     assert store.texts(KEY) == ["first", "echo: first", "second", "echo: second"] and store.duplicates == []
 
 
+def offer_only_book(tenants) -> None:
+    """Tenants are offered one tool, `book`: a write, so its calls are held for approval."""
+    from services.tools.registry import build_catalog
+
+    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")
+    tenants.env = msgspec.structs.replace(
+        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+
+
 def failing_after_tools(model):
     """Make the model client raise (a bug, not an LLMError) once a tool's result comes back;
     returns the scripted stream to put back."""
@@ -296,12 +305,9 @@ async def test_a_turn_that_fails_between_a_tool_call_and_its_result_leaves_the_c
 
 async def test_an_approval_whose_resumed_turn_failed_stays_decided_and_never_runs_its_tools_twice(world):
     from actors.session import SessionError
-    from services.tools.registry import build_catalog
 
     store, tenants, model = world.store, world.tenants, world.model
-    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
-    tenants.env = msgspec.structs.replace(
-        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    offer_only_book(tenants)
     host = await world.host()
     held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
     approval = held.pending_approval.approval_id
@@ -322,12 +328,9 @@ async def test_an_approval_whose_resumed_turn_failed_stays_decided_and_never_run
 async def test_a_turn_that_fails_as_it_holds_calls_for_approval_leaves_no_approval_behind(world):
     # The calls got their closing results: the approval cannot run them too, and the next message
     # does not decline them a second time.
-    from services.tools.registry import build_catalog
 
     store, tenants, model = world.store, world.tenants, world.model
-    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
-    tenants.env = msgspec.structs.replace(
-        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    offer_only_book(tenants)
     host = await world.host()
 
     async def emit(event):
@@ -361,12 +364,9 @@ async def test_a_message_turn_that_fails_after_taking_over_a_held_approval_close
     # The new message ends the held calls (declined), then something raises before that is
     # recorded: the held calls get their closing results, never none and never two.
     import actors.session as core
-    from services.tools.registry import build_catalog
 
     store, tenants, model = world.store, world.tenants, world.model
-    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
-    tenants.env = msgspec.structs.replace(
-        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    offer_only_book(tenants)
     host = await world.host()
     held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
     assert held.pending_approval is not None
@@ -701,12 +701,9 @@ async def test_an_id_made_up_for_the_message_is_not_looked_up_even_past_the_turn
 
 async def test_an_approval_decided_long_ago_answers_again_from_the_store_and_runs_nothing(world):
     from actors.session import TURN_CACHE
-    from services.tools.registry import build_catalog
 
     store, tenants = world.store, world.tenants
-    book = msgspec.structs.replace(LOOKUP, name="book", mutability="write")  # held for approval
-    tenants.env = msgspec.structs.replace(
-        tenants.env, catalog=build_catalog([], [(book, 1)], registry=tenants.registry, backend=None))
+    offer_only_book(tenants)
     host = await world.host()
     held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
     approval = held.pending_approval.approval_id
