@@ -371,3 +371,72 @@ async def test_a_restored_deltas_tokens_keep_their_own_seq_so_a_retried_flush_ca
     assert [m.seq for m in retry.messages] == [0, 1, 2, 3]
     # not merged into one (main, 20 tokens, seq 3): the store skips what it already holds
     assert [(u.model, u.input_tokens, u.through_seq) for u in retry.usage] == [("main", 10, 1), ("main", 10, 3)]
+
+
+# -- a catalog still being checked (TenantCatalogs.env_to_confirm) ---------------------------------
+
+
+class Check:
+    """`TurnEnv.confirm` as TenantCatalogs gives it: answers `newer` (None: still current) once
+    released, and records when it was awaited relative to the model's requests."""
+
+    def __init__(self, llm: ScriptedLLM, newer: TurnEnv | None) -> None:
+        self.llm, self.newer = llm, newer
+        self.awaited_after: list[int] = []  # how many model requests had been made when awaited
+
+    async def __call__(self) -> TurnEnv | None:
+        self.awaited_after.append(len(self.llm.requests))
+        return self.newer
+
+
+async def test_a_catalog_checked_beside_the_first_model_call_is_used_when_current(registry):
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "done"])
+    check = Check(llm, None)
+    env = msgspec.structs.replace(make_env(llm, registry, [LOOKUP]), confirm=check)
+    reply = await handle_message(new_state("t", "s"), "find x", "m1", env)
+    assert reply.reply == "done" and registry.calls == ["lookup"]
+    assert check.awaited_after == [1], "waited for once, after the first model call began, before its tools ran"
+    assert reply.usage.input_tokens == 20
+
+
+async def test_a_catalog_that_changed_meanwhile_redoes_the_first_round_on_the_new_one(registry):
+    # The tool was switched off before the message came: the model's answer on the old catalog
+    # (a call of it) is not acted on; the round is asked again with what is offered now.
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "sorry, I cannot look that up"])
+    newer = make_env(llm, registry, [LEAD])
+    check = Check(llm, newer)
+    env = msgspec.structs.replace(make_env(llm, registry, [LOOKUP]), confirm=check)
+    state = new_state("t", "s")
+    reply = await handle_message(state, "find x", "m1", env)
+    assert reply.reply == "sorry, I cannot look that up" and registry.calls == []
+    assert [[t.name for t in r.tools] for r in llm.requests] == [["lookup"], ["collect_lead"]]
+    assert reply.rounds == 1 and reply.tool_calls == []
+    assert reply.usage.input_tokens == 20, "the discarded answer's tokens were spent all the same"
+    assert [m.role for m in state.history] == ["user", "assistant"]
+
+
+async def test_a_streamed_turn_waits_for_the_catalog_check_before_the_model_speaks(registry):
+    llm = ScriptedLLM(["hello"])
+    check = Check(llm, make_env(llm, registry, [LEAD]))
+    env = msgspec.structs.replace(make_env(llm, registry, [LOOKUP]), confirm=check)
+    events: list[StreamEvent] = []
+
+    async def emit(event: StreamEvent) -> None:
+        events.append(event)
+
+    reply = await handle_message(new_state("t", "s"), "hi", "m1", env, emit)
+    assert reply.reply == "hello" and check.awaited_after == [0]
+    assert [t.name for t in llm.requests[0].tools] == ["collect_lead"] and len(llm.requests) == 1
+
+
+async def test_an_approved_batch_runs_on_the_catalog_in_force(registry):
+    book = PythonTool(name="lookup", description="book", parameters=SCHEMA, handler="lookup", mutability="write")
+    llm = ScriptedLLM([[("lookup", {"q": "x"})], "booked"])
+    state = new_state("t", "s")
+    held = await handle_message(state, "book x", "m1", make_env(llm, registry, [book]))
+    assert held.pending_approval is not None
+    check = Check(llm, make_env(llm, registry, []))  # the tool was deleted since the hold
+    env = msgspec.structs.replace(make_env(llm, registry, [book]), confirm=check)
+    reply = await handle_approval(state, held.pending_approval.approval_id, True, env)
+    assert check.awaited_after == [1] and registry.calls == [], "the deleted tool did not run"
+    assert reply.tool_calls[-1].success is False
