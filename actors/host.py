@@ -56,11 +56,6 @@ class TenantSource(Protocol):
         """The catalog, config and ports for a tenant's turns (cached; reloaded on change)."""
         ...
 
-    async def env_to_confirm(self, tenant_id: str) -> TurnEnv:
-        """The same, at once when cached, with its catalog check under way (`TurnEnv.confirm`,
-        which the turn awaits before acting on anything the catalog decides)."""
-        ...
-
 
 class LeaseLost(ChatEngineError):
     """Another activation of this session took over; this copy's writes were refused."""
@@ -376,7 +371,7 @@ class SessionHost:
         if not self.owns(tenant_id, session_id):
             raise SessionMoved(session_id)
         entry = await self._entry(key)
-        env = await self._tenants.env_to_confirm(tenant_id)
+        env = await self._tenants.env_for(tenant_id)
         # Checked and counted with no await in between, or a flood passes the check all at once.
         if entry.queued >= self._settings.mailbox:
             raise Overloaded(

@@ -138,17 +138,6 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     #: records a handoff the model asked for in its text ([[HANDOFF]]) as the escalate_to_human
     #: tool would: `await handoff(args, ctx)` (the built-in's handler); None: the session is only marked
     handoff: Any = None
-    #: set when the catalog this env holds is still being checked (TenantCatalogs.env_to_confirm):
-    #: `await confirm()` gives None (current) or the newer env, before anything it decides is acted on
-    confirm: Any = None
-
-
-async def confirmed(env: TurnEnv) -> tuple[TurnEnv, bool]:
-    """The env to act on, once its catalog check (if any) is done, and whether it is a newer one."""
-    if env.confirm is None:
-        return env, False
-    newer = await env.confirm()
-    return msgspec.structs.replace(newer or env, confirm=None), newer is not None
 
 
 class SessionState:
@@ -304,7 +293,6 @@ class _Turn:
 
     def __init__(self, message_id: str) -> None:
         self.message_id = message_id
-        self.text: str | None = None  # the contact's message (None: a resumed approval)
         self.usage: dict[str, list[int]] = {}
         self.tool_calls: list[ToolCallSummary] = []
         self.client_actions: list[dict[str, Any]] = []
@@ -359,7 +347,6 @@ async def _handle_message(
         return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
     state.turn_message_id = message_id
     turn = _Turn(message_id)
-    turn.text = text
     content: list[ContentBlock] = []
     if state.snapshot.pending is not None:
         # The contact moved on without deciding: the held calls end as declined, in-band, so
@@ -446,7 +433,6 @@ async def _handle_approval(
             if c.id in edited_arguments else c
             for c in calls
         ]
-    env, _ = await confirmed(env)  # the batch runs on the catalog in force
     plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn)
     ctx = _context(state, env, pending.message_id)
     if approve and not expired:
@@ -513,23 +499,19 @@ async def _loop(
     final_text = ""
     for round_no in range(first_round, MAX_ROUNDS + 1):
         last = round_no == MAX_ROUNDS
-        if env.confirm is not None and emit is not _no_emit:
-            # streamed: its text reaches the watcher as it comes, so only on the catalog in force
-            env, newer = await confirmed(env)
-            intent = _intent(env, turn, intent) if newer else intent
-        request = _request(state, env, intent, round_no, last)
+        offered = build_tool_set(env.config, intent, state.tool_state(), env.catalog)
+        request = LLMRequest(
+            model=env.main_model if round_no == 1 else env.cheap_model,
+            system=env.config.persona,
+            messages=_window(state.history),
+            tools=tool_specs(offered) if offered or _has_tool_blocks(state.history) else [],
+            tool_choice="none" if last else "auto",
+        )
         with tracer().start_as_current_span("round", attributes={
             "ce.round": round_no, "ce.model": request.model, "ce.tools_offered": len(request.tools),
         }) as span:
             try:
                 response = await _ask(env.llm, request, emit)
-                if env.confirm is not None:  # the catalog check ran beside the model call
-                    env, newer = await confirmed(env)
-                    if newer:  # the catalog changed since it was cached: this round again, on the new one
-                        _count(turn, state, response)  # its tokens were spent all the same
-                        intent = _intent(env, turn, intent)
-                        request = _request(state, env, intent, round_no, last)
-                        response = await _ask(env.llm, request, emit)
             except LLMError as exc:
                 span.set_attribute("ce.error", str(exc)[:200])
                 final_text = LLM_DOWN_REPLY
@@ -563,22 +545,6 @@ async def _loop(
             await _record_handoff(state, env, turn.message_id, MARKER_HANDOFF_REASON)
             _mark_handoff(state, MARKER_HANDOFF_REASON)
     return await _finish(state, turn.reply(state, final_text), emit)
-
-
-def _request(state: SessionState, env: TurnEnv, intent: str | None, round_no: int, last: bool) -> LLMRequest:
-    offered = build_tool_set(env.config, intent, state.tool_state(), env.catalog)
-    return LLMRequest(
-        model=env.main_model if round_no == 1 else env.cheap_model,
-        system=env.config.persona,
-        messages=_window(state.history),
-        tools=tool_specs(offered) if offered or _has_tool_blocks(state.history) else [],
-        tool_choice="none" if last else "auto",
-    )
-
-
-def _intent(env: TurnEnv, turn: _Turn, intent: str | None) -> str | None:
-    """The intent of the turn's message under `env`'s config (a newer config may read it anew)."""
-    return detect_intent(env.config, turn.text) if turn.text is not None else intent
 
 
 async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:

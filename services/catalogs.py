@@ -107,25 +107,6 @@ class TenantCatalogs:
             if self._loading.get(tenant_id, (None, None))[1] is future:
                 del self._loading[tenant_id]
 
-    async def env_to_confirm(self, tenant_id: str) -> TurnEnv:
-        """A turn's environment at once when one is cached, its catalog check under way: the turn
-        awaits `env.confirm()` before it acts on anything the catalog decides (the first model
-        answer, an approved batch), and uses the newer environment it returns, if any. The read
-        starts here, after the turn arrived, so a change committed before still reaches it; its
-        wait hides behind the turn's first model call. Nothing cached (or expired): `env_for`."""
-        cached = self._cache.get(tenant_id)
-        if cached is None or cached[1] <= time.monotonic() or self._stamp is None:
-            return await self.env_for(tenant_id)
-        check = asyncio.ensure_future(self._current_stamp(tenant_id))
-
-        async def confirm() -> TurnEnv | None:
-            stamp = await check
-            if stamp in (None, cached[2]) and self._cache.get(tenant_id) is cached:
-                return None  # still current (a failed read trusts the cache, as env_for does)
-            return await self.env_for(tenant_id)
-
-        return msgspec.structs.replace(cached[0], confirm=confirm)
-
     async def _current_stamp(self, tenant_id: str) -> str | None:
         """The tenant's catalog stamp now; None when there is no stamp source or the read failed
         (then the NOTIFY and the TTL decide, as they did before stamps)."""

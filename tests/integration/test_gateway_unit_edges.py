@@ -392,34 +392,6 @@ async def test_a_change_reaches_the_next_turn_without_any_notification(pool):
     assert (await catalogs.env_for(tenant.id)).catalog.get("check_order") is None
 
 
-async def test_a_turn_gets_the_cached_environment_at_once_and_its_check_brings_a_change(pool):
-    """A turn's check starts as it arrives and is awaited before anything is acted on: a change
-    committed before the turn (its NOTIFY not seen) comes back from `confirm` as the newer env."""
-    from services.gateway.bodies import ToolCreate, definition_from_body
-
-    tenant, _ = await TenantRepo(pool).create_tenant(f"stamp-{secrets.token_hex(3)}")
-    tools = ToolRepo(pool)
-    body = ToolCreate(name="check_order", description="Look up an order.",
-                      parameters={"order_id": {"type": "string"}},
-                      webhook_url="https://shop.example/api/orders/{order_id}")
-    data = msgspec.to_builtins(definition_from_body(body, encrypt=lambda s: s))
-    await tools.create(tenant.id, "check_order", "webhook", data)
-    catalogs = tenant_catalogs(pool)
-
-    first = await catalogs.env_to_confirm(tenant.id)  # nothing cached: loaded, checked already
-    assert first.confirm is None
-    env = await catalogs.env_to_confirm(tenant.id)
-    assert env.catalog is first.catalog and env.confirm is not None
-    assert await env.confirm() is None, "unchanged: the cached environment stands"
-
-    await tools.new_version(tenant.id, "check_order", {**data, "enabled": False}, publish=True)
-    env = await catalogs.env_to_confirm(tenant.id)
-    assert env.catalog.get("check_order").definition.enabled is True  # at once: the cached one
-    newer = await env.confirm()
-    assert newer is not None and newer.catalog.get("check_order").definition.enabled is False
-    assert (await catalogs.env_to_confirm(tenant.id)).catalog is newer.catalog
-
-
 async def test_without_a_stamp_source_the_cache_waits_for_the_notification(pool):
     tenant, _ = await TenantRepo(pool).create_tenant(f"stamp-{secrets.token_hex(3)}")
     failing = tenant_catalogs(pool, stamp=lambda tenant_id: _raise(ConnectionError("db away")))

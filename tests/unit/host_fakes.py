@@ -286,9 +286,6 @@ class FakeTenants:
         self.env_hold: asyncio.Event | None = None  # set: env_for waits for it (a slow reload)
         self.env_entered = asyncio.Event()
 
-    async def env_to_confirm(self, tenant_id: str) -> TurnEnv:
-        return await self.env_for(tenant_id)  # nothing to check: every env here is current
-
     async def env_for(self, tenant_id: str) -> TurnEnv:
         self.env_calls += 1
         self.env_entered.set()
