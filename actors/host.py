@@ -403,8 +403,7 @@ class SessionHost:
                     except Exception:  # the turn's own error is the one to raise
                         log.exception("failed_turn_not_closed", session_id=session_id)
                     if entry.state.dirty:
-                        self._dirty.add(key)
-                        self._wake.set()
+                        self._queue_flush(key)
                     raise
                 finally:
                     self._busy -= 1
@@ -503,8 +502,7 @@ class SessionHost:
                     if entry.state.dirty or key in self._inflight:
                         # Not written yet (the database may be away): queue it for the flusher and
                         # passivate on a later sweep, rather than hold its lock until Postgres answers.
-                        self._dirty.add(key)
-                        self._wake.set()
+                        self._queue_flush(key)
                         continue
                     try:
                         await self.passivate(*key)
@@ -516,9 +514,13 @@ class SessionHost:
     def _mark_dirty(self, key: Key) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, []).append(future)
+        self._queue_flush(key)
+        return future
+
+    def _queue_flush(self, key: Key) -> None:
+        """Have the flusher write this session's sealed changes (no one waits for them)."""
         self._dirty.add(key)
         self._wake.set()
-        return future
 
     async def flush_all(self) -> None:
         """Flush every dirty session now and wait for it (shutdown, tests)."""

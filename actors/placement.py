@@ -26,8 +26,6 @@ import msgspec
 import ray
 import structlog
 from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
     ActorUnschedulableError,
     LocalRayletDiedError,
     NodeDiedError,
@@ -71,8 +69,9 @@ MOVED_RETRY_S = 15.0
 #: how Ray says a call to a host did not come back because the host, its worker, its node or the
 #: cluster's own services failed (not because the host's code raised): the call may have run, so
 #: it is retried once with the same message id, then answered 503 "restarting" (never a 500)
-HOST_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, NodeDiedError, WorkerCrashedError,
-             ObjectLostError, LocalRayletDiedError, ActorUnschedulableError, RaySystemError, RpcError)
+#: (RayActorError covers ActorDiedError and ActorUnavailableError)
+HOST_LOST = (RayActorError, NodeDiedError, WorkerCrashedError, ObjectLostError, LocalRayletDiedError,
+             ActorUnschedulableError, RaySystemError, RpcError)
 #: a host beyond the new count stays up after the commit, answering "moved" with the new state to
 #: gateways whose notification is late, until no turn reached it for RETIRE_QUIET_S (at most
 #: RETIRE_DRAIN_S); killed at once, such a gateway's retry would create it again (get_if_exists)
