@@ -436,11 +436,10 @@ async def _handle_approval(
     plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn)
     ctx = _context(state, env, pending.message_id)
     if approve and not expired:
-        outcomes = await env.executor.execute(plan, ctx, approved=True, on_progress=_progress(emit))
+        await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
     else:
         reason = "the approval expired before anyone decided" if expired else "the customer declined"
-        outcomes = env.executor.deny(plan, ctx, reason=reason)
-    await _absorb(state, turn, outcomes, emit, pending.message_id)
+        await _absorb(state, turn, env.executor.deny(plan, ctx, reason=reason), emit, pending.message_id)
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
 
 
@@ -535,10 +534,7 @@ async def _loop(
             plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn)
             if plan.needs_approval:
                 return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
-            outcomes = await env.executor.execute(
-                plan, _context(state, env, turn.message_id), on_progress=_progress(emit)
-            )
-            await _absorb(state, turn, outcomes, emit, turn.message_id)
+            await _run_batch(state, turn, env, emit, plan, _context(state, env, turn.message_id))
     if HANDOFF_MARKER in final_text:
         final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
         if not state.snapshot.handoff:  # not already handed over (by the tool, with its reason)
@@ -609,9 +605,36 @@ def _context(state: SessionState, env: TurnEnv, message_id: str) -> TrustedConte
     )
 
 
+async def _run_batch(
+    state: SessionState, turn: _Turn, env: TurnEnv, emit: Emit, plan: BatchPlan, ctx: TrustedContext,
+    *, approved: bool = False,
+) -> None:
+    """Run a batch and fold in its outcomes. Stopped half way (a host stopping cancels a turn
+    stuck in a tool), what finished is kept all the same, since its effects are real: each call
+    that finished with its result and record, each other call with a result saying it may have
+    run, so that the turn can be closed whole (`close_failed_turn`) and the model is not left to
+    repeat a write blind."""
+    finished: dict[str, ToolOutcome] = {}
+    try:
+        outcomes = await env.executor.execute(plan, ctx, approved=approved, on_progress=_progress(emit),
+                                              finished=finished)
+    except BaseException:
+        _fold(state, turn, env.executor.interrupted(plan, ctx, finished), ctx.message_id)
+        raise
+    await _absorb(state, turn, outcomes, emit, ctx.message_id)
+
+
 async def _absorb(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], emit: Emit, message_id: str) -> None:
-    """Fold a batch's outcomes into the session: results for the model, breakers, variables."""
+    """Fold a batch's outcomes into the session, then tell the watcher about each."""
+    for event in _fold(state, turn, outcomes, message_id):
+        await emit(event)
+
+
+def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message_id: str) -> list[StreamEvent]:
+    """A batch's outcomes into the session: results for the model, records, breakers, variables.
+    Returns the events that tell a watcher about them, in order."""
     blocks: list[ContentBlock] = []
+    events: list[StreamEvent] = []
     for o in outcomes:
         blocks.append(ToolResultBlock(tool_use_id=o.call_id, content=o.content, is_error=not o.success))
         state.record_call(o.record)
@@ -634,12 +657,13 @@ async def _absorb(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome],
                 _mark_handoff(state, str(reason or "the contact asked for a human"))
         elif o.counts_for_breaker:
             state.snapshot.breakers[o.name] = state.snapshot.breakers.get(o.name, 0) + 1
-        await emit(StreamEvent(event="tool_result", data=msgspec.to_builtins(summary)))
+        events.append(StreamEvent(event="tool_result", data=msgspec.to_builtins(summary)))
         if o.client_action is not None:
             action = {"call_id": o.call_id, **msgspec.to_builtins(o.client_action)}
             turn.client_actions.append(action)
-            await emit(StreamEvent(event="client_action", data=action))
+            events.append(StreamEvent(event="client_action", data=action))
     state.append(ChatMessage(role="user", content=blocks), message_id)
+    return events
 
 
 async def _hold(

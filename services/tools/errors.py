@@ -48,6 +48,14 @@ class ApprovalDenied(ToolError):
     counts_for_breaker = False
 
 
+class Interrupted(ToolError):
+    """The call's turn was stopped (a host stopping, a bug) before its result came back: it may
+    have run. Not the tool's fault, so not a breaker failure."""
+
+    kind = "interrupted"
+    counts_for_breaker = False
+
+
 class DeadlineExceeded(ToolError):
     """The call's deadline (queue wait included) passed before or while it ran."""
 

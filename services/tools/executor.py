@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,6 +28,7 @@ from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     ApprovalDenied,
+    Interrupted,
     InvalidArguments,
     OutputContractBroken,
     PolicyDenied,
@@ -118,6 +120,17 @@ def failure_text(tool_name: str, error: ToolError) -> str:
     return f"Tool '{tool_name}' failed: {error.reason}. {error.advice}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One `execute` call's own context. Never kept on the executor: one executor serves every
+    session of a host at once, and a batch's progress must reach its own session's stream only."""
+
+    ctx: TrustedContext
+    deadline: float | None
+    on_progress: OnProgress | None
+    finished: dict[str, ToolOutcome]
+
+
 class Executor:
     def __init__(
         self,
@@ -129,7 +142,6 @@ class Executor:
         progress_after_ms: int = DEFAULT_PROGRESS_AFTER_MS,
     ) -> None:
         self._progress_after_ms = progress_after_ms
-        self._on_progress: OnProgress | None = None
         self._clock = clock or SystemClock()
         # Deadlines are computed on self._clock; the limiter must compare them on the same clock.
         self._limiter = limiter or ResourceLimiter(clock=self._clock)
@@ -201,29 +213,44 @@ class Executor:
 
     async def execute(
         self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False, deadline: float | None = None,
-        on_progress: OnProgress | None = None,
+        on_progress: OnProgress | None = None, finished: dict[str, ToolOutcome] | None = None,
     ) -> list[ToolOutcome]:
         """Run a prepared batch; outcomes are in call order.
 
         Consecutive reads run concurrently (at most `max_parallel` of one tool at once); a write
         runs alone, in order. A batch that needs approval runs only with `approved=True`.
         `deadline` (clock time) caps every call. `on_progress(call, elapsed_ms, message)` is
-        awaited once for each call still running after its progress threshold.
+        awaited once for each call still running after its progress threshold. `finished`, when
+        given, gets each call's outcome by call id as soon as it has one: what a caller keeps of
+        a batch cancelled half way (see `interrupted`).
         """
-        self._on_progress = on_progress
         if plan.needs_approval and not approved:
             raise ValueError("this batch needs approval before it runs")
+        batch = _Batch(ctx=ctx, deadline=deadline, on_progress=on_progress, finished=finished if finished is not None else {})
         outcomes: list[ToolOutcome] = []
         group: list[PreparedCall] = []
         for prepared in plan.calls:
             if prepared.mutability == "read" or prepared.error is not None:
                 group.append(prepared)
                 continue
-            outcomes += await self._run_group(group, ctx, deadline)
+            outcomes += await self._run_group(group, batch)
             group = []
-            outcomes += await self._run_group([prepared], ctx, deadline)
-        outcomes += await self._run_group(group, ctx, deadline)
+            outcomes += await self._run_group([prepared], batch)
+        outcomes += await self._run_group(group, batch)
         return outcomes
+
+    def interrupted(self, plan: BatchPlan, ctx: TrustedContext, finished: dict[str, ToolOutcome]) -> list[ToolOutcome]:
+        """Every call of a batch that was stopped half way, in call order: the outcome of each
+        call that finished (from `execute`'s `finished`), and for each other call a failure saying
+        it was stopped and may have run (recorded like any call; not a breaker failure)."""
+        error = Interrupted(
+            "the call was stopped before its result came back (the turn was interrupted); it may have run",
+            advice="Check whether it took effect before calling it again.",
+        )
+        return [
+            finished.get(p.call.id) or self._failed(p, ctx, p.error or error, 0, 0)
+            for p in plan.calls
+        ]
 
     def deny(self, plan: BatchPlan, ctx: TrustedContext, *, reason: str) -> list[ToolOutcome]:
         """In-band results for a batch the approver declined: nothing ran."""
@@ -239,13 +266,11 @@ class Executor:
             outcomes.append(self._failed(p, ctx, error, 0, 0))
         return outcomes
 
-    async def _run_group(
-        self, group: list[PreparedCall], ctx: TrustedContext, deadline: float | None
-    ) -> list[ToolOutcome]:
+    async def _run_group(self, group: list[PreparedCall], batch: _Batch) -> list[ToolOutcome]:
         if not group:
             return []
         if len(group) == 1:
-            return [await self._run_one(group[0], ctx, deadline)]
+            return [await self._run_one(group[0], batch)]
         gates: dict[str, asyncio.Semaphore] = {}
         for p in group:
             if p.tool is not None and p.tool.definition.max_parallel and p.tool.name not in gates:
@@ -254,22 +279,24 @@ class Executor:
         async def run(p: PreparedCall) -> ToolOutcome:
             gate = gates.get(p.tool.name) if p.tool is not None else None
             if gate is None:
-                return await self._run_one(p, ctx, deadline)
+                return await self._run_one(p, batch)
             async with gate:
-                return await self._run_one(p, ctx, deadline)
+                return await self._run_one(p, batch)
 
         return list(await asyncio.gather(*(run(p) for p in group)))
 
-    async def _run_one(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
+    async def _run_one(self, prepared: PreparedCall, batch: _Batch) -> ToolOutcome:
         with tracer().start_as_current_span("tool_call", attributes={"ce.tool": prepared.call.name[:64]}) as span:
-            outcome = await self._run_one_traced(prepared, ctx, deadline)
+            outcome = await self._run_one_traced(prepared, batch)
+            batch.finished[prepared.call.id] = outcome
             span.set_attribute("ce.outcome", "success" if outcome.success else (outcome.error_kind or "failure"))
             span.set_attribute("ce.latency_ms", outcome.latency_ms)
             span.set_attribute("ce.queue_ms", outcome.queue_ms)
             span.set_attribute("ce.arguments", msgspec.json.encode(outcome.record.parameters or {}).decode()[:2000])
             return outcome
 
-    async def _run_one_traced(self, prepared: PreparedCall, ctx: TrustedContext, deadline: float | None) -> ToolOutcome:
+    async def _run_one_traced(self, prepared: PreparedCall, batch: _Batch) -> ToolOutcome:
+        ctx, deadline = batch.ctx, batch.deadline
         if prepared.error is not None or prepared.tool is None:
             return self._failed(prepared, ctx, prepared.error or UnknownTool("unknown tool"), 0, 0)
         tool = prepared.tool
@@ -279,7 +306,7 @@ class Executor:
             call_deadline = min(call_deadline, deadline)
         call_ctx = msgspec.structs.replace(ctx, idempotency_key=idempotency_key(ctx, prepared))
         started = time.perf_counter()
-        progress = self._watch_progress(prepared, started)
+        progress = self._watch_progress(prepared, started, batch.on_progress)
         try:
             timed = await self._limiter.run(
                 d.resource or d.name, call_deadline,
@@ -325,8 +352,7 @@ class Executor:
                 log.info("tool_retry", tool_name=d.name, attempt=attempt, error_kind=exc.kind)
                 await asyncio.sleep(pause)
 
-    def _watch_progress(self, p: PreparedCall, started: float) -> asyncio.Task | None:
-        on_progress = getattr(self, "_on_progress", None)
+    def _watch_progress(self, p: PreparedCall, started: float, on_progress: OnProgress | None) -> asyncio.Task | None:
         if on_progress is None or p.tool is None:
             return None
         d = p.tool.definition

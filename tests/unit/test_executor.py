@@ -380,6 +380,77 @@ async def test_writes_run_alone_and_in_call_order() -> None:
     assert journal[10:] == [("start", "w3"), ("end", "w3")]
 
 
+async def test_progress_goes_to_the_batch_that_asked_for_it_when_two_batches_run_at_once() -> None:
+    """One executor serves every session of a host: a batch's progress reports reach only its
+    own callback (they carry tool names and messages; another session's stream must not see
+    them), also for a call that starts after another session's batch began."""
+    reads_go, write_goes = asyncio.Event(), asyncio.Event()
+    handlers = (FakeHandler("a_read", gate=reads_go), FakeHandler("a_write", gate=write_goes),
+                FakeHandler("b_read", gate=reads_go))
+    catalog = make_catalog(
+        python_tool("a_read"), python_tool("b_read"),
+        python_tool("a_write", mutability="write", requires_approval=False), handlers=handlers,
+    )
+    executor = Executor(progress_after_ms=20)
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    def reporter(batch: str):
+        async def on_progress(prepared, elapsed_ms, message) -> None:
+            seen[batch].append(prepared.call.id)
+        return on_progress
+
+    plan_a = plan_for(executor, catalog, call("a_read", "a1"), call("a_write", "a2"))
+    plan_b = plan_for(executor, catalog, call("b_read", "b1"))
+    a = asyncio.create_task(executor.execute(plan_a, CTX, on_progress=reporter("a")))
+    await asyncio.sleep(0.05)
+    b = asyncio.create_task(executor.execute(plan_b, CTX, on_progress=reporter("b")))
+    await asyncio.sleep(0.05)
+    reads_go.set()  # a's write starts now, after b's batch began
+    await asyncio.sleep(0.1)
+    write_goes.set()
+    await asyncio.wait_for(asyncio.gather(a, b), 10)
+    assert seen == {"a": ["a1", "a2"], "b": ["b1"]}
+
+
+async def test_a_batch_stopped_half_way_keeps_the_outcomes_of_calls_that_finished() -> None:
+    """Cancelled (a host stopping with the turn still running), the calls that had finished are
+    in `finished`, by call id, for the session to record: their effects are real."""
+    hold = asyncio.Event()
+    handlers = (FakeHandler("quick"), FakeHandler("stuck", gate=hold), FakeHandler("booked"))
+    catalog = make_catalog(
+        python_tool("quick"), python_tool("stuck"),
+        python_tool("booked", mutability="write", requires_approval=False), handlers=handlers,
+    )
+    executor = Executor()
+    plan = plan_for(executor, catalog, call("booked", "w1"), call("quick", "r1"), call("stuck", "r2"))
+    finished: dict[str, ToolOutcome] = {}
+    task = asyncio.create_task(executor.execute(plan, CTX, finished=finished))
+    for _ in range(50):
+        await asyncio.sleep(0)
+        if handlers[1].count:
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(finished) == ["r1", "w1"] and all(o.success for o in finished.values())
+    assert finished["w1"].record.tool_name == "booked"
+
+
+def test_interrupted_gives_every_call_its_finished_outcome_or_one_saying_it_may_have_run() -> None:
+    executor = Executor()
+    catalog = make_catalog(python_tool("quick"), python_tool("stuck"), handlers=(FakeHandler("quick"), FakeHandler("stuck")))
+    plan = plan_for(executor, catalog, call("quick", "r1"), call("stuck", "r2"), call("nope", "r3"))
+    done = ToolOutcome(call_id="r1", name="quick", success=True, content="{}", record=executor.interrupted(
+        plan, CTX, {})[0].record)
+    outcomes = executor.interrupted(plan, CTX, {"r1": done})
+    assert [o.call_id for o in outcomes] == ["r1", "r2", "r3"]
+    assert outcomes[0] is done
+    stuck = outcomes[1]
+    assert not stuck.success and stuck.error_kind == "interrupted" and not stuck.counts_for_breaker
+    assert "may have run" in stuck.content and stuck.record.tool_name == "stuck" and stuck.record.success is False
+    assert outcomes[2].error_kind == "unknown_tool"  # a call that failed its checks keeps its own error
+
+
 # -- stage 7: deadlines and failures -------------------------------------------------------------
 
 

@@ -281,21 +281,22 @@ async def test_a_turn_that_fails_half_way_is_kept_whole_but_unanswered_and_its_i
     assert store.seqs(KEY) == list(range(9)) and set(store.turns[KEY]) == {"m1", "m2"}
 
 
-async def test_a_turn_that_fails_between_a_tool_call_and_its_result_leaves_the_conversation_valid(world):
+async def test_a_turn_that_fails_between_a_tool_call_and_its_result_leaves_the_conversation_valid(world, monkeypatch):
     # Without the closing result, every later request would show the model a tool call with no
     # result after it, which the model API refuses: the session would answer nothing again.
+    import actors.session as core
     from actors.session import INTERRUPTED_RESULT
 
-    store, model, executor = world.store, world.model, world.tenants.env.executor
+    store, model = world.store, world.model
 
-    async def broken(*args, **kwargs):
+    def broken(*args, **kwargs):
         raise RuntimeError("the executor broke")
 
-    executor.execute = broken
+    monkeypatch.setattr(core, "_prepare", broken)
     host = await world.host()
     with pytest.raises(RuntimeError, match="the executor broke"):
         await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
-    del executor.execute
+    monkeypatch.undo()
     assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
     shown = model.requests[-1].messages
     assert_paired(shown)

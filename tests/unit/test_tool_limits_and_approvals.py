@@ -22,6 +22,7 @@ from actors.session import (
 )
 from services.approvals import approval_keys, new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
+from services.llm.port import ToolUseBlock
 from services.tools.errors import UpstreamStatus, UpstreamTimeout
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
@@ -264,3 +265,30 @@ async def test_the_approver_may_edit_arguments_which_are_validated_before_anythi
     call_id2 = msgspec.convert(state2.snapshot.pending, dict)["calls"][0]["id"]
     await handle_approval(state2, held2.pending_approval.approval_id, True, env2, edited_arguments={call_id2: {"q": "2"}})
     assert reg.log == [("ok", "2")]
+
+
+async def test_a_turn_stopped_while_its_tools_run_keeps_what_finished_and_closes_the_rest(reg):
+    # A host stopping cancels a turn stuck in a tool: the write that finished is recorded with its
+    # real result (its effect is real: a later turn must not book again blind), the stuck call
+    # gets a result saying it may have run, and the conversation stays valid for the model API.
+    book = tool("book", "ok", mutability="write", requires_approval=False)
+    state = new_state("t", "s")
+    llm = ScriptedLLM([[("book", {"q": "1"}), ("slow_lookup", {"q": "2"})], "never asked"])
+    task = asyncio.create_task(handle_message(state, "go", "m1", env_for(llm, reg, [book, tool("slow_lookup", "slow")])))
+    async with asyncio.timeout(5):
+        while reg.log != [("ok", "1")]:
+            await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)  # the slow lookup is running now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    closing = state.history[-1]
+    assert closing.role == "user" and [b.tool_use_id for b in closing.content] == [
+        b.id for b in state.history[-2].content if isinstance(b, ToolUseBlock)]
+    booked, lookup = closing.content
+    assert not booked.is_error and '"q":"1"' in booked.content
+    assert lookup.is_error and "may have run" in lookup.content
+    state.close_failed_turn()  # what the host does next: nothing left unanswered, the turn is sealed
+    delta = state.take_delta()
+    assert [(c.tool_name, c.success) for c in delta.tool_calls] == [("book", True), ("slow_lookup", False)]
+    assert [m.role for m in delta.messages] == ["user", "assistant", "user"]
