@@ -57,10 +57,12 @@ def _copy_snapshot(snapshot: SessionSnapshot) -> SessionSnapshot:
 class FakeSessionStore:
     """In-memory SessionStore with leases (epoch per session) and transactional, fenced flushes.
 
-    Switches: `down` (every flush raises), `fail_next` (the next n flushes raise), `hold` (an
-    Event every flush waits on before it commits), `activate_hold` (likewise for activate).
+    Switches: `down` (every flush raises), `fail_next` (the next n flushes raise), `lose_ack_next`
+    (the next n flushes commit, then raise: the acknowledgement lost), `hold` (an Event every
+    flush waits on before it commits), `activate_hold` (likewise for activate).
     Exactly-once is checked, not assumed: a message seq, turn or tool call written twice is
-    recorded in `duplicates` (a unique-constraint violation in Postgres).
+    recorded in `duplicates` (a unique-constraint violation in Postgres), unless it is the retry
+    of a flush whose acknowledgement was lost (which Postgres's ON CONFLICT clauses absorb).
     """
 
     def __init__(self) -> None:
@@ -72,10 +74,16 @@ class FakeSessionStore:
         self.turns: dict[Key, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.tool_calls: dict[Key, list[ToolCallRecord]] = defaultdict(list)
         self.usage: dict[Key, dict[str, list[int]]] = defaultdict(dict)
+        #: per model, the newest message seq whose tokens are counted (Postgres's ce_usage.applied_seq)
+        self.applied_seq: dict[Key, dict[str, int]] = defaultdict(dict)
+        #: usage rows skipped as already counted, as Postgres skips them: (key, model, seq)
+        self.skipped_usage: list[tuple[Key, str, int]] = []
         self.duplicates: list[str] = []
         # switches
         self.down = False
         self.fail_next = 0
+        self.lose_ack_next = 0
+        self._unacked: set[tuple[Key, str]] = set()  # rows an ack-lost flush wrote: ("seq 3", "call x", ...)
         self.hold: asyncio.Event | None = None
         self.activate_hold: asyncio.Event | None = None
         # counters
@@ -127,9 +135,13 @@ class FakeSessionStore:
                 refused.append(key)
                 self.refused.append((key, delta.epoch))
                 continue
-            self._apply(key, delta)
+            self._apply(key, delta, acked=self.lose_ack_next == 0)
             written.append(key)
         self.deltas_per_flush.append(len(deltas))
+        if self.lose_ack_next > 0:
+            self.lose_ack_next -= 1
+            self.failed_flushes += 1
+            raise StoreUnavailable("connection reset after the commit")
         return FlushResult(written=written, refused=refused)
 
     async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]:
@@ -143,30 +155,53 @@ class FakeSessionStore:
 
     # -- helpers for assertions ----------------------------------------------------------------
 
-    def _apply(self, key: Key, delta: SessionDelta) -> None:
+    def _apply(self, key: Key, delta: SessionDelta, *, acked: bool = True) -> None:
         seqs = {m.seq for m in self.messages[key]}
         for m in delta.messages:
-            if m.seq in seqs:
-                self.duplicates.append(f"{key} message seq {m.seq}")
+            if self._retried(key, f"message seq {m.seq}", m.seq in seqs, acked):
+                continue  # ON CONFLICT DO NOTHING
             self.messages[key].append(m)
             seqs.add(m.seq)
         self.variables[key].update(delta.variables)
         for t in delta.turns:  # as Postgres keeps them (storage.repos.sessions): the first answer,
             stored = self.turns[key].get(t.message_id)  # unless it was held for approval
-            if stored is not None and "pending_approval" not in stored:
-                self.duplicates.append(f"{key} turn {t.message_id}")
-                continue
+            first = stored is not None and "pending_approval" not in stored
+            self._retried(key, f"turn {t.message_id}", first, acked)
+            if first:
+                continue  # the first answer stays
             self.turns[key][t.message_id] = t.response
         ids = {c.id for c in self.tool_calls[key]}
         for c in delta.tool_calls:
-            if c.id in ids:
-                self.duplicates.append(f"{key} tool call {c.id}")
+            if self._retried(key, f"tool call {c.id}", c.id in ids, acked):
+                continue  # ON CONFLICT DO NOTHING
             self.tool_calls[key].append(c)
+        newest = max((m.seq for m in delta.messages), default=None)
         for u in delta.usage:
+            # As storage.repos.sessions does: a row whose seq is not past the model's applied seq
+            # is a retry of tokens counted already, and is skipped.
+            seq = u.through_seq if u.through_seq is not None else newest
+            applied = self.applied_seq[key].get(u.model)
+            if seq is not None and applied is not None and applied >= seq:
+                self.skipped_usage.append((key, u.model, seq))
+                continue
+            if seq is not None:
+                self.applied_seq[key][u.model] = seq
             acc = self.usage[key].setdefault(u.model, [0, 0])
             acc[0] += u.input_tokens
             acc[1] += u.output_tokens
         self.snapshots[key] = _copy_snapshot(delta.snapshot)
+
+    def _retried(self, key: Key, row: str, stored: bool, acked: bool) -> bool:
+        """Whether a row is the retry of one an ack-lost flush wrote (skipped, as Postgres skips
+        it). A row stored already otherwise is a duplicate: recorded, and written again so that
+        assertions on what is stored see it too."""
+        if stored and (key, row) in self._unacked:
+            return True
+        if stored:
+            self.duplicates.append(f"{key} {row}")
+        elif not acked:
+            self._unacked.add((key, row))
+        return False
 
     def seqs(self, key: Key) -> list[int]:
         return [m.seq for m in self.messages[key]]

@@ -417,6 +417,23 @@ async def test_while_the_database_is_down_replies_wait_and_after_it_recovers_all
     assert len(world.tenants.handler_calls) == 10  # nothing ran twice
 
 
+async def test_a_flush_whose_acknowledgement_was_lost_is_retried_and_nothing_is_counted_twice(world):
+    # The flush committed, then the connection dropped before its answer: the host cannot tell,
+    # so it writes the turn again, joined with the turn that ran meanwhile. Rows are keyed and the
+    # tokens guarded by their message seq, so the retry counts nothing twice and loses nothing.
+    store = world.store
+    host = await world.host()
+    store.lose_ack_next = 1
+    first = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    await eventually(lambda: store.failed_flushes == 1)  # committed, unacknowledged: 50 ms of backoff
+    second = await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
+    assert (await asyncio.wait_for(first, T)).reply.startswith("done: ") and second.reply == "echo: hello"
+    assert store.skipped_usage, "the retry carried the first turn's tokens again, and they were skipped"
+    assert store.usage[KEY] == {"main": [20, 6], "cheap": [10, 3]}
+    assert store.duplicates == [] and store.seqs(KEY) == list(range(6)) and set(store.turns[KEY]) == {"m1", "m2"}
+    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+
+
 async def test_a_reply_that_cannot_be_saved_in_time_is_overloaded_and_a_retry_returns_it(world):
     store = world.store
     host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
