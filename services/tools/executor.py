@@ -311,6 +311,7 @@ class Executor:
             timed = await self._limiter.run(
                 d.resource or d.name, call_deadline,
                 lambda: self._attempts(tool, prepared.arguments, call_ctx, call_deadline),
+                owner=ctx.tenant_id,
             )
             _check_output(tool, timed.value)
         except ToolError as exc:
@@ -416,10 +417,12 @@ class Executor:
 def idempotency_key(ctx: TrustedContext, p: PreparedCall) -> str:
     """Stable for the same call of the same message, also when a retried message re-runs the
     turn and the model names its call differently: the client's message id, the tool and its
-    arguments (canonical JSON)."""
-    digest = hashlib.sha256(
-        p.call.name.encode() + b"\0" + msgspec.json.encode(p.arguments, order="sorted")
-    ).hexdigest()[:24]
+    arguments (canonical JSON). The tenant and session are in the digest: a message id is the
+    client's, unique within its session only, and two contacts' first messages may both be "1"."""
+    digest = hashlib.sha256(b"\0".join((
+        ctx.tenant_id.encode(), ctx.session_id.encode(), p.call.name.encode(),
+        msgspec.json.encode(p.arguments, order="sorted"),
+    ))).hexdigest()[:24]
     return f"{ctx.idempotency_key or ctx.message_id or ''}:{digest}"
 
 

@@ -35,31 +35,57 @@ class Timed(Generic[T]):
         self.run_s = run_s
 
 
+class _Slots:
+    __slots__ = ("semaphore", "users")
+
+    def __init__(self, limit: int) -> None:
+        self.semaphore = asyncio.Semaphore(limit)
+        self.users = 0  # running and queued: at 0 the entry goes
+
+
 class ResourceLimiter:
-    """At most `limit_for(resource)` calls run at once per resource; the rest queue, FIFO."""
+    """At most `limit_for(resource)` calls run at once per resource and owner; the rest queue,
+    FIFO. The owner is the tenant: one limiter serves every tenant of a host, and one tenant's
+    load must not queue another's calls of a tool of the same name. An entry lives while someone
+    runs or waits, so the table holds only what is in use."""
 
     def __init__(self, *, default_limit: int = 8, limits: dict[str, int] | None = None, clock: Clock | None = None) -> None:
         self._default = default_limit
         self._limits = dict(limits or {})
-        self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[tuple[str, str], _Slots] = {}
         self._clock = clock or SystemClock()
 
     def limit_for(self, resource: str) -> int:
         return self._limits.get(resource, self._default)
 
-    def in_use(self, resource: str) -> int:
-        sem = self._semaphores.get(resource)
-        return 0 if sem is None else self.limit_for(resource) - sem._value
+    def in_use(self, resource: str, *, owner: str = "") -> int:
+        slots = self._slots.get((owner, resource))
+        return 0 if slots is None else self.limit_for(resource) - slots.semaphore._value
 
-    async def run(self, resource: str, deadline: float, work: Callable[[], Awaitable[T]]) -> Timed[T]:
-        """Run `work()` under the resource's limit, all of it before `deadline` (clock time).
+    @property
+    def tracked(self) -> int:
+        """Resources with someone running or waiting."""
+        return len(self._slots)
+
+    async def run(self, resource: str, deadline: float, work: Callable[[], Awaitable[T]], *, owner: str = "") -> Timed[T]:
+        """Run `work()` under the resource's limit for `owner`, all of it before `deadline` (clock time).
 
         Returns the value with queue and run seconds. Raises DeadlineExceeded when the deadline
         passes in the queue (work never starts) or while running (work is cancelled).
         """
-        sem = self._semaphores.get(resource)
-        if sem is None:
-            sem = self._semaphores[resource] = asyncio.Semaphore(self.limit_for(resource))
+        key = (owner, resource)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = _Slots(self.limit_for(resource))
+        slots.users += 1
+        try:
+            return await self._run(slots.semaphore, deadline, work)
+        finally:
+            slots.users -= 1
+            if slots.users == 0:
+                del self._slots[key]
+
+    async def _run(self, sem: asyncio.Semaphore, deadline: float, work: Callable[[], Awaitable[T]]) -> Timed[T]:
         start = self._clock.monotonic()
         if start >= deadline:
             raise QueueTimeout("deadline passed before the call could start", advice=_ADVICE)

@@ -25,6 +25,7 @@ from services.tools.executor import (
     failure_text,
     scoped_args,
 )
+from services.tools.limiter import ResourceLimiter
 from services.tools.model import PROTECTED_KEYS
 from services.tools.registry import Catalog, ClientAction
 from services.tools.toolset import SessionToolState
@@ -655,6 +656,40 @@ async def test_idempotency_key_is_stable_per_message_and_call_across_a_resumed_o
     keys = [ctx.idempotency_key for _args, ctx in handler.calls]
     assert keys[0] == keys[1] == keys[2] and keys[0].startswith("msg-1:")
     assert len({keys[0], keys[3], keys[4]}) == 3 and keys[4].startswith("msg-2:")
+
+
+async def test_idempotency_keys_of_two_sessions_or_tenants_differ_when_their_message_ids_match() -> None:
+    # Message ids are the client's and unique within a session only: two contacts whose apps both
+    # number their messages from "1" place the same order. A backend that honours the key must not
+    # take the second contact's order for a retry of the first's (and show them the first's).
+    handler = FakeHandler("place_order")
+    executor = Executor()
+    catalog = make_catalog(python_tool("place_order", mutability="write"), handlers=(handler,))
+    for tenant, session in (("tenant-a", "alice"), ("tenant-a", "bob"), ("tenant-b", "alice")):
+        ctx = TrustedContext(tenant_id=tenant, session_id=session, message_id="1", idempotency_key="1")
+        await executor.execute(plan_for(executor, catalog, call("place_order", item="coffee")), ctx, approved=True)
+    keys = [ctx.idempotency_key for _args, ctx in handler.calls]
+    assert len(set(keys)) == 3 and all(k.startswith("1:") for k in keys)
+
+
+async def test_a_tools_concurrency_slots_are_per_tenant_not_shared_across_the_host() -> None:
+    # One executor (and limiter) serves every tenant of a host: tenant A's eight slow calls of its
+    # `check_order` must not queue tenant B's unrelated `check_order` out of its deadline.
+    gate = asyncio.Event()
+    slow_a, fast_b = FakeHandler("a_check", gate=gate), FakeHandler("b_check")
+    cat_a = make_catalog(python_tool("check_order", handler="a_check", timeout_ms=5000), handlers=(slow_a,))
+    cat_b = make_catalog(python_tool("check_order", handler="b_check", timeout_ms=300), handlers=(fast_b,))
+    executor = Executor(limiter=ResourceLimiter(default_limit=8))
+    ctx_a = TrustedContext(tenant_id="tenant-a", session_id="s", message_id="m")
+    ctx_b = TrustedContext(tenant_id="tenant-b", session_id="s", message_id="m")
+    busy = [asyncio.create_task(executor.execute(plan_for(executor, cat_a, call("check_order", f"c{i}")), ctx_a))
+            for i in range(9)]
+    await asyncio.sleep(0.01)
+    [out] = await executor.execute(plan_for(executor, cat_b, call("check_order", "b1")), ctx_b)
+    gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*busy), 10)
+    assert out.success, out.error
+    assert slow_a.count == 9 and all(o.success for [o] in results)  # A's ninth waited for A's own slot
 
 
 async def test_idempotency_key_reaches_the_webhook_backend() -> None:

@@ -77,6 +77,33 @@ async def test_limits_are_per_resource() -> None:
     assert [(await a).value, (await b).value] == ["a", "b"]
 
 
+async def test_limits_are_per_owner_of_a_resource() -> None:
+    # the executor passes the tenant as the owner: one tenant's full "crm" holds back no other's
+    limiter = ResourceLimiter(limits={"crm": 1})
+    gate = asyncio.Event()
+
+    async def held() -> str:
+        await gate.wait()
+        return "a"
+
+    a = asyncio.create_task(limiter.run("crm", far(), held, owner="tenant-a"))
+    await spin(lambda: limiter.in_use("crm", owner="tenant-a") == 1)
+    b = await asyncio.wait_for(limiter.run("crm", far(), lambda: asyncio.sleep(0, "b"), owner="tenant-b"), 5)
+    assert b.value == "b" and limiter.in_use("crm", owner="tenant-b") == 0
+    gate.set()
+    assert (await a).value == "a"
+
+
+async def test_a_resource_nobody_uses_keeps_no_state() -> None:
+    # Keyed by tenant and tool, the table would otherwise grow with every tenant a host ever served.
+    limiter = ResourceLimiter(limits={"crm": 1})
+    for tenant in ("a", "b", "c"):
+        await limiter.run("crm", far(), lambda: asyncio.sleep(0), owner=tenant)
+    with pytest.raises(DeadlineExceeded):
+        await limiter.run("crm", time.monotonic() + 0.01, lambda: asyncio.sleep(1), owner="d")
+    assert limiter.tracked == 0
+
+
 async def test_waiting_past_the_deadline_for_a_slot_fails_fast_and_never_starts_the_work() -> None:
     limiter = ResourceLimiter(limits={"crm": 1})
     holder_gate = asyncio.Event()
