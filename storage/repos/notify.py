@@ -7,6 +7,7 @@ count changed).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,14 @@ class ChannelListener:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 
+    # asyncpg runs these in the context the connection was opened in: often a turn's, with its
+    # tenant and session bound for the log lines. Each runs in an empty context instead, and so
+    # do the tasks it starts, so that nothing they log carries a stranger's ids.
+
     def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        contextvars.Context().run(self._deliver, payload)
+
+    def _deliver(self, payload: str) -> None:
         result = self._callback(payload)
         if inspect.isawaitable(result):
             task = asyncio.ensure_future(result)
@@ -43,7 +51,7 @@ class ChannelListener:
 
     def _terminated(self, _conn: Any) -> None:
         if not self.closed and self._on_lost is not None:
-            self._on_lost()
+            contextvars.Context().run(self._on_lost)
 
     async def close(self) -> None:
         if self.closed:

@@ -174,3 +174,43 @@ async def test_a_lost_listener_connection_is_reported(pool):
         await asyncio.wait_for(lost.wait(), 5)
     finally:
         await listener.close()  # closing a dead subscription is fine
+
+
+async def test_a_listener_reports_outside_the_logging_context_its_connection_was_opened_in(fresh_db):
+    # A host binds a turn's tenant and session for its log lines; a connection the pool opens for
+    # that turn keeps a copy of that context for its callbacks. A listener later holding it must
+    # not report (nor resubscribe, nor invalidate) under that turn's ids: they are a stranger's.
+    import structlog
+
+    from storage.pool import create_pool
+
+    pool = await create_pool(await fresh_db(), min_size=0, max_size=2)
+    seen: list[dict] = []
+    lost = asyncio.Event()
+
+    def on_lost() -> None:
+        seen.append(structlog.contextvars.get_contextvars())
+        lost.set()
+
+    def on_change(_tenant_id: str) -> None:
+        seen.append(structlog.contextvars.get_contextvars())
+
+    async def turn() -> None:  # as the host runs one: ids bound, then a query opens a connection
+        structlog.contextvars.bind_contextvars(tenant_id="tenant-a", session_id="alice")
+        await pool.fetchval("SELECT 1")
+
+    try:
+        await asyncio.create_task(turn())
+        listener = await listen_catalog(pool, on_change, on_lost=on_lost)
+        await pool.execute("SELECT pg_notify('ce_catalog', 'tenant-x')")
+        async with asyncio.timeout(5):
+            while not seen:
+                await asyncio.sleep(0.01)
+        await pool.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query LIKE 'LISTEN %ce_catalog%'")
+        await asyncio.wait_for(lost.wait(), 5)
+        await listener.close()
+        assert seen == [{}, {}]
+    finally:
+        await pool.close()
