@@ -3,9 +3,12 @@
 Two sources, ranked together by ts_rank (storage.repos.builtins.MemoryRepo):
 - facts (ce_memories): written by the tools as things happen — a lead's details, a booking, a
   form submission — tagged with the session and, once known, the contact;
-- messages (ce_messages): the text of this session's conversation and of every earlier session
-  of the same contact (sessions whose contact variable, `contact_id` by default, holds the same
-  value; collect_lead sets it to the lead's email).
+- messages (ce_messages): the text of this session's conversation and, where the tenant turned
+  on `recall_across_sessions` (bot config), of every earlier session of the same contact (sessions
+  whose contact variable, `contact_id` by default, holds the same value; collect_lead sets it to
+  the email the contact typed, which nobody verified: off by default, so that typing someone's
+  address does not read out their lead, bookings and conversations). Off, facts are this
+  session's only.
 Searched with the tenant's `language` (a Postgres text search configuration; unknown names fall
 back to 'simple'). A question that matches nothing gets the contact's latest facts instead.
 """
@@ -86,8 +89,10 @@ class MemoryService:
                 "'query' is empty", advice="Call recall_memory again with a few words to look for."
             )
         config = await self._configs.config_for(ctx.tenant_id)
-        scope = {"session_id": ctx.session_id, "contact_id": known_contact(ctx),
-                 "contact_variable": config.contact_id_variable}
+        # Earlier sessions only where the tenant trusts the contact variable (BotConfig): as
+        # collect_lead sets it, it is whatever email the contact typed.
+        contact = known_contact(ctx) if config.recall_across_sessions else None
+        scope = {"session_id": ctx.session_id, "contact_id": contact, "contact_variable": config.contact_id_variable}
         hits = await self._store.search(ctx.tenant_id, query=query[:MAX_QUERY], language=ctx.language,
                                         limit=MAX_HITS, **scope)
         matched = bool(hits)

@@ -88,6 +88,7 @@ class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     notification_secret: str | None = None
     backend: BackendIn | None = None
     approval_ttl_s: float | None = None
+    recall_across_sessions: bool = False
 
 
 @dataclass

@@ -2,7 +2,7 @@
 a conversation that collects a lead, books an appointment (approved through the API) and submits a
 form; the rows exist; collect_lead is not offered again in that session; the tenant's webhook
 receives every event with a Standard Webhooks signature it can verify; a later session of the same
-contact recalls the first; escalate_to_human hands the session over."""
+contact recalls the first (where the tenant turned that on); escalate_to_human hands the session over."""
 
 from __future__ import annotations
 
@@ -120,7 +120,12 @@ async def test_lead_booking_and_form_in_one_conversation_with_signed_notificatio
 
 
 async def test_a_later_session_of_the_same_contact_recalls_the_first(api):
+    # recall across sessions links them by the email collect_lead took, as typed: a tenant turns
+    # it on where that can be trusted (its contacts signed in, say); off, the same run recalls
+    # nothing of the first session
     email = f"sam-{secrets.token_hex(3)}@example.com"
+    assert (await api.call("GET", "/v1/bot-config"))["recall_across_sessions"] is False
+    await api.call("PUT", "/v1/bot-config", {"recall_across_sessions": True})
     first, later = f"e2e-mem-a-{secrets.token_hex(3)}", f"e2e-mem-b-{secrets.token_hex(3)}"
     lead = {"name": "Sam Roe", "email": email, "notes": "loft conversion with skylights"}
     saved = await api.say(first, "/call collect_lead " + msgspec.json.encode(lead).decode())

@@ -113,7 +113,9 @@ async def test_collect_lead_leaves_the_tool_set_and_links_later_sessions_to_the_
         assert "this was already done in this conversation" in reply.tool_calls[0].error
         assert len(await svc.repos.leads.list(tenant.id)) == 1
 
-        # a later session of the same contact recalls the first one's fact
+        # a later session of the same contact recalls the first one's fact (where the tenant says
+        # its contacts' emails can be trusted)
+        configs.set(tenant.id, recall_across_sessions=True)
         later = await svc.memory.recall({"query": "renovation"},
                                         ctx(tenant.id, "s-two", variables={"contact_id": "ann@example.com"}))
         assert later["found"] == 1 and "kitchen renovation" in later["summary"]

@@ -38,7 +38,8 @@ async def test_a_later_session_of_the_same_contact_recalls_earlier_facts_and_mes
     ], variables={"contact_id": email})
     await store_conversation(pool, tenant.id, stranger, [("user", "yoga classes please, I am someone else")],
                              variables={"contact_id": "other@example.com"})
-    async with services(pool) as (svc, _configs):
+    async with services(pool) as (svc, configs):
+        configs.set(tenant.id, recall_across_sessions=True)  # the tenant vouches for its contacts' emails
         await svc.leads.collect({"name": "Jane", "email": email, "notes": "beginner yoga classes"},
                                 ctx(tenant.id, first))
 
@@ -55,6 +56,25 @@ async def test_a_later_session_of_the_same_contact_recalls_earlier_facts_and_mes
     froms = {m["content"]: m["from"] for m in result["memories"]}
     assert froms["We run beginner yoga classes on Tuesdays."] == "you"
     assert froms["Hi, I'd like to know about your yoga classes for beginners"] == "the customer"
+
+
+async def test_a_contact_who_types_another_contacts_email_recalls_nothing_of_theirs(pool, make_tenant):
+    # By default: collect_lead takes the email the contact typed, unverified, as the contact id.
+    # Anyone who types Jane's address must not be read Jane's lead, bookings or conversations.
+    tenant, _ = await make_tenant("mem")
+    email = f"jane-{secrets.token_hex(3)}@example.com"
+    await store_conversation(pool, tenant.id, "s-jane", [("user", "My diagnosis is diabetes, about the yoga classes")],
+                             variables={"contact_id": email})
+    async with services(pool) as (svc, _configs):
+        await svc.leads.collect({"name": "Jane", "email": email, "phone": "+44 20 7946 0958",
+                                 "notes": "yoga classes after her diagnosis"}, ctx(tenant.id, "s-jane"))
+        claimed = ctx(tenant.id, "s-mallory", variables={"contact_id": email})
+        await svc.memory.remember(claimed, "Asked about yoga classes too")
+        searched = await svc.memory.recall({"query": "yoga classes diagnosis"}, claimed)
+        latest = await svc.memory.recall({"query": "what do you know about me"}, claimed)
+    for result in (searched, latest):
+        assert [m["content"] for m in result["memories"]] == ["Asked about yoga classes too"], result
+        assert all(m["conversation"] == "this one" for m in result["memories"])
 
 
 async def test_results_are_ranked_by_relevance(pool, make_tenant):
@@ -96,7 +116,9 @@ async def test_memories_never_cross_tenants_or_unrelated_sessions(pool, make_ten
     email = "shared@example.com"
     await store_conversation(pool, other.id, "s1", [("user", "my secret recipe uses saffron")],
                              variables={"contact_id": email})
-    async with services(pool) as (svc, _configs):
+    async with services(pool) as (svc, configs):
+        configs.set(acme.id, recall_across_sessions=True)
+        configs.set(other.id, recall_across_sessions=True)
         await svc.memory.remember(ctx(other.id, "s1", variables={"contact_id": email}), "Loves saffron")
         await svc.memory.remember(ctx(acme.id, "unrelated"), "Saffron supplier called")
         # same contact id and the same session id, but another tenant
