@@ -133,7 +133,7 @@ class CompiledTool:
         self.handler = handler
         self.origin = origin  # "builtin" | "tenant"
         self.runs = runs  # what really executes, for operators ("GET https://.../{order_id}")
-        self.validator = ArgumentValidator(definition.parameters)
+        self.validator = ArgumentValidator(definition.parameters, sensitive=definition.sensitive)
         schema = definition.output_schema
         self.output_validator = ArgumentValidator(schema) if schema else None
         self.version = version

@@ -6,53 +6,177 @@ a 422 for the tenant admin, never a crash in a contact's session.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
-from jsonschema.exceptions import SchemaError
+import re2
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
+from jsonschema.exceptions import SchemaError, ValidationError
 
 from services.errors import InvalidInput
 
+#: deeper than this a schema is refused when saved (and the checker's recursion never reached)
+MAX_SCHEMA_DEPTH = 64
+#: keywords whose values are data, not schemas: never searched for refs or patterns
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+def _refuse(uri: str) -> referencing.Resource:
+    raise referencing.exceptions.NoSuchResource(ref=uri)
+
+
+#: a schema's `$ref`s resolve within the schema only: nothing is ever fetched (a tenant's
+#: `$ref` to a URL would otherwise have the host GET it, past the SSRF guard, on its event loop)
+NO_RETRIEVAL: referencing.Registry = referencing.Registry(retrieve=_refuse)
+
+
+@functools.lru_cache(maxsize=4096)
+def _regex(pattern: str) -> Any:
+    """`pattern` compiled by RE2, which matches in linear time (Python's re backtracks: a tenant's
+    `^(a+)+$` against 30 characters froze the host's loop for seconds); None when RE2 cannot run it."""
+    try:
+        return re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error:
+        return None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "string"):
+        return
+    regex = _regex(pattern)
+    if regex is None:
+        yield ValidationError(f"the pattern {pattern!r} cannot be checked (a lookaround or backreference)")
+    elif regex.search(instance) is None:
+        yield ValidationError(f"{_shown(instance)} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Any, patterns: dict, instance: Any, schema: dict) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        regex = _regex(pattern)
+        for key, value in instance.items():
+            if regex is not None and regex.search(key) is not None:
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+@functools.cache
+def _safe(cls: type) -> type:
+    """The dialect's validator with `pattern` and `patternProperties` matched by RE2."""
+    return jsonschema.validators.extend(cls, validators={"pattern": _pattern, "patternProperties": _pattern_properties})
+
+
+def _validator_class(schema: dict[str, Any]) -> type:
+    return _safe(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
+
 
 class ArgumentValidator:
-    """A compiled validator for one tool's parameter schema."""
+    """A compiled validator for one tool's parameter schema (or a form's, or a tool's output).
+    `sensitive` arguments are never repeated in its problems."""
 
-    __slots__ = ("_validator",)
+    __slots__ = ("_sensitive", "_validator")
 
-    def __init__(self, schema: dict[str, Any]) -> None:
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset()) -> None:
+        cls = _validator_class(schema)
+        self._validator = cls(schema, registry=NO_RETRIEVAL, format_checker=cls.FORMAT_CHECKER)
+        self._sensitive = frozenset(sensitive)
 
     def errors(self, arguments: dict[str, Any]) -> list[str]:
-        """Readable problems with `arguments`, most useful first; empty when valid."""
-        problems = []
-        for error in sorted(self._validator.iter_errors(arguments), key=_error_rank):
-            problems.append(_describe(error))
-        return problems
+        """Readable problems with `arguments`, most useful first; empty when valid. A schema
+        stored before it was checked as now (a `$ref` that resolves nowhere, one that refers to
+        itself without end) is a problem here, never an exception."""
+        try:
+            found = sorted(self._validator.iter_errors(arguments), key=_error_rank)
+        except RecursionError:
+            return ["the arguments nest too deeply, or the schema refers to itself without end: they cannot be "
+                    "checked"]
+        except referencing.exceptions.Unresolvable as exc:
+            return [f"the schema's $ref {_shown(str(getattr(exc, 'ref', '')))} cannot be checked: it refers to "
+                    "nothing in the schema"]
+        return [_describe(error, self._sensitive) for error in found]
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None:
     """Raise InvalidInput naming what is wrong when `schema` is not a usable object schema."""
     if not isinstance(schema, dict) or schema.get("type") != "object":
         raise InvalidInput(f"parameters must be a JSON-schema object (\"type\": \"object\") - at `{where}`", path=where)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except SchemaError as exc:
-        path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
-        raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
+    _check(schema, where)
 
 
 def check_any_schema(schema: dict[str, Any], *, where: str) -> None:
     """Raise InvalidInput when `schema` is not a valid JSON schema (of any type)."""
     if not isinstance(schema, dict):
         raise InvalidInput(f"a JSON schema must be an object - at `{where}`", path=where)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    _check(schema, where)
+
+
+def _check(schema: dict[str, Any], where: str) -> None:
+    """The dialect's own check, then what this engine adds: bounded depth, `$ref`s that resolve
+    within the schema, patterns RE2 can run, no `patternProperties`."""
+    cls = _validator_class(schema)
+    resolver = NO_RETRIEVAL.resolver_with_root(
+        referencing.jsonschema.specification_with(
+            schema.get("$schema", ""), default=referencing.jsonschema.DRAFT202012,
+        ).create_resource(schema)
+    )
+    for path, node in _schema_nodes(schema, where, 0):
+        _check_node(node, path, resolver)
     try:
         cls.check_schema(schema)
     except SchemaError as exc:
         path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
         raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
+    except RecursionError:
+        raise InvalidInput(f"the schema nests too deeply - at `{where}`", path=where) from None
+
+
+def _schema_nodes(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict]]:
+    """Every object in a schema with its path, data keywords' values left out."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidInput(f"the schema nests too deeply (more than {MAX_SCHEMA_DEPTH} levels) - at `{path}`", path=path)
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS:
+                yield from _schema_nodes(value, f"{path}.{key}", depth + 1)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _schema_nodes(value, f"{path}[{i}]", depth + 1)
+
+
+def _check_node(node: dict, path: str, resolver: referencing.Resolver) -> None:
+    if "patternProperties" in node:
+        raise InvalidInput(f"patternProperties is not supported in a tool's schema: list the properties, or give "
+                           f"additionalProperties a schema - at `{path}.patternProperties`", path=f"{path}.patternProperties")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _regex(pattern) is None:
+        raise InvalidInput(f"the pattern {_shown(pattern)} uses a lookaround or backreference, or is not a valid "
+                           f"regular expression; patterns are matched in linear time (RE2 syntax) - at `{path}.pattern`",
+                           path=f"{path}.pattern")
+    for keyword in ("$ref", "$dynamicRef"):
+        ref = node.get(keyword)
+        if not isinstance(ref, str):
+            continue
+        if not ref.startswith("#"):
+            raise InvalidInput(f"{keyword} {_shown(ref)}: a $ref may only refer to this schema (\"#/$defs/...\"); "
+                               f"nothing is fetched - at `{path}`", path=path)
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            raise InvalidInput(f"$ref {_shown(ref)} does not resolve to anything in this schema - at `{path}`",
+                               path=path) from None
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 2] + "…" + text[-1]
 
 
 def _error_rank(error: jsonschema.ValidationError) -> tuple[int, str]:
@@ -61,8 +185,14 @@ def _error_rank(error: jsonschema.ValidationError) -> tuple[int, str]:
     return (order.get(error.validator, 3), error.json_path)
 
 
-def _describe(error: jsonschema.ValidationError) -> str:
+def _describe(error: jsonschema.ValidationError, sensitive: frozenset[str] = frozenset()) -> str:
     field = ".".join(str(p) for p in error.absolute_path)
+    if error.absolute_path and error.absolute_path[0] in sensitive:
+        # the message would repeat the value ("'4111…' does not match …"): say what is wrong only
+        if error.validator == "pattern":
+            return f"'{field}': the value does not match its pattern {error.validator_value!r}"
+        if error.validator not in ("required", "additionalProperties"):
+            return f"'{field}': the value is not valid ({error.validator})"
     if error.validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"'{missing}' is required"

@@ -1,0 +1,134 @@
+"""Tenant-written JSON schemas (tool parameters, outputs, forms) are data from a stranger: they
+never make a host fetch a URL, never freeze its event loop, and a broken one is a 422 for the
+tenant admin, never a 500 in a contact's session. Pure: no socket is opened (a retrieval attempt
+fails the test through `no_network`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from services.errors import InvalidInput
+from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any connection attempt is a failure: a schema must never reach out."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a schema tried to open a connection: {args!r}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def obj(**properties) -> dict:
+    return {"type": "object", "properties": properties}
+
+
+REMOTE = "http://169.254.169.254/latest/meta-data.json"
+
+
+@pytest.mark.parametrize("ref", [REMOTE, "https://tenant.example/schema.json#/a", "file:///etc/passwd", "other.json"])
+def test_a_ref_outside_the_schema_is_refused_when_saved(ref):
+    with pytest.raises(InvalidInput, match=r"\$ref .* only refer to this schema"):
+        check_schema(obj(a={"$ref": ref}))
+    with pytest.raises(InvalidInput, match=r"\$ref"):
+        check_any_schema({"type": "string", "allOf": [{"$ref": ref}]}, where="$.output_schema")
+
+
+def test_a_ref_to_nothing_is_refused_when_saved():
+    with pytest.raises(InvalidInput, match=r"\$ref '#/definitions/nope' does not resolve.* at `\$.parameters.properties.a`"):
+        check_schema(obj(a={"$ref": "#/definitions/nope"}))
+
+
+def test_local_refs_that_resolve_are_accepted_and_applied():
+    schema = {"type": "object", "$defs": {"qty": {"type": "integer", "minimum": 1}},
+              "properties": {"n": {"$ref": "#/$defs/qty"}, "m": {"$ref": "#/properties/n"}}}
+    check_schema(schema)
+    validator = ArgumentValidator(schema)
+    assert validator.errors({"n": 2, "m": 3}) == []
+    assert validator.errors({"n": 0}) == ["'n': 0 is less than the minimum of 1"]
+
+
+def test_a_stored_schema_with_a_remote_ref_fails_in_band_and_fetches_nothing():
+    # saved before refs were checked: applied, it answers a problem and opens no connection
+    problems = ArgumentValidator(obj(a={"$ref": REMOTE})).errors({"a": "x"})
+    assert len(problems) == 1 and "$ref" in problems[0] and "cannot be checked" in problems[0]
+
+
+def test_a_stored_schema_with_a_dangling_ref_fails_in_band():
+    problems = ArgumentValidator(obj(a={"$ref": "#/definitions/nope"})).errors({"a": "x"})
+    assert len(problems) == 1 and "cannot be checked" in problems[0]
+
+
+def test_a_self_referencing_schema_is_a_problem_not_a_crash():
+    problems = ArgumentValidator(obj(a={"$ref": "#/properties/a"})).errors({"a": "x"})
+    assert problems and "cannot be checked" in problems[0]
+
+
+def test_a_pattern_is_matched_in_linear_time():
+    # ^(a+)+$ backtracks exponentially in Python's re: 30 characters took seconds, on the loop
+    # every session of the host shares
+    validator = ArgumentValidator(obj(a={"type": "string", "pattern": "^(a+)+$"}))
+    started = time.perf_counter()
+    [problem] = validator.errors({"a": "a" * 5000 + "!"})
+    assert problem.startswith("'a': 'aaaa") and problem.endswith("…' does not match '^(a+)+$'") and len(problem) < 200
+    assert validator.errors({"a": "aaa"}) == []
+    assert time.perf_counter() - started < 1.0  # seconds even on a slow machine with Python's re
+
+
+@pytest.mark.parametrize("pattern", ["(?=a)b", "(a)\\1", "(?<!x)y"])
+def test_a_pattern_the_linear_engine_cannot_run_is_refused_when_saved(pattern):
+    with pytest.raises(InvalidInput, match="pattern .* lookaround or backreference.* at `\\$.parameters.properties.a.pattern`"):
+        check_schema(obj(a={"type": "string", "pattern": pattern}))
+
+
+def test_pattern_properties_are_refused_when_saved():
+    with pytest.raises(InvalidInput, match="patternProperties .* not supported"):
+        check_schema({"type": "object", "patternProperties": {"^x-": {"type": "string"}}})
+
+
+def test_pattern_properties_of_a_stored_schema_are_matched_in_linear_time():
+    validator = ArgumentValidator({"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}})
+    assert validator.errors({"a" * 40 + "!": "x", "aa": "y"}) == ["'aa': 'y' is not of type 'integer'"]
+
+
+def test_a_schema_nested_too_deeply_is_a_422_not_a_crash():
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidInput, match="nests too deeply"):
+        check_schema(obj(a=schema))
+    with pytest.raises(InvalidInput, match="nests too deeply"):
+        check_any_schema(schema, where="$.output_schema")
+
+
+def test_sensitive_arguments_are_not_repeated_in_validation_errors():
+    schema = obj(card={"type": "string", "pattern": "^[0-9]{16}$"}, note={"type": "string", "maxLength": 3})
+    problems = ArgumentValidator(schema, sensitive=frozenset({"card"})).errors(
+        {"card": "4111-1111-1111-1111 cvv 123", "note": "long"})
+    assert not any("4111" in p or "cvv" in p for p in problems), problems
+    assert "'card': the value does not match its pattern '^[0-9]{16}$'" in problems
+    assert "'note': 'long' is too long" in problems  # not sensitive: said as before
+
+
+async def test_a_tools_sensitive_arguments_stay_out_of_its_in_band_error_and_record():
+    # through the executor: the error is what the model reads and what ce_tool_calls keeps
+    from services.botconfig import BotConfig
+    from services.tools.context import TrustedContext
+    from services.tools.executor import Executor, ToolCall
+    from services.tools.toolset import SessionToolState
+    from tests.unit.fakes import make_catalog, python_tool
+
+    schema = obj(card={"type": "string", "pattern": "^[0-9]{16}$"})
+    catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
+    executor = Executor()
+    plan = executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": "4111-1111-1111-1111 cvv 123"})],
+                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t", session_id="s", message_id="m"))
+    assert not outcome.success and "does not match its pattern" in outcome.content
+    assert "4111" not in outcome.content and "4111" not in (outcome.record.error or "")
