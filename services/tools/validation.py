@@ -24,6 +24,7 @@ MAX_SCHEMA_DEPTH = 64
 #: keywords whose values are data, not schemas: never searched for refs or patterns
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
+_ENDLESS = "the arguments nest too deeply, or the schema refers to itself without end: they cannot be checked"
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
 
@@ -95,11 +96,10 @@ class ArgumentValidator:
         try:
             found = sorted(self._validator.iter_errors(arguments), key=_error_rank)
         except RecursionError:
-            return ["the arguments nest too deeply, or the schema refers to itself without end: they cannot be "
-                    "checked"]
+            return [_ENDLESS]
         except referencing.exceptions.Unresolvable as exc:
-            return [f"the schema's $ref {_shown(str(getattr(exc, 'ref', '')))} cannot be checked: it refers to "
-                    "nothing in the schema"]
+            ref = _shown(str(getattr(exc, "ref", "")))
+            return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
         return [_describe(error, self._sensitive) for error in found]
 
 
