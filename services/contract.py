@@ -5,7 +5,8 @@ registry (the compiled catalog of a session host) and the backend's expected par
 OpenAPI document the tenant registered for its backend). Pure: the caller supplies all three.
 
 Findings, each with what to fix: dead route, ignored argument, missing required parameter,
-handler override, handler not loaded, absent from the allowlist, intent naming an unknown tool.
+handler override, handler not loaded, absent from the allowlist, intent naming an unknown tool,
+a malformed part of the backend's OpenAPI document (named by where it is, never an exception).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.tools.registry import Catalog
 FindingKind = Literal[
     "dead_route", "ignored_argument", "missing_required_parameter", "handler_override",
     "handler_not_loaded", "absent_from_allowlist", "unknown_tool_in_intent", "disabled",
-    "output_contract_broken",
+    "output_contract_broken", "malformed_openapi",
 ]
 
 #: the in-band error text of a result that breaks its output schema (services.tools.executor)
@@ -219,15 +220,27 @@ def _fields(definition: ToolDefinition) -> list[FieldMapping]:
 def _binding_findings(tool: BackendBindingTool, fields: list[FieldMapping], openapi: dict | None) -> list[Finding]:
     if openapi is None:
         return []
-    operation, path_key = _operation(openapi, tool.method, tool.path)
-    if operation is None:
-        known = ", ".join(sorted(openapi.get("paths", {}))) or "none"
+    problems: list[str] = []
+    found = _operation(openapi, tool.method, tool.path, problems)
+    expected: dict[str, bool] = {}
+    if found is not None:
+        operation, item, where = found
+        expected = _parameters(operation, item, where, tool.method.lower(), problems)
+    if problems:
+        # A part of the document that cannot be read leaves the expected parameters unknown, so
+        # "ignored argument" or "missing parameter" would be guesses: report only what to repair.
+        return [Finding(
+            kind="malformed_openapi", severity="error",
+            message=f"{tool.method} {tool.path} cannot be checked against the backend's OpenAPI document: {problem}",
+            fix="correct that part of the document and store it again in `backend.openapi` with PUT /v1/bot-config",
+        ) for problem in problems]
+    if found is None:
+        known = ", ".join(sorted(_member(openapi, "paths", dict, _ROOT, []))) or "none"
         return [Finding(
             kind="dead_route", severity="error",
             message=f"the backend has no {tool.method} {tool.path} (its OpenAPI document lists: {known})",
             fix="correct `path`/`method` of the binding, or register the backend's current OpenAPI document",
         )]
-    expected = _parameters(openapi, operation, path_key)
     findings: list[Finding] = []
     sent = {f.backend_name: f for f in fields if f.backend_name is not None}
     for backend_name, f in sent.items():
@@ -251,29 +264,90 @@ def _binding_findings(tool: BackendBindingTool, fields: list[FieldMapping], open
     return findings
 
 
-def _operation(openapi: dict, method: str, path: str) -> tuple[dict | None, str | None]:
-    paths = openapi.get("paths", {}) or {}
+# The document is whatever the tenant stored (any JSON object): every step below checks the type
+# of what it reads, and a wrong one becomes a problem naming where it is, never an exception.
+_ROOT = "$.backend.openapi"
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _problem(expected: str, value: object, where: str) -> str:
+    return f"expected {expected}, got {_json_type(value)} - at `{where}`"
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if key.isidentifier() else f"{where}[{key!r}]"
+
+
+def _member(parent: dict, key: str, want: type[dict | list], where: str, problems: list[str]) -> Any:
+    """`parent[key]` when it is a `want` (empty when absent); a value of another type is added to
+    `problems` and reads as empty."""
+    if key not in parent:
+        return want()
+    value = parent[key]
+    if isinstance(value, want):
+        return value
+    problems.append(_problem("an object" if want is dict else "an array", value, _at(where, key)))
+    return want()
+
+
+def _operation(openapi: dict, method: str, path: str, problems: list[str]) -> tuple[dict, dict, str] | None:
+    """(operation, its path item, where that item is) for `method path`, or None when the
+    document has none; unreadable parts on the way are added to `problems`."""
+    verb = method.lower()
+    paths = _member(openapi, "paths", dict, _ROOT, problems)
     norm = _PARAM_RE.sub("{}", path)
     for key, item in paths.items():
-        if _PARAM_RE.sub("{}", key) == norm and isinstance(item, dict):
-            op = item.get(method.lower())
-            if isinstance(op, dict):
-                return op, key
-    return None, None
+        if _PARAM_RE.sub("{}", key) != norm:
+            continue
+        where = _at(f"{_ROOT}.paths", key)
+        if not isinstance(item, dict):
+            problems.append(_problem("an object", item, where))
+        elif verb in item and not isinstance(item[verb], dict):
+            problems.append(_problem("an object", item[verb], _at(where, verb)))
+        elif verb in item:
+            return item[verb], item, where
+    return None
 
 
-def _parameters(openapi: dict, operation: dict, path_key: str | None) -> dict[str, bool]:
+def _parameters(operation: dict, item: dict, where: str, verb: str, problems: list[str]) -> dict[str, bool]:
     """Backend parameter name -> required, from path-level and operation-level parameters and a
-    JSON request body's top-level properties."""
+    JSON request body's top-level properties; unreadable parts are added to `problems`."""
     params: dict[str, bool] = {}
-    item = openapi.get("paths", {}).get(path_key, {}) if path_key else {}
-    for p in [*item.get("parameters", []), *operation.get("parameters", [])]:
-        if isinstance(p, dict) and "name" in p:
-            params[p["name"]] = bool(p.get("required")) or p.get("in") == "path"
-    body = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-    body_required = set(body.get("required", []))
-    for prop in body.get("properties", {}):
-        params[prop] = prop in body_required
+    op_where = _at(where, verb)
+    for parent, at in ((item, where), (operation, op_where)):
+        for i, p in enumerate(_member(parent, "parameters", list, at, problems)):
+            p_where = f"{at}.parameters[{i}]"
+            if not isinstance(p, dict):
+                problems.append(_problem("an object", p, p_where))
+            elif "name" in p and not isinstance(p["name"], str):
+                problems.append(_problem("a string", p["name"], f"{p_where}.name"))
+            elif "name" in p:  # without a name it is a $ref, which the report does not follow
+                params[p["name"]] = bool(p.get("required")) or p.get("in") == "path"
+    body_where = _at(op_where, "requestBody")
+    content_where = _at(body_where, "content")
+    media_where = _at(content_where, "application/json")
+    schema_where = _at(media_where, "schema")
+    body = _member(operation, "requestBody", dict, op_where, problems)
+    content = _member(body, "content", dict, body_where, problems)
+    media = _member(content, "application/json", dict, content_where, problems)
+    schema = _member(media, "schema", dict, media_where, problems)
+    required = _member(schema, "required", list, schema_where, problems)
+    for i, name in enumerate(required):
+        if not isinstance(name, str):
+            problems.append(_problem("a string", name, f"{schema_where}.required[{i}]"))
+    for prop in _member(schema, "properties", dict, schema_where, problems):
+        params[prop] = prop in required
     return params
 
 

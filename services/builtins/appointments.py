@@ -253,9 +253,10 @@ class Schedule:
         return "; ".join(f"{d}: {', '.join(times)}" for d, times in by_day.items())
 
 
-def parse_start(raw: Any, zone: ZoneInfo) -> datetime | date:
+def parse_start(raw: Any, zone: ZoneInfo, field: str = "start") -> datetime | date:
     """A booking start (aware datetime; naive input is in `zone`) or a day (date alone).
-    Raises InvalidArguments naming `start`."""
+    Raises InvalidArguments naming `field`. The value may lie anywhere in the calendar: the
+    service checks it against the bookable days (AppointmentService._day, ._local)."""
     text = str(raw).strip() if raw is not None else ""
     if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
         try:
@@ -270,7 +271,7 @@ def parse_start(raw: Any, zone: ZoneInfo) -> datetime | date:
         if value is not None:
             return value if value.tzinfo is not None else value.replace(tzinfo=zone)
     raise InvalidArguments(
-        f"'start' is not a date and time: {clip(text, 40)!r} - use ISO 8601 like 2026-07-02T10:00",
+        f"'{field}' is not a date and time: {clip(text, 40)!r} - use ISO 8601 like 2026-07-02T10:00",
         advice="Ask the customer which day and time they want, or list the free slots first.",
     )
 
@@ -342,15 +343,49 @@ class AppointmentService:
         busy = await self._store.busy(tenant_id, schedule.service.name, window_start - schedule.duration, window_end)
         return schedule.free_slots(busy, after=after, first_day=first_day, days=days, limit=limit)
 
+    def _bookable_days(self, schedule: Schedule) -> tuple[date, date]:
+        """The first and the last local day a booking may fall on (today to MAX_AHEAD_DAYS ahead)."""
+        now = self._now()
+        return schedule.local_day(now), schedule.local_day(now + timedelta(days=MAX_AHEAD_DAYS))
+
+    def _far_off(self, schedule: Schedule, field: str, shown: str, what: str) -> InvalidArguments:
+        first, last = self._bookable_days(schedule)
+        return InvalidArguments(
+            f"'{field}' {shown} {what}; the bookable days are {first} to {last} ({schedule.service.timezone})",
+            advice=f"Ask the customer for a day from {first} to {last}, or list the free slots of the next days.",
+        )
+
+    def _local(self, schedule: Schedule, field: str, moment: datetime) -> datetime:
+        """`moment` (aware) in the service's time zone.
+
+        Raises InvalidArguments naming `field` and the bookable days when `moment` is so far off
+        that the calendar cannot hold it in UTC or in that zone (0001-01-01T00:00+14:00)."""
+        try:
+            moment.astimezone(UTC)
+            return moment.astimezone(schedule.zone)
+        except OverflowError:  # datetime's range ends at years 1 and 9999
+            raise self._far_off(schedule, field, moment.isoformat(timespec="minutes"), "is too far off to book") from None
+
+    def _day(self, schedule: Schedule, field: str, value: datetime | date) -> date:
+        """The local day of `value` (a day, or an aware moment on it) to list.
+
+        Raises InvalidArguments naming `field` and the bookable days when it is more than
+        MAX_AHEAD_DAYS ahead or too far off for the calendar; a day in the past passes (the listing
+        says so and shows the next free slots)."""
+        day = self._local(schedule, field, value).date() if isinstance(value, datetime) else value
+        if day > self._bookable_days(schedule)[1]:
+            raise self._far_off(schedule, field, day.isoformat(), f"is more than {MAX_AHEAD_DAYS} days ahead")
+        return day
+
     async def list_slots(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
-        """The handler of list_appointment_slots: free slots of the next days, or of `day`."""
+        """The handler of list_appointment_slots: free slots of the next days, or of `day`.
+
+        Raises InvalidArguments (unknown service, malformed `day`, a day beyond the bookable
+        days), PolicyDenied (no services)."""
         schedule = await self._service(ctx.tenant_id, args.get("service"))
         day = args.get("day")
         if day:
-            parsed = parse_start(day, schedule.zone)
-            if isinstance(parsed, datetime):
-                parsed = schedule.local_day(parsed)
-            return await self._listing(ctx, schedule, parsed)
+            return await self._listing(ctx, schedule, self._day(schedule, "day", parse_start(day, schedule.zone, "day")))
         return await self._listing(ctx, schedule, None)
 
     async def _listing(self, ctx: TrustedContext, schedule: Schedule, day: date | None) -> dict[str, Any]:
@@ -383,16 +418,18 @@ class AppointmentService:
     async def book(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
         """The handler of book_appointment: books `start`, or lists when it is absent or a date.
 
-        Raises InvalidArguments (unknown service, malformed/past/misaligned start),
-        SlotUnavailable (taken, with the next free slots as advice), PolicyDenied (no services)."""
+        Raises InvalidArguments (unknown service, malformed/past/misaligned start, a start beyond
+        the bookable days), SlotUnavailable (taken, with the next free slots as advice),
+        PolicyDenied (no services)."""
         schedule = await self._service(ctx.tenant_id, args.get("service"))
         raw_start = args.get("start")
         if args.get("action") == "list" or raw_start in (None, ""):
-            day = parse_start(raw_start, schedule.zone) if raw_start else None
-            return await self._listing(ctx, schedule, schedule.local_day(day) if isinstance(day, datetime) else day)
+            day = self._day(schedule, "start", parse_start(raw_start, schedule.zone)) if raw_start else None
+            return await self._listing(ctx, schedule, day)
         start = parse_start(raw_start, schedule.zone)
         if not isinstance(start, datetime):
-            return await self._listing(ctx, schedule, start)
+            return await self._listing(ctx, schedule, self._day(schedule, "start", start))
+        self._local(schedule, "start", start)  # showing it (in the errors below too) must not overflow
         now = self._now()
         if start <= now:
             raise InvalidArguments(
@@ -400,8 +437,7 @@ class AppointmentService:
                 advice=await self._offer(ctx, schedule, "Ask the customer for a later time"),
             )
         if start > now + timedelta(days=MAX_AHEAD_DAYS):
-            raise InvalidArguments(f"'start' {schedule.show(start)} is more than {MAX_AHEAD_DAYS} days ahead",
-                                   advice="Ask the customer for a nearer date.")
+            raise self._far_off(schedule, "start", schedule.show(start), f"is more than {MAX_AHEAD_DAYS} days ahead")
         if not schedule.is_slot_start(start):
             raise InvalidArguments(
                 f"'start' {schedule.show(start)} is not a slot of {schedule.service.name} "
