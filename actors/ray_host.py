@@ -67,7 +67,11 @@ def to_host_error(exc: BaseException) -> HostError:
     if isinstance(exc, LeaseLost):
         return HostError(kind="lease_lost", message=str(exc), retry_after=0.1)
     if isinstance(exc, TurnNotSaved):
-        return HostError(kind="internal", message=str(exc))
+        # Postgres refused the session's data for good (a data error, not an outage): the turn
+        # was dropped unacknowledged and its message says so and what to do. Answered as the
+        # in-process router answers it (LocalRouter lets it reach the gateway as itself: 400),
+        # not as a host that failed (500).
+        return HostError(kind="invalid", message=str(exc))
     if isinstance(exc, SessionError):
         return HostError(kind=exc.kind, message=str(exc))
     if isinstance(exc, ChatEngineError) and getattr(exc, "retryable", False):

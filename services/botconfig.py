@@ -45,6 +45,17 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     approval_ttl_s: float | None = None  # None: the engine's CE_APPROVAL_TTL_S
 
 
+#: a tenant's approval TTL: a second at least, 30 days at most (an expiry time must be a date)
+APPROVAL_TTL_MIN_S, APPROVAL_TTL_MAX_S = 1, 30 * 86400
+
+
+def approval_ttl(config: BotConfig, default: float) -> float:
+    """The tenant's approval TTL, or `default` when it has none or one out of range (stored
+    before `PUT /v1/bot-config` checked it: held turns would otherwise fail or expire at birth)."""
+    ttl = config.approval_ttl_s
+    return ttl if ttl is not None and APPROVAL_TTL_MIN_S <= ttl <= APPROVAL_TTL_MAX_S else default
+
+
 DEFAULT_CONFIG = BotConfig()
 botconfig_decoder = msgspec.json.Decoder(BotConfig)
 

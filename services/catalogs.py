@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from actors.session import TurnEnv
-from services.botconfig import BotConfig, botconfig_from_dict
+from services.botconfig import BotConfig, approval_ttl, botconfig_from_dict
 from services.builtins.handoff import HANDLER as HANDOFF_HANDLER
 from services.tools.mcp import with_mcp_tools
 from services.tools.model import ToolDefinition
@@ -159,6 +159,6 @@ class TenantCatalogs:
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,
             main_model=config.main_model or self._main, cheap_model=config.cheap_model or self._cheap,
-            approval_keys=self._approval_keys, approval_ttl_s=config.approval_ttl_s or self._approval_ttl_s,
+            approval_keys=self._approval_keys, approval_ttl_s=approval_ttl(config, self._approval_ttl_s),
             handoff=self._registry.get(HANDOFF_HANDLER) if self._registry is not None else None,
         )

@@ -22,8 +22,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.botconfig import Backend, BotConfig, Intent
+from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, Backend, BotConfig, Intent
 from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
+from services.builtins.notify import InvalidSecret, secret_key
 from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, Overloaded
 from services.gateway.bodies import (
     ToolCreate,
@@ -51,6 +52,8 @@ SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_TEXT = 16_000
 MAX_BODY = 256 * 1024
 KEY_CACHE_TTL_S = 30.0
+#: the largest tool version (ce_tool_versions.version is a Postgres INTEGER)
+MAX_TOOL_VERSION = 2**31 - 1
 RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
 BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 
@@ -114,6 +117,7 @@ DEPS = web.AppKey("deps", GatewayDeps)
 TENANT = web.RequestKey("ce_tenant_id", str)
 REQUEST_ID = web.RequestKey("ce_request_id", str)
 
+_DIGITS_RE = re.compile(r"[0-9]+")  # ASCII only, unlike str.isdigit() and \d
 _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
 
@@ -164,6 +168,28 @@ def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, 
         return 400, "Request failed", str(exc), None
     log.error("unhandled_error", path=path, exc_info=exc)
     return 500, "Internal error", f"something went wrong on our side; quote request id {request_id}", None
+
+
+class OutOfRange(InvalidInput):
+    """A whole number was sent where one is expected, but outside the range the route takes."""
+
+
+def whole_number(raw: str, *, name: str, low: int, high: int, at: str) -> int:
+    """`raw`, a value from a query string or a path, as an int from `low` to `high`.
+
+    Only ASCII digits make a whole number: str.isdigit() also passes '²' (which int() refuses)
+    and int() reads other scripts' digits. Raises InvalidInput naming `name`, the range and
+    where it was (`at`) when `raw` is not a whole number, and OutOfRange (an InvalidInput) when
+    it is one outside the range. A number with more digits than `high` is refused without being
+    converted (int() itself fails beyond 4300 digits).
+    """
+    message = f"{name} must be a whole number from {low} to {high}, got {raw[:20]!r} - at `{at}`"
+    if not _DIGITS_RE.fullmatch(raw):
+        raise InvalidInput(message, path=at)
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(high)) or not low <= int(digits) <= high:
+        raise OutOfRange(message, path=at)
+    return int(digits)
 
 
 @web.middleware
@@ -234,8 +260,21 @@ async def decode_body(request: web.Request, type_: type) -> Any:
     if request.content_length is not None and request.content_length > MAX_BODY:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length,
                                             text=f"the body is larger than {MAX_BODY} bytes; send less")
-    raw = await request.read()
+    encoding = request.headers.get("Content-Encoding", "").strip()[:40]
+    fix = "send a JSON object compressed as that header says, or uncompressed without the header"
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError:
+        # aiohttp decompresses while reading: a corrupt body fails here (so does one cut short of
+        # its Content-Length or its chunked framing, whatever its encoding)
+        raise web.HTTPBadRequest(text=f"the body could not be decoded (Content-Encoding: {encoding}); {fix}"
+                                 if encoding else "the body could not be read: it ended before its "
+                                 "Content-Length or its chunked framing is broken; send it again") from None
     if not raw:
+        # a corrupt or cut-short gzip body decompresses to nothing rather than failing
+        if encoding and (request.content_length or getattr(request.content, "total_raw_bytes", 0)):
+            raise web.HTTPBadRequest(text=f"the body could not be decoded (Content-Encoding: {encoding}): it "
+                                     f"decompresses to nothing; {fix}")
         raise InvalidInput("the body is empty; send a JSON object")
     decoder = _decoders.get(type_)
     if decoder is None:
@@ -476,10 +515,15 @@ async def tool_versions(request: web.Request) -> web.Response:
 
 async def publish_tool(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
+    name = request.match_info["name"]
     raw = request.match_info["version"]
-    if not raw.isdigit():
-        raise InvalidInput(f"version must be a whole number, got {raw[:20]!r}")
-    row = await deps.tools.publish(request[TENANT], request.match_info["name"], int(raw))
+    try:
+        version = whole_number(raw, name="version", low=1, high=MAX_TOOL_VERSION, at="{version}")
+    except OutOfRange:
+        # no version can be stored there, so none exists: the answer the repository gives a missing one
+        raise NotFound(f"tool {name!r} has no version {raw[:20]}; list them with GET /v1/tools/{name}/versions",
+                       kind="tool_version", key=f"{name}@{raw[:20]}") from None
+    row = await deps.tools.publish(request[TENANT], name, version)
     return json_response(_published_view(row))
 
 
@@ -574,9 +618,29 @@ async def get_bot_config(request: web.Request) -> web.Response:
     return json_response(_config_view(config))
 
 
+def check_bot_config(body: BotConfigIn) -> None:
+    """Raise InvalidInput (naming the field) for a value no turn or notification could use."""
+    ttl = body.approval_ttl_s
+    if ttl is not None and not APPROVAL_TTL_MIN_S <= ttl <= APPROVAL_TTL_MAX_S:
+        # A held approval's expiry is now + TTL: beyond the calendar no turn could be held, and
+        # at or below 0 every approval would be expired at birth.
+        raise InvalidInput(f"approval_ttl_s must be a number of seconds from {APPROVAL_TTL_MIN_S} to "
+                           f"{APPROVAL_TTL_MAX_S} (30 days), got {ttl}; leave it out for the engine's "
+                           "default - at `$.approval_ttl_s`", path="$.approval_ttl_s")
+    if body.notification_secret:
+        try:
+            secret_key(body.notification_secret)  # how the notifier reads it to sign each notification
+        except InvalidSecret:
+            # the value is a secret: never echoed, not even a bad one
+            raise InvalidInput("notification_secret must be whsec_ followed by base64 (a Standard Webhooks "
+                               "secret, such as whsec_ and 32 random bytes in base64) - at `$.notification_secret`",
+                               path="$.notification_secret") from None
+
+
 async def put_bot_config(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     body: BotConfigIn = await decode_body(request, BotConfigIn)
+    check_bot_config(body)
     if body.backend is not None:
         check_url(body.backend.base_url, field="backend.base_url", policy=deps.webhook_policy)
     if body.notification_webhook:

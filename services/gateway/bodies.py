@@ -27,6 +27,10 @@ from services.tools.validation import check_any_schema, check_schema
 
 ToolType = Literal["webhook", "backend_binding", "python", "workflow", "client"]
 UNSET: Any = msgspec.UNSET
+#: the longest session variable name a tool may set (`completes_variable`): Postgres indexes a
+#: session's variables by name and refuses a row whose name outgrows the index, which would fail
+#: every turn that calls the tool; far below that, a name is a name
+MAX_VARIABLE_NAME = 128
 
 
 class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -164,6 +168,11 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
                 f"the URL template uses {{{hole}}} but parameters has no '{hole}' - add it to `$.parameters`",
                 path="$.parameters",
             )
+    if body.completes_variable is not None and not 0 < len(body.completes_variable) <= MAX_VARIABLE_NAME:
+        raise InvalidInput(
+            f"completes_variable must be 1-{MAX_VARIABLE_NAME} characters, got {len(body.completes_variable)}; "
+            "name the session variable the tool sets - at `$.completes_variable`", path="$.completes_variable",
+        )
     for name in body.sensitive:
         if name not in properties:
             raise InvalidInput(f"sensitive names '{name}', which is not a parameter - at `$.sensitive`", path="$.sensitive")

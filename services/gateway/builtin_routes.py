@@ -24,7 +24,7 @@ from aiohttp import web
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form
 from services.errors import InvalidInput, NotFound
-from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since
+from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since, whole_number
 from storage.repos.builtins import BuiltinRepos
 from storage.repos.notifications import NotFailed
 
@@ -45,9 +45,7 @@ def _limit(request: web.Request, default: int = 100) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= _LIMIT_MAX:
-        raise InvalidInput(f"limit must be a whole number from 1 to {_LIMIT_MAX}, got {raw[:20]!r}")
-    return int(raw)
+    return whole_number(raw, name="limit", low=1, high=_LIMIT_MAX, at="?limit")
 
 
 def _view(record: Any) -> dict[str, Any]:

@@ -17,14 +17,21 @@ by the auth middleware (request[TENANT]) like every other, and only read.
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from services.errors import InvalidInput, NotFound
-from services.gateway.app import DEPS, SESSION_ID_RE, TENANT, json_response, parse_since
+from services.gateway.app import (
+    DEPS,
+    SESSION_ID_RE,
+    TENANT,
+    json_response,
+    parse_since,
+    whole_number,
+)
 from storage.repos.dashboard import DashboardRepo
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -44,6 +51,11 @@ _LIMIT_MAX = 500
 #: bucket widths the timeseries picks from when none is asked for: ≤ 48 bars per chart
 _AUTO_WIDTHS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400, 7 * 86400)
 _MAX_BUCKETS = 1000
+#: the longest range a chart covers: as many of the widest auto buckets as a chart may have
+#: (about 19 years); an earlier `since` ("since the year 1", "all of it") is read as this
+_MAX_SPAN = timedelta(seconds=_MAX_BUCKETS * _AUTO_WIDTHS[-1])
+#: the widest bucket asked for by name
+_MAX_WIDTH_S = 366 * 86400
 #: names whose values never reach the page, whatever the tool declares
 _SECRET_KEY_RE = re.compile(r"pass(word)?|secret|token|api[_-]?key|authori[sz]ation|cvv|card[_-]?number|ssn",
                             re.IGNORECASE)
@@ -104,10 +116,7 @@ def _limit(request: web.Request, default: int) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= _LIMIT_MAX:
-        raise InvalidInput(f"limit must be a whole number from 1 to {_LIMIT_MAX}, got {raw[:20]!r} - at `?limit`",
-                           path="?limit")
-    return int(raw)
+    return whole_number(raw, name="limit", low=1, high=_LIMIT_MAX, at="?limit")
 
 
 def _session_id(request: web.Request) -> str:
@@ -150,9 +159,9 @@ async def session_calls(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     tenant_id = request[TENANT]
     session_id = _session_id(request)
+    limit = _limit(request, 20)  # what was asked is checked before anything is looked up
     if await deps.sessions.current_epoch(tenant_id, session_id) is None:
         raise NotFound(f"session {session_id!r} does not exist for this tenant", kind="session", key=session_id)
-    limit = _limit(request, 20)
     turns = await _repo(request).turns(tenant_id, session_id, limit=limit)
     calls = await deps.calls.recent(tenant_id, session_id, limit=limit * 10)
     sensitive: dict[str, frozenset[str]] = {
@@ -181,11 +190,16 @@ async def session_calls(request: web.Request) -> web.Response:
 def _bucket_width(raw: str | None, span_s: float) -> int:
     if raw is None or raw == "auto":
         return next((w for w in _AUTO_WIDTHS if span_s / w <= 48), _AUTO_WIDTHS[-1])
-    m = re.fullmatch(r"(\d+)([mhd])", raw)
-    if not m or int(m.group(1)) == 0:
-        raise InvalidInput(f"bucket must be a width like 5m, 1h or 1d (or auto), got {raw[:20]!r} - at `?bucket`",
-                           path="?bucket")
-    width = int(m.group(1)) * {"m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    refusal = InvalidInput(f"bucket must be a width like 5m, 1h or 1d, from 1m to {_MAX_WIDTH_S // 86400}d "
+                           f"(or auto), got {raw[:20]!r} - at `?bucket`", path="?bucket")
+    unit = {"m": 60, "h": 3600, "d": 86400}.get(raw[-1:])
+    try:
+        count = whole_number(raw[:-1], name="bucket", low=1, high=_MAX_WIDTH_S // 60, at="?bucket")
+    except InvalidInput:
+        raise refusal from None
+    if unit is None or count * unit > _MAX_WIDTH_S:
+        raise refusal
+    width = count * unit
     if span_s / width > _MAX_BUCKETS:
         raise InvalidInput(f"bucket {raw} over this range makes more than {_MAX_BUCKETS} buckets; choose a wider "
                            "bucket or a later `since` - at `?bucket`", path="?bucket")
@@ -193,11 +207,16 @@ def _bucket_width(raw: str | None, span_s: float) -> int:
 
 
 async def tool_timeseries(request: web.Request) -> web.Response:
-    """Calls and successes per tool per bucket, zero-filled, aligned arrays (one per tool)."""
+    """Calls and successes per tool per bucket, zero-filled, aligned arrays (one per tool).
+
+    A `since` earlier than the longest range a chart covers (_MAX_SPAN) is read as that range's
+    start, which the answer's `since` says: "since the year 1" means "all of it" to whoever asks,
+    no tool call is older, and a chart of buckets back to then could not even be dated."""
     since = parse_since(request.query.get("since"))
     now = datetime.now(UTC)
     if since >= now:
         raise InvalidInput("since must be in the past - at `?since`", path="?since")
+    since = max(since, now - _MAX_SPAN)
     width = _bucket_width(request.query.get("bucket"), (now - since).total_seconds())
     rows = await _repo(request).call_buckets(request[TENANT], since, width)
     first = int(since.timestamp()) // width * width
