@@ -45,3 +45,10 @@ def configure_logging(*, fmt: str = "console", level: str = "info") -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    for name in QUIETED:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+#: libraries that log what a tenant's server sent (the MCP SDK logs an unparsable answer with
+#: its body, at ERROR): the engine logs such failures itself, without the body (`mcp_call_failed`)
+QUIETED = ("mcp.client",)

@@ -189,11 +189,11 @@ class Executor:
             )
         d = tool.definition
         try:
-            args = scoped_args(
+            args = declared_only(scoped_args(
                 call.arguments if isinstance(call.arguments, dict) else {},
                 {k: v for k, v in scope.items() if k in d.parameters.get("properties", {})},
                 protected=d.protected_keys,
-            )
+            ), d.parameters)
             problems = tool.validator.errors(args)
         except RecursionError:
             args, problems = {}, ["the arguments nest too deeply"]
@@ -464,6 +464,18 @@ def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, pr
     JSON body, and a backend may read it there. Raises RecursionError for absurdly deep input."""
     clean = _without_keys(model_args, protected)
     return {**clean, **trusted_scope}
+
+
+def declared_only(args: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """The arguments the schema declares, when it says nothing of others: the model may send
+    more (a binding's backend names directly, past the checks on the declared names; a second
+    `api_key` for a webhook's query; `role` into a JSON body), and a tool gets only what its
+    owner described. A schema that says `additionalProperties` decides for itself (false: the
+    model is told of an unknown argument; true or a schema: they are passed on)."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or "additionalProperties" in schema:
+        return args
+    return {k: v for k, v in args.items() if k in properties}
 
 
 def _without_keys(value: Any, keys: frozenset[str]) -> Any:

@@ -158,9 +158,20 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
         self.error_status: int | None = None
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        # The size cap counts bytes as they arrive; httpx2 inflates them afterwards, so a
+        # compressed answer could pass it and inflate a thousandfold (a "compression bomb")
+        # during a catalog load. None is asked for, and one that comes anyway is refused.
+        request.headers["Accept-Encoding"] = "identity"
         response = await super().handle_async_request(request)
         if response.status_code >= 400 and self.error_status is None:
             self.error_status = response.status_code
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            await response.aclose()
+            raise UpstreamMalformed(
+                f"mcp server sent a compressed response (Content-Encoding: {encoding[:20]}) though none was asked for",
+                advice="Tell the customer you cannot retrieve this right now.",
+            )
         length = response.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body_bytes:
             await response.aclose()

@@ -796,3 +796,5 @@ def _decode_json(raw: bytes, content_type: str) -> Any:
         raise UpstreamMalformed(
             "upstream returned malformed json", advice=_MALFORMED_ADVICE
         ) from None
+    except RecursionError:  # msgspec gives up past ~1,000 levels: a tool error like any bad body
+        raise UpstreamMalformed("upstream returned json nested too deeply", advice=_MALFORMED_ADVICE) from None

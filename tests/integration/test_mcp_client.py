@@ -152,3 +152,48 @@ async def test_a_slow_server_is_a_timeout_within_the_budget(shop) -> None:
         assert asyncio.get_running_loop().time() - started < 3
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_answer_is_refused_not_inflated(encoding) -> None:
+    # The size cap counts bytes on the wire; httpx2 would inflate them after it. A tenant's server
+    # answering 1 MB of gzip that inflates to 64 MB (1 GB in the review) would pass the cap and
+    # fill the host's memory during a catalog load. The client asks for no compression and
+    # refuses a compressed answer.
+    import json
+    import zlib
+
+    from aiohttp import web
+
+    from services.tools.errors import UpstreamMalformed
+
+    message = json.dumps({"jsonrpc": "2.0", "id": 0, "result": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "serverInfo": {"name": "x", "version": "1"}}}).encode()
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31 if encoding == "gzip" else 15)
+    body = packer.compress(message[:-1]) + b"".join(packer.compress(b" " * (1 << 20)) for _ in range(64))
+    body += packer.compress(b"}") + packer.flush()
+    asked: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.headers.get("Accept-Encoding"))
+        await request.read()
+        return web.Response(body=body, headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+
+    app = web.Application()
+    app.router.add_post("/mcp", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.2", 0)
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        pytest.skip("127.0.0.2 cannot be bound here")
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        client = McpHttpClient(policy=LOOPBACK_TWO, network_backend=RecordingBackend(), max_body_bytes=1 << 20)
+        with pytest.raises(UpstreamMalformed, match=f"compressed .*{encoding}"):
+            await client.list_tools(f"http://127.0.0.2:{port}/mcp", auth_header=None, timeout_s=10)
+        assert asked and set(asked) == {"identity"}
+    finally:
+        await runner.cleanup()

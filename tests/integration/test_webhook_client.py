@@ -784,3 +784,13 @@ async def test_tool_backend_without_a_backend_url_refuses_bindings(client, upstr
         await backend.call_binding(binding, {}, ctx=ctx, timeout_s=1.0, idempotency_key=None)
     assert info.value.tool_name == "b"
     assert upstream.requests == []
+
+
+def test_a_2xx_body_nested_too_deeply_is_upstream_malformed_not_a_crash() -> None:
+    # 10 KB of [[[[...]]]]: msgspec raises RecursionError, which escaped as a crash (and made the
+    # notifier re-send an event its receiver had accepted, and left a workflow's job pending)
+    from services.tools.webhook import _decode_json
+
+    with pytest.raises(UpstreamMalformed, match="nested too deeply"):
+        _decode_json(b"[" * 5000 + b"]" * 5000, "application/json")
+    assert _decode_json(b"[" * 50 + b"]" * 50, "application/json") is not None

@@ -25,7 +25,7 @@ from services.tools.model import (
 from services.tools.registry import Catalog, HandlerRegistry, ToolBackend, build_catalog
 
 #: the schema most test tools use: one optional free-text argument
-OPEN_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}}
+OPEN_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": True}
 
 #: seed 000's check_order after normalisation: `order_id` fills the URL hole, so it is required
 ORDER_SCHEMA: dict[str, Any] = {

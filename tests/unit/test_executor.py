@@ -33,6 +33,7 @@ from tests.unit.fakes import (
     FakeClock,
     FakeHandler,
     FakeToolBackend,
+    binding_tool,
     client_tool,
     make_catalog,
     python_tool,
@@ -690,6 +691,31 @@ async def test_a_tools_concurrency_slots_are_per_tenant_not_shared_across_the_ho
     results = await asyncio.wait_for(asyncio.gather(*busy), 10)
     assert out.success, out.error
     assert slow_a.count == 9 and all(o.success for [o] in results)  # A's ninth waited for A's own slot
+
+
+async def test_arguments_the_schema_does_not_declare_never_reach_the_backend() -> None:
+    # The model may send what the schema never declared: a binding's backend names directly
+    # (past the pattern and enum on the declared names), a second api_key for a webhook's query,
+    # {"role": "admin"} into a JSON body. Only declared arguments are sent.
+    backend = FakeToolBackend()
+    order = webhook_tool(parameters={"type": "object", "properties": {"order_id": {"type": "string"}}})
+    search = binding_tool(parameters={"type": "object", "properties": {
+        "search": {"type": "string", "maxLength": 5}, "limit": {"type": "integer"}}})
+    catalog = make_catalog(order, search, backend=backend)
+    await run(catalog, call("check_order", "c1", order_id="42", api_key="attacker", role="admin"),
+              scope={"account_id": "acct-1"})
+    await run(catalog, call("example_catalog_search", "c2", search="tea", q="a" * 500, per_page=10_000),
+              scope={"account_id": "acct-1"})
+    assert backend.calls[0].args == {"order_id": "42"}
+    assert backend.calls[1].args == {"search": "tea"}  # mapped to the backend's names after this
+
+
+async def test_a_schema_that_allows_more_arguments_passes_them_on() -> None:
+    backend = FakeToolBackend()
+    open_tool = webhook_tool(parameters={"type": "object", "properties": {"order_id": {"type": "string"}},
+                                         "additionalProperties": True})
+    await run(make_catalog(open_tool, backend=backend), call("check_order", order_id="42", note="gift"))
+    assert backend.calls[0].args == {"order_id": "42", "note": "gift"}
 
 
 async def test_idempotency_key_reaches_the_webhook_backend() -> None:

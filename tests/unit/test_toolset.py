@@ -15,6 +15,7 @@ from services.tools.toolset import (
     tool_specs,
 )
 from tests.unit.fakes import (
+    OPEN_SCHEMA,
     ORDER_SCHEMA,
     FakeToolBackend,
     client_tool,
@@ -230,5 +231,5 @@ def test_tool_specs_carry_name_description_and_input_schema() -> None:
             "Look up a customer order by order number. Use when customer asks about their order status.",
             ORDER_SCHEMA,
         ),
-        ("faq", "faq for tests", {"type": "object", "properties": {"q": {"type": "string"}}}),
+        ("faq", "faq for tests", OPEN_SCHEMA),
     ]

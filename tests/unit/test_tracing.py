@@ -54,3 +54,15 @@ async def test_a_turn_is_one_trace_of_rounds_and_tool_calls_with_redacted_argume
     assert turn.attributes["ce.rounds"] == 2 and rounds[0].attributes["ce.model"] == "main"
     record = state.take_delta().tool_calls[0]
     assert record.trace_id == format(turn.context.trace_id, "032x")
+
+
+def test_the_mcp_sdk_cannot_log_a_tenant_servers_answer():
+    # it logs an unparsable answer with its body at ERROR; the engine logs the failure without it
+    # (in a process of its own: configure_logging sets process-wide state)
+    import subprocess
+    import sys
+
+    check = ("import logging; from services.logging import configure_logging; configure_logging(); "
+             "sdk = logging.getLogger('mcp.client.streamable_http'); "
+             "assert not sdk.isEnabledFor(logging.ERROR) and sdk.isEnabledFor(logging.CRITICAL)")
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
