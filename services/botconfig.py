@@ -34,7 +34,10 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     allow_writes: bool = True
     language: str = "english"  # full-text search configuration for recall_memory
     notification_webhook: str | None = None
-    notification_secret: str | None = None  # Standard Webhooks signing secret (whsec_...)
+    #: the Standard Webhooks signing secret (whsec_...) as rows stored before it was encrypted
+    #: kept it; `PUT /v1/bot-config` stores `notification_secret_enc` instead
+    notification_secret: str | None = None
+    notification_secret_enc: str | None = None  # the secret, encrypted with CE_SECRET_KEY
     backend: Backend | None = None
     contact_id_variable: str = "contact_id"
     #: recall_memory also searches the contact's earlier sessions: those whose contact variable

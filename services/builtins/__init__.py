@@ -107,8 +107,10 @@ def install(runtime: Any) -> Callable[[str], Awaitable[tuple[ToolDefinition, ...
     repos = BuiltinRepos(runtime.pool)
     configs = _RuntimeConfigs(runtime)
     light = runtime.light  # a dedicated session actor: see notify.LIGHT_POLL_S
+    box = runtime.secret_box
     notifier = Notifier(runtime.webhooks, NotificationRepo(runtime.pool), configs,
-                        poll_s=LIGHT_POLL_S if light else POLL_S, batch=LIGHT_BATCH if light else CLAIM_BATCH)
+                        poll_s=LIGHT_POLL_S if light else POLL_S, batch=LIGHT_BATCH if light else CLAIM_BATCH,
+                        decrypt=box.decrypt if box is not None else None)
     services = BuiltinServices(repos, configs, runtime.webhooks, notifier=notifier)
     services.register(runtime.registry)
     services.notifier.start()  # also delivers what an earlier process queued and did not send

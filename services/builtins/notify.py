@@ -174,6 +174,10 @@ class ConfigSource(Protocol):
     async def config_for(self, tenant_id: str) -> BotConfig: ...
 
 
+_UNDECRYPTABLE = ("the stored notification_secret cannot be decrypted with this engine's CE_SECRET_KEY; "
+                  "PUT /v1/bot-config with it again")
+
+
 class Notifier:
     """Queues tenant events in the outbox and delivers them from a background loop.
 
@@ -198,6 +202,7 @@ class Notifier:
         batch: int = CLAIM_BATCH,
         lease_s: float = LEASE_S,
         now: Callable[[], float] = time.time,
+        decrypt: Callable[[str], str] | None = None,
     ) -> None:
         self._client = client
         self._outbox = outbox
@@ -208,6 +213,7 @@ class Notifier:
         self._batch = batch
         self._lease_s = max(lease_s, attempt_timeout_s * 2)
         self._now = now
+        self._decrypt = decrypt  # the secret box of CE_SECRET_KEY: reads `notification_secret_enc`
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._queued: set[str] = set()  # queued by this notifier, not yet known to be settled
@@ -334,6 +340,13 @@ class Notifier:
         url, secret = config.notification_webhook, config.notification_secret
         if not url:
             return ("no_webhook", "the tenant has no notification_webhook now", False)
+        if config.notification_secret_enc:
+            try:
+                if self._decrypt is None:
+                    raise ValueError("no CE_SECRET_KEY")
+                secret = self._decrypt(config.notification_secret_enc)
+            except Exception:  # noqa: BLE001 - a key rotated away, or none: the tenant's setting to fix
+                return ("invalid_secret", _UNDECRYPTABLE, False)
         if "{" in url or "}" in url:
             # the client reads {holes} as a URL template; a notification URL is a plain URL
             return ("invalid_url", "the notification_webhook contains { or }", False)

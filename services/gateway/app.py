@@ -444,7 +444,7 @@ async def get_session(request: web.Request) -> web.Response:
 def _encrypt(deps: GatewayDeps):
     def encrypt(plaintext: str) -> str:
         if deps.secret_box is None:
-            raise InvalidInput("this engine has no CE_SECRET_KEY, so it cannot store auth headers; set it and restart")
+            raise InvalidInput("this engine has no CE_SECRET_KEY, so it cannot store secrets; set it and restart")
         return deps.secret_box.encrypt(plaintext)
     return encrypt
 
@@ -606,7 +606,7 @@ def _config_view(config: dict[str, Any]) -> dict[str, Any]:
         backend = dict(backend)
         backend["auth_header_set"] = bool(backend.pop("auth_header_enc", None))
         view["backend"] = backend
-    if view.get("notification_secret"):
+    if view.pop("notification_secret_enc", None) or view.get("notification_secret"):
         view["notification_secret"] = "[set]"
     return view
 
@@ -657,6 +657,8 @@ async def put_bot_config(request: web.Request) -> web.Response:
             if previous.get("auth_header_enc"):
                 backend["auth_header_enc"] = previous["auth_header_enc"]
         data["backend"] = msgspec.to_builtins(msgspec.convert(backend, Backend))
+    if body.notification_secret:  # encrypted at rest, like every credential a tenant stores
+        data["notification_secret_enc"] = _encrypt(deps)(data.pop("notification_secret"))
     config = msgspec.convert(data, BotConfig)  # validates the whole config before storing it
     stored = msgspec.to_builtins(config)
     await deps.configs.put(request[TENANT], stored)

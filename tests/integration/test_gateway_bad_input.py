@@ -114,11 +114,18 @@ async def test_a_notification_secret_that_is_not_a_standard_webhooks_secret_is_r
     assert secret == "whsec_" or secret not in detail  # a secret, even a bad one, is never echoed
 
 
-async def test_a_standard_webhooks_secret_is_stored_and_never_shown(gateway):
+async def test_a_standard_webhooks_secret_is_stored_and_never_shown(gateway, pool):
     client, _, headers = gateway
     secret = "whsec_" + base64.b64encode(b"k" * 24).decode()
     r = await client.put("/v1/bot-config", headers=headers, json={"notification_secret": secret})
     assert r.status == 200 and (await r.json())["notification_secret"] == "[set]"
+    view = await (await client.get("/v1/bot-config", headers=headers)).json()
+    assert view["notification_secret"] == "[set]" and "notification_secret_enc" not in view
+    # encrypted at rest, like every other credential a tenant stores: a dump of the database
+    # must not let anyone sign notifications the tenant would trust
+    plain = await pool.fetchval("SELECT count(*) FROM ce_bot_config WHERE strpos(config::text, $1) > 0", secret[6:])
+    assert plain == 0
+    assert await pool.fetchval("SELECT count(*) FROM ce_bot_config WHERE config ? 'notification_secret_enc'") >= 1
 
 
 # -- whole numbers in query strings and paths ---------------------------------------------------

@@ -21,11 +21,11 @@ from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receive
 
 
 @asynccontextmanager
-async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05), lease_s=60.0):
+async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05), lease_s=60.0, decrypt=None):
     """A notifier as another process would run one: its own client, the same outbox."""
     async with WebhookClient(policy=policy_from_entries(("127.0.0.1/32",))) as client:
         n = Notifier(client, NotificationRepo(pool), configs, attempt_timeout_s=2.0, schedule_s=schedule_s,
-                     poll_s=0.05, lease_s=lease_s)
+                     poll_s=0.05, lease_s=lease_s, decrypt=decrypt)
         n.start()
         try:
             yield n
@@ -172,3 +172,24 @@ async def test_a_late_outcome_from_an_attempt_whose_lease_ran_out_changes_nothin
     await outbox.retry_in(slow.id, slow.attempts, 5.0, "upstream_timeout")
     stored = await row(pool, "msg_late")
     assert stored["delivered_at"] is not None and stored["failed_at"] is None and stored["last_error"] is None
+
+
+async def test_a_secret_stored_encrypted_signs_and_one_that_cannot_be_decrypted_fails_at_once(pool, make_tenant):
+    # PUT /v1/bot-config stores the secret encrypted with CE_SECRET_KEY: the notifier decrypts it
+    # to sign; with a key rotated away it cannot, and says so once instead of sending unsigned
+    from services.tools.crypto import SecretBox, generate_key
+
+    box = SecretBox([generate_key()])
+    tenant, _ = await make_tenant("outbox")
+    async with receiver() as rec, services(pool) as (_, configs):
+        configs.set(tenant.id, notification_webhook=rec.url, notification_secret_enc=box.encrypt(SECRET))
+        async with notifier(pool, configs, decrypt=box.decrypt) as n:
+            signed = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 8}, tenant_id=tenant.id, key=8)
+            await n.drain(10)
+        async with notifier(pool, configs, decrypt=SecretBox([generate_key()]).decrypt) as n:
+            lost = await n.emit(configs.configs[tenant.id], "lead.created", {"lead_id": 9}, tenant_id=tenant.id, key=9)
+            await n.drain(10)
+        delivered, failed = await row(pool, signed), await row(pool, lost)
+    assert delivered["delivered_at"] is not None and len(rec.requests) == 1
+    assert verify(SECRET, *rec.requests[0])
+    assert failed["failed_at"] is not None and failed["attempts"] == 1 and "cannot be decrypted" in failed["last_error"]
