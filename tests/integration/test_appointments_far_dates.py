@@ -1,4 +1,4 @@
-"""Far-off days and starts for the appointment tools: an in-band InvalidArguments naming the field
+"""Far-off days for listing appointment slots (far-off starts: test_builtins_appointments): an in-band InvalidArguments naming the field
 and the bookable days, never a crash (before: OverflowError, logged as tool_crashed, and the
 contact heard a generic "cannot complete this right now")."""
 
@@ -8,16 +8,14 @@ import pytest
 
 from services.tools.errors import InvalidArguments
 from tests.integration.builtins_support import ctx, services
-from tests.integration.test_builtins_appointments import NOW, tenant_with_services
-
-RANGE = r"; the bookable days are 2026-07-01 to 2027-07-02 \(Europe/Berlin\)"
+from tests.integration.test_builtins_appointments import BOOKABLE, NOW, tenant_with_services
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ({"day": "9999-12-31"}, r"'day' 9999-12-31 is more than 366 days ahead" + RANGE),
-    ({"day": "2027-07-03"}, r"'day' 2027-07-03 is more than 366 days ahead" + RANGE),
-    ({"day": "9999-12-31T23:30-12:00"}, r"'day' 9999-12-31T23:30-12:00 is too far off to book" + RANGE),
-    ({"day": "0001-01-01T00:00+14:00"}, r"'day' 0001-01-01T00:00\+14:00 is too far off to book" + RANGE),
+    ({"day": "9999-12-31"}, r"'day' 9999-12-31 is more than 366 days ahead" + BOOKABLE),
+    ({"day": "2027-07-03"}, r"'day' 2027-07-03 is more than 366 days ahead" + BOOKABLE),
+    ({"day": "9999-12-31T23:30-12:00"}, r"'day' 9999-12-31T23:30-12:00 is too far off to book" + BOOKABLE),
+    ({"day": "0001-01-01T00:00+14:00"}, r"'day' 0001-01-01T00:00\+14:00 is too far off to book" + BOOKABLE),
     ({"day": "next tuesday"}, r"'day' is not a date and time: 'next tuesday'"),
 ])
 async def test_listing_a_far_off_day_names_the_field_and_the_bookable_days(pool, make_tenant, args, message):
@@ -27,22 +25,6 @@ async def test_listing_a_far_off_day_names_the_field_and_the_bookable_days(pool,
             await svc.appointments.list_slots(args, ctx(tenant.id))
         if "bookable" in message:
             assert "from 2026-07-01 to 2027-07-02" in caught.value.advice
-
-
-@pytest.mark.parametrize(("start", "message"), [
-    ("0001-01-01T00:00+14:00", r"'start' 0001-01-01T00:00\+14:00 is too far off to book" + RANGE),
-    ("9999-12-31T23:30-12:00", r"'start' 9999-12-31T23:30-12:00 is too far off to book" + RANGE),
-    ("9999-12-31T10:00", r"'start' 9999-12-31T10:00\+01:00 is more than 366 days ahead" + RANGE),
-    ("9999-12-31", r"'start' 9999-12-31 is more than 366 days ahead" + RANGE),  # a date alone lists
-    # in the calendar's range: the past, shown in Berlin's local mean time of the year 1
-    ("0001-01-02T00:00+14:00", r"'start' 0001-01-01T10:53\+00:53:28 is in the past"),
-])
-async def test_booking_a_far_off_start_names_the_field_and_the_bookable_days(pool, make_tenant, start, message):
-    async with services(pool, now=NOW) as (svc, _configs):
-        tenant = await tenant_with_services(make_tenant, svc)
-        with pytest.raises(InvalidArguments, match=message):
-            await svc.appointments.book({"service": "haircut", "start": start}, ctx(tenant.id))
-        assert await svc.repos.appointments.list(tenant.id) == []
 
 
 async def test_the_last_bookable_day_and_a_day_long_past_still_list(pool, make_tenant):

@@ -83,6 +83,10 @@ async def test_booking_a_free_slot_stores_it_and_removes_it_from_the_listing(poo
     assert any(e["data"]["contact_email"] == "jane@example.com" for e in booked_events)
 
 
+#: what a refusal of a far-off day or start adds: the days that can be booked
+BOOKABLE = r"; the bookable days are 2026-07-01 to 2027-07-02 \(Europe/Berlin\)"
+
+
 @pytest.mark.parametrize(("start", "message"), [
     ("2026-07-02T09:10", r"'start' 2026-07-02T09:10\+02:00 is not a slot of haircut \(30-minute slots"),
     ("2026-07-06T12:00", r"is not a slot of haircut"),  # Monday's lunch break
@@ -91,6 +95,13 @@ async def test_booking_a_free_slot_stores_it_and_removes_it_from_the_listing(poo
     ("2026-07-01T09:00", r"'start' 2026-07-01T09:00\+02:00 is in the past"),
     ("2028-01-03T09:00", r"more than 366 days ahead"),
     ("next tuesday", r"'start' is not a date and time: 'next tuesday'"),
+    # far off: named with the bookable days, never a crash (OverflowError once, logged as tool_crashed)
+    ("0001-01-01T00:00+14:00", r"'start' 0001-01-01T00:00\+14:00 is too far off to book" + BOOKABLE),
+    ("9999-12-31T23:30-12:00", r"'start' 9999-12-31T23:30-12:00 is too far off to book" + BOOKABLE),
+    ("9999-12-31T10:00", r"'start' 9999-12-31T10:00\+01:00 is more than 366 days ahead" + BOOKABLE),
+    ("9999-12-31", r"'start' 9999-12-31 is more than 366 days ahead" + BOOKABLE),  # a date alone lists
+    # in the calendar's range: the past, shown in Berlin's local mean time of the year 1
+    ("0001-01-02T00:00+14:00", r"'start' 0001-01-01T10:53\+00:53:28 is in the past"),
 ])
 async def test_a_start_that_is_no_free_slot_is_refused_in_band(pool, make_tenant, start, message):
     async with services(pool, now=NOW) as (svc, _configs):
