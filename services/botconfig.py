@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from services.errors import InvalidInput
+
 
 class Intent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Phrases that signal the intent and the tools offered when it is detected."""
@@ -52,11 +54,30 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 APPROVAL_TTL_MIN_S, APPROVAL_TTL_MAX_S = 1, 30 * 86400
 
 
+def _approval_ttl_usable(ttl: float) -> bool:
+    # A held approval's expiry is now + TTL: beyond the calendar no turn could be held, and at or
+    # below 0 every approval would be expired at birth. NaN compares false: not usable either.
+    return APPROVAL_TTL_MIN_S <= ttl <= APPROVAL_TTL_MAX_S
+
+
+def check_approval_ttl(ttl: float | None) -> None:
+    """Refuse an approval TTL no held turn could use; None (the engine's default) passes.
+
+    Raises InvalidInput naming the range and the field (`$.approval_ttl_s`). The rule is
+    approval_ttl's: a TTL this accepts is the one a turn is held for.
+    """
+    if ttl is not None and not _approval_ttl_usable(ttl):
+        raise InvalidInput(f"approval_ttl_s must be a number of seconds from {APPROVAL_TTL_MIN_S} to "
+                           f"{APPROVAL_TTL_MAX_S} (30 days), got {ttl}; leave it out for the engine's "
+                           "default - at `$.approval_ttl_s`", path="$.approval_ttl_s")
+
+
 def approval_ttl(config: BotConfig, default: float) -> float:
-    """The tenant's approval TTL, or `default` when it has none or one out of range (stored
-    before `PUT /v1/bot-config` checked it: held turns would otherwise fail or expire at birth)."""
+    """The tenant's approval TTL, or `default` when it has none or one check_approval_ttl refuses
+    (stored before `PUT /v1/bot-config` checked it: held turns would otherwise fail or expire at
+    birth)."""
     ttl = config.approval_ttl_s
-    return ttl if ttl is not None and APPROVAL_TTL_MIN_S <= ttl <= APPROVAL_TTL_MAX_S else default
+    return ttl if ttl is not None and _approval_ttl_usable(ttl) else default
 
 
 DEFAULT_CONFIG = BotConfig()

@@ -32,6 +32,16 @@ class Conflict(ChatEngineError):
     """The request collides with existing state (a duplicate name, a stale version)."""
 
 
+class LimitReached(Conflict):
+    """A tenant already has as many of `kind` as it may register (`limit`); creating one more
+    waits for it to delete one. Changing an existing one is never refused for this."""
+
+    def __init__(self, message: str, *, kind: str, limit: int) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.limit = limit
+
+
 class InvalidInput(ChatEngineError):
     """A caller sent something malformed; `path` says where (`$.parameters.order_id`)."""
 

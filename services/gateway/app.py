@@ -22,10 +22,17 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, Backend, BotConfig, Intent
+from services.botconfig import Backend, BotConfig, Intent, check_approval_ttl
 from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
 from services.builtins.notify import InvalidSecret, secret_key
-from services.errors import ChatEngineError, Conflict, InvalidInput, NotFound, Overloaded
+from services.errors import (
+    ChatEngineError,
+    Conflict,
+    InvalidInput,
+    LimitReached,
+    NotFound,
+    Overloaded,
+)
 from services.gateway.bodies import (
     ToolCreate,
     ToolPatch,
@@ -151,6 +158,10 @@ def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, 
         return 422, "Invalid body", str(exc), None
     if isinstance(exc, NotFound):
         return 404, "Not found", str(exc), None
+    if isinstance(exc, LimitReached):
+        # a Conflict (409: the same request succeeds once the tenant deletes one), with a problem
+        # type of its own so a client can tell a full registry from a duplicate name
+        return 409, "Limit reached", str(exc), None
     if isinstance(exc, Conflict):
         return 409, "Conflict", str(exc), None
     if isinstance(exc, Overloaded):
@@ -620,13 +631,7 @@ async def get_bot_config(request: web.Request) -> web.Response:
 
 def check_bot_config(body: BotConfigIn) -> None:
     """Raise InvalidInput (naming the field) for a value no turn or notification could use."""
-    ttl = body.approval_ttl_s
-    if ttl is not None and not APPROVAL_TTL_MIN_S <= ttl <= APPROVAL_TTL_MAX_S:
-        # A held approval's expiry is now + TTL: beyond the calendar no turn could be held, and
-        # at or below 0 every approval would be expired at birth.
-        raise InvalidInput(f"approval_ttl_s must be a number of seconds from {APPROVAL_TTL_MIN_S} to "
-                           f"{APPROVAL_TTL_MAX_S} (30 days), got {ttl}; leave it out for the engine's "
-                           "default - at `$.approval_ttl_s`", path="$.approval_ttl_s")
+    check_approval_ttl(body.approval_ttl_s)  # the rule approval_ttl() applies to what is stored
     if body.notification_secret:
         try:
             secret_key(body.notification_secret)  # how the notifier reads it to sign each notification

@@ -3,6 +3,8 @@
 Every change sends `NOTIFY ce_catalog, '<tenant_id>'` in its transaction (like ToolRepo), so the
 session hosts reload that tenant's catalog, and with it the server's tools, on the next message.
 The auth header arrives here already encrypted; nothing in this module sees a plaintext secret.
+A tenant has at most MAX_SERVERS_PER_TENANT registrations, checked when one is created
+(`storage.repos.quotas`: race-free across gateways); changing one is never refused for it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,21 @@ import asyncpg
 from services.errors import InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import McpServerRecord
+from storage.repos.quotas import TenantCap, claim_slot
 
 _NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
+
+#: The most MCP servers (enabled or not) a tenant may register. Every catalog load on every
+#: session host holding one of the tenant's sessions lists all its enabled servers at once, one
+#: outbound connection each, and each adds up to services.tools.mcp.MAX_TOOLS_PER_SERVER (64)
+#: tools: 16 servers are at most 16 connections per load and 1,024 remote tools. A bot draws on
+#: a handful of services (a shop, a CRM, a calendar, a help desk), so 16 leaves room to spare.
+MAX_SERVERS_PER_TENANT = 16
+_SERVER_CAP = TenantCap(
+    kind="mcp_servers", one="mcp server", many="mcp servers", table="ce_mcp_servers",
+    lock=0x63652D6D,  # "ce-m"
+    advice="remove servers it no longer uses (DELETE /v1/mcp-servers/{name}) and register this one again",
+)
 _COLUMNS = (
     "tenant_id, name, url, auth_header_enc, enabled, read_only_tools, include_tools, intents, "
     "timeout_ms, created_at, updated_at"
@@ -56,10 +71,12 @@ class McpServerRepo:
         self._pool = pool
 
     async def create(self, record: McpServerRecord) -> McpServerRecord:
-        """Store a new registration. Raises Conflict when the tenant already has one of that name."""
+        """Store a new registration. Raises Conflict when the tenant already has one of that name,
+        LimitReached (a Conflict) when it already has MAX_SERVERS_PER_TENANT."""
         with translate("registering an mcp server", conflict=f"an mcp server named {record.name!r} is "
                        "already registered; change it with PATCH or choose another name"):
             async with self._pool.acquire() as conn, conn.transaction():
+                await claim_slot(conn, _SERVER_CAP, record.tenant_id, record.name, MAX_SERVERS_PER_TENANT)
                 row = await conn.fetchrow(
                     "INSERT INTO ce_mcp_servers (tenant_id, name, url, auth_header_enc, enabled, "
                     "read_only_tools, include_tools, intents, timeout_ms) "

@@ -4,6 +4,10 @@
 Every version ever written is kept; the live row is the published version with seed 000's columns
 filled from its definition. Each change sends `NOTIFY ce_catalog, '<tenant_id>'` in the same
 transaction, so it is delivered only if the change commits; `listen_catalog` subscribes to it.
+
+A tenant has at most MAX_TOOLS_PER_TENANT live tools, checked when one is created
+(`storage.repos.quotas`: race-free across gateways); a new version of an existing tool is never
+refused for it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,26 @@ from services.errors import InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import PublishedTool, ToolVersion
 from storage.repos.notify import ChannelListener, listen
+from storage.repos.quotas import TenantCap, claim_slot
 
 CATALOG_CHANNEL = "ce_catalog"
 _NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
+
+#: The most live tools (enabled or not) a tenant may have; their versions and the history of
+#: deleted tools do not count. Every live tool is compiled into the tenant's catalog on each
+#: session host that holds one of its sessions, and a turn offers the model the whole catalog
+#: when no intent narrows it, each definition costing input tokens every round. A definition may
+#: be as large as the gateway's body limit (256 KB), so 256 tools bound a tenant's catalog to
+#: ~64 MB per host and keep an un-narrowed tool list within what a model can choose from; a
+#: bot's tools are tens, so this leaves room several times over (and it is the engine's other
+#: per-tenant bound: CE_TENANT_CONCURRENCY's default, the MCP routes' name lists).
+MAX_TOOLS_PER_TENANT = 256
+_TOOL_CAP = TenantCap(
+    kind="tools", one="tool", many="tools", table="ce_custom_tools",
+    lock=0x63652D74,  # "ce-t"
+    advice="delete tools it no longer uses (DELETE /v1/tools/{name}; their versions are kept) and create "
+    "this one again",
+)
 
 _LIVE_COLUMNS = (
     "id, tenant_id, name, type, version, coalesce(enabled, true) AS enabled, definition, "
@@ -108,13 +129,15 @@ class ToolRepo:
 
         The version is 1 for a new name; a name deleted earlier continues its numbering (its
         history is kept). Raises Conflict when the tenant already has a live tool of this name,
-        InvalidInput for a definition that cannot be stored.
+        LimitReached (a Conflict) when it already has MAX_TOOLS_PER_TENANT, InvalidInput for a
+        definition that cannot be stored.
         """
         d = _normalise(name, type, definition)
         cols = _seed_columns(type, d)
         with translate("creating a tool", conflict=f"a tool named {name!r} already exists; "
                        "change it with PATCH or choose another name"):
             async with self._pool.acquire() as conn, conn.transaction():
+                await claim_slot(conn, _TOOL_CAP, tenant_id, name, MAX_TOOLS_PER_TENANT)
                 version = await _next_version(conn, tenant_id, name)
                 await conn.execute(
                     "INSERT INTO ce_custom_tools (id, tenant_id, name, description, parameters, "

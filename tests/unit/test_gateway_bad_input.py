@@ -72,3 +72,24 @@ def test_an_approval_ttl_stored_before_it_was_checked_gives_way_to_the_default(s
     assert approval_ttl(BotConfig(approval_ttl_s=stored), 900.0) == 900.0
     assert approval_ttl(BotConfig(approval_ttl_s=60.0), 900.0) == 60.0
     assert approval_ttl(BotConfig(), 900.0) == 900.0
+
+
+@pytest.mark.parametrize(("ttl", "accepted"), [
+    (1, True), (900.0, True), (30 * 86400, True),
+    (1e308, False), (1e12, False), (30 * 86400 + 1, False), (0.5, False), (0.0, False), (-100.0, False),
+    (float("nan"), False), (float("inf"), False),
+])
+def test_the_put_check_and_the_stored_config_apply_one_approval_ttl_rule(ttl, accepted):
+    # what PUT /v1/bot-config refuses is exactly what a stored config gives way to the default for
+    from services.botconfig import BotConfig, approval_ttl, check_approval_ttl
+
+    if accepted:
+        check_approval_ttl(ttl)
+        assert approval_ttl(BotConfig(approval_ttl_s=ttl), 900.0) == ttl
+    else:
+        with pytest.raises(InvalidInput, match=r"^approval_ttl_s must be a number of seconds from 1 to 2592000 "
+                                               r"\(30 days\), got .* - at `\$\.approval_ttl_s`$") as info:
+            check_approval_ttl(ttl)
+        assert info.value.path == "$.approval_ttl_s"
+        assert approval_ttl(BotConfig(approval_ttl_s=ttl), 900.0) == 900.0
+    check_approval_ttl(None)  # left out: the engine's default
