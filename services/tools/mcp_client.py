@@ -49,9 +49,9 @@ from services.tools.errors import (
 )
 from services.tools.mcp import McpCallResult, McpToolInfo
 from services.tools.ssrf import (
+    AresResolver,
     CheckedDestination,
     DestinationPolicy,
-    GetaddrinfoResolver,
     Resolver,
     blocked,
     check_destination,
@@ -186,8 +186,9 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
 class McpHttpClient:
     """The registry's MCP connector (`services.tools.mcp.McpConnector`): SSRF-guarded, bounded.
 
-    `resolver` defaults to the system resolver; `network_backend` (the backend the pinned one
-    dials through) defaults to httpcore2's anyio backend; tests pass recording fakes of both.
+    `resolver` defaults to `AresResolver` (c-ares, made on first use); `network_backend` (the
+    backend the pinned one dials through) defaults to httpcore2's anyio backend; tests pass
+    recording fakes of both.
     """
 
     def __init__(
@@ -199,7 +200,7 @@ class McpHttpClient:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self._policy = policy
-        self._resolver: Resolver = resolver or GetaddrinfoResolver()
+        self._resolver: Resolver = resolver or AresResolver()
         self._network_backend = network_backend
         self._max_body_bytes = max_body_bytes
         self._ssl_context: ssl.SSLContext | None = None  # built once: loading the CA bundle takes ~50 ms

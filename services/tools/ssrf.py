@@ -1,10 +1,18 @@
 """The SSRF guard: which network destinations a webhook may reach, decided before any connection.
 
 Owns the destination policy (built from `CE_WEBHOOK_ALLOW`), the `Resolver` port and its
-`getaddrinfo` adapter, and `check_destination`, which parses a URL, resolves its host ONCE and
-checks every address it got. The webhook client then connects only to those checked addresses
-(`services.tools.webhook`), so a DNS answer that changes between check and connect (rebinding)
-cannot redirect the call.
+c-ares adapter (`AresResolver`), and `check_destination`, which parses a URL, resolves its host
+ONCE and checks every address it got. The webhook and MCP clients then connect only to those
+checked addresses (`services.tools.webhook`, `services.tools.mcp_client`), so a DNS answer that
+changes between check and connect (rebinding) cannot redirect the call.
+
+Host names are tenant data, so their lookups must not be able to starve one another. The loop's
+own `getaddrinfo` runs the blocking system resolver in a small shared thread pool (asyncio's
+default executor: 6 threads on a 2-core host; libuv's 4 under uvloop), and a thread cannot be
+cancelled: a few lookups of a name whose DNS answers slowly or never hold every thread for the
+system resolver's full timeout, and every other tenant's webhook and MCP lookups queue behind
+them. `AresResolver` asks c-ares (`aiodns`) instead: no pool thread, a bounded time per lookup,
+and a caller that gives up (cancelled, or past its deadline) is released at once.
 
 Refused unless the operator allowlist names the host or covers the address: loopback, private
 (RFC 1918), link-local (169.254/16 — the cloud metadata address 169.254.169.254 — and fe80::/10),
@@ -21,11 +29,12 @@ import asyncio
 import ipaddress
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
+import aiodns
 import msgspec
 
 from services.errors import ConfigError
@@ -53,6 +62,17 @@ _UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _METADATA = ipaddress.ip_address("169.254.169.254")
 
+# c-ares status -> the getaddrinfo error the system resolver would have raised
+_GAI_ERRORS = {
+    aiodns.error.ARES_ENOTFOUND: socket.EAI_NONAME,
+    aiodns.error.ARES_ENONAME: socket.EAI_NONAME,
+    aiodns.error.ARES_ENODATA: socket.EAI_NONAME,
+    aiodns.error.ARES_ETIMEOUT: socket.EAI_AGAIN,
+    aiodns.error.ARES_ESERVFAIL: socket.EAI_AGAIN,
+    aiodns.error.ARES_EREFUSED: socket.EAI_AGAIN,
+    aiodns.error.ARES_ECONNREFUSED: socket.EAI_AGAIN,
+}
+
 
 class Resolver(Protocol):
     """Port: turn a host name into the IP addresses (as strings) a connection may use."""
@@ -60,18 +80,80 @@ class Resolver(Protocol):
     async def resolve(self, host: str, port: int) -> list[str]: ...
 
 
-class GetaddrinfoResolver:
-    """The default `Resolver`: the event loop's `getaddrinfo` (the system resolver, in a thread)."""
+class AresResolver:
+    """The default `Resolver`: c-ares through `aiodns`, asynchronous and cancellable.
+
+    Reads the system's configuration as `getaddrinfo` does (/etc/hosts and DNS in the order
+    /etc/nsswitch.conf gives; the nameservers, search domains and ndots of /etc/resolv.conf) and
+    asks for IPv4 and IPv6 at once. A lookup gets `attempt_timeout_s` per try of a nameserver
+    and `tries` tries, and never more than `timeout_s` in all (search domains multiply the
+    tries). `nameservers` ("127.0.0.1" or "127.0.0.1:5353") replaces the system's list; tests
+    point it at loopback servers.
+
+    The c-ares channel binds to an event loop, so it is made on the first lookup inside a
+    running loop (made again if a later lookup runs in another loop), never in the constructor:
+    constructing one outside a loop is fine. Lookups share the channel, which waits for all of
+    them at once on one event thread of c-ares's own. c-ares cannot cancel one query alone,
+    so a caller that stops waiting is released at once and its unanswered query expires inside
+    c-ares after its tries, holding no thread and delaying no other lookup.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 3.0,
+        attempt_timeout_s: float = 1.0,
+        tries: int = 2,
+        nameservers: Sequence[str] | None = None,
+    ) -> None:
+        if timeout_s <= 0 or attempt_timeout_s <= 0 or tries < 1:
+            raise ValueError(
+                f"resolver timeouts must be > 0 and tries >= 1, got timeout_s={timeout_s}, "
+                f"attempt_timeout_s={attempt_timeout_s}, tries={tries}"
+            )
+        self._timeout_s = timeout_s
+        self._attempt_timeout_s = attempt_timeout_s
+        self._tries = tries
+        self._nameservers = list(nameservers) if nameservers else None
+        self._channel: aiodns.DNSResolver | None = None
 
     async def resolve(self, host: str, port: int) -> list[str]:
-        """Return the distinct addresses for `host`, in resolver order. Raises OSError on failure."""
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-        )
-        seen: dict[str, None] = {}
-        for _family, _type, _proto, _canon, sockaddr in infos:
-            seen.setdefault(str(sockaddr[0]), None)
-        return list(seen)
+        """Return the distinct addresses for `host`, in resolver order (RFC 6724 sorted).
+
+        Raises socket.gaierror (an OSError) when the name does not resolve, the nameservers
+        fail, or no answer came within `timeout_s`.
+        """
+        channel = self._channel_for(asyncio.get_running_loop())
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                result = await channel.getaddrinfo(
+                    host, port=port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+                )
+        except TimeoutError:
+            raise socket.gaierror(
+                socket.EAI_AGAIN, f"dns lookup of {host!r} timed out after {self._timeout_s:g} s"
+            ) from None
+        except aiodns.error.DNSError as error:
+            code = error.args[0] if error.args else None
+            message = error.args[1] if len(error.args) > 1 else "unknown error"
+            raise socket.gaierror(
+                _GAI_ERRORS.get(code, socket.EAI_FAIL),
+                f"dns lookup of {host!r} failed: {str(message).lower()}",
+            ) from None
+        # one node per address and family; pycares gives the address text as bytes
+        return list(dict.fromkeys(node.addr[0].decode() for node in result.nodes))
+
+    def _channel_for(self, loop: asyncio.AbstractEventLoop) -> aiodns.DNSResolver:
+        channel = self._channel
+        if channel is None or channel.loop is not loop:
+            channel = aiodns.DNSResolver(
+                nameservers=self._nameservers,
+                loop=loop,
+                timeout=self._attempt_timeout_s,
+                tries=self._tries,
+            )
+            self._channel = channel
+        return channel
 
 
 class CheckedDestination(msgspec.Struct, frozen=True, kw_only=True):

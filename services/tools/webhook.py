@@ -51,9 +51,9 @@ from services.tools.errors import (
 )
 from services.tools.model import BackendBindingTool, WebhookTool
 from services.tools.ssrf import (
+    AresResolver,
     CheckedDestination,
     DestinationPolicy,
-    GetaddrinfoResolver,
     Resolver,
     blocked,
     check_destination,
@@ -323,8 +323,8 @@ class WebhookClient:
     """Outbound HTTP for tools, SSRF-guarded and bounded. One instance (one session) per process.
 
     Use as `async with WebhookClient(policy=...) as client:` or call `start()` / `close()`.
-    `resolver` defaults to the system resolver; `socket_factory` is passed to aiohttp's
-    connector (tests use it to refuse any non-loopback connect).
+    `resolver` defaults to `AresResolver` (c-ares, made on first use); `socket_factory` is passed
+    to aiohttp's connector (tests use it to refuse any non-loopback connect).
     """
 
     def __init__(
@@ -338,7 +338,7 @@ class WebhookClient:
         user_agent: str = "chat-engine-webhook/0.1",
     ) -> None:
         self._policy = policy
-        self._resolver: Resolver = resolver or GetaddrinfoResolver()
+        self._resolver: Resolver = resolver or AresResolver()
         self._max_body_bytes = max_body_bytes
         self._connection_limit = connection_limit
         self._socket_factory = socket_factory
