@@ -427,7 +427,8 @@ class SessionHost:
             except TimeoutError:
                 raise Overloaded(
                     "the reply is ready but could not be saved yet (database unavailable); "
-                    "retry with the same message_id to get it",
+                    "retry with the same message_id to get it (sent without one: the X-Message-Id "
+                    "header of this answer)",
                     retry_after=2.0, reason="unsaved",
                 ) from None
             if entry.stale:  # evicted before its delta was taken: the flush that resolved us had none

@@ -162,6 +162,8 @@ class SessionState:
         self._turns: list[TurnRecord] = []
         self._dirty = False
         self.turn_message_id: str | None = None  # the message id of the turn running (or last run)
+        #: jobs the turn in progress took off the waiting list to deliver: waiting again if it fails
+        self.taken_jobs: list[str] = []
         self._sealed: SessionDelta | None = None  # whole turns' changes, not yet taken by a flush
         self._attempted = 0  # leading usage rows of `_sealed` a failed flush held (kept apart)
 
@@ -214,7 +216,15 @@ class SessionState:
         turns build on a valid conversation: each tool call it left without a result gets one
         saying so, and calls it was holding for approval are held no more. No answer is
         remembered for its message id: sent again, it runs anew (a resumed approval's message id
-        keeps its held answer, and the approval says it was decided)."""
+        keeps its held answer, and the approval says it was decided). Finished jobs it took off the
+        waiting list go back on it: its answer would have delivered them, and none was given."""
+        if self.taken_jobs:
+            # its answer, which carried them, never reached the contact: the next turn delivers
+            # them again (the model may read of them twice; the contact hears of them once)
+            waiting = self.snapshot.extra.setdefault(JOBS_KEY, [])
+            waiting[:0] = [j for j in self.taken_jobs if j not in waiting]
+            self.taken_jobs = []
+            self._touch()
         last = self.history[-1] if self.history else None
         unanswered = [b for b in last.content if isinstance(b, ToolUseBlock)] if last and last.role == "assistant" else []
         if not self._dirty and (not unanswered or self.snapshot.pending is not None):
@@ -272,6 +282,7 @@ class SessionState:
             self.turns_complete = False
 
     def remember_turn(self, message_id: str, reply: TurnReply) -> None:
+        self.taken_jobs = []  # delivered with this answer (or held with it for approval)
         response = msgspec.to_builtins(reply)
         self.cache_turn(message_id, response)
         self._turns.append(TurnRecord(message_id=message_id, response=response))
@@ -346,6 +357,7 @@ async def _handle_message(
     if message_id in state.turns:
         return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
     state.turn_message_id = message_id
+    state.taken_jobs = []
     turn = _Turn(message_id)
     content: list[ContentBlock] = []
     if state.snapshot.pending is not None:
@@ -644,8 +656,9 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
             counts = state.snapshot.extra.setdefault(CALLS_KEY, {})
             counts[o.name] = counts.get(o.name, 0) + 1
         if o.success:
-            if o.job_id is not None:
-                state.snapshot.extra.setdefault(JOBS_KEY, []).append(o.job_id)
+            waiting = state.snapshot.extra.setdefault(JOBS_KEY, []) if o.job_id is not None else None
+            if waiting is not None and o.job_id not in waiting:  # a turn run again finds its job
+                waiting.append(o.job_id)
             for key, value in o.variables.items():
                 state.set_variable(key, value)
             if o.completes_variable:
@@ -705,6 +718,7 @@ def _deliver_jobs(state: SessionState, finished: list[JobRecord]) -> list[dict[s
         if job.id not in waiting:
             continue  # delivered before (a retry of this turn): never twice
         waiting.remove(job.id)
+        state.taken_jobs.append(job.id)
         out.append({"job_id": job.id, "tool": job.tool_name, "status": job.status,
                     "result": job.result, "error": job.error})
     if out:

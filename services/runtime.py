@@ -70,6 +70,7 @@ class Runtime:
         rt.executor = Executor(limiter=ResourceLimiter())
         rt.jobs = JobRepo(rt.pool)
         rt.workflows = WorkflowRunner(rt.jobs, rt.webhooks)
+        rt.workflows.start_sweeping()  # jobs whose runner died with its process fail, not wait for ever
         builtins = rt._install_builtins()
         rt.tenants = TenantCatalogs(
             tools=rt.tools, configs=rt.configs, registry=rt.registry, backend_for=rt._backend_for,

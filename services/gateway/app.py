@@ -123,6 +123,7 @@ class GatewayDeps:
 DEPS = web.AppKey("deps", GatewayDeps)
 TENANT = web.RequestKey("ce_tenant_id", str)
 REQUEST_ID = web.RequestKey("ce_request_id", str)
+MESSAGE_ID = web.RequestKey("ce_message_id", str)  # the turn's message id, the client's or made up here
 
 _DIGITS_RE = re.compile(r"[0-9]+")  # ASCII only, unlike str.isdigit() and \d
 _decoders: dict[type, msgspec.json.Decoder] = {}
@@ -212,6 +213,11 @@ async def errors_middleware(request: web.Request, handler):
     response = await _answer(request, handler, request_id)
     # on every answer, errors most of all: the id to quote to support and to find in the logs
     response.headers.setdefault("X-Request-Id", request_id)
+    message_id = request.get(MESSAGE_ID)
+    if message_id is not None and not response.prepared:
+        # a turn's answer, a failed one most of all (a 503 "retry with the same message_id"):
+        # the id to send again when the client sent none and the gateway made one up
+        response.headers.setdefault("X-Message-Id", message_id)
     return response
 
 
@@ -364,6 +370,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     # An id made here is new: the host need not look for a stored answer to it (`new_id`).
     message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
     new_id = body.message_id is None
+    request[MESSAGE_ID] = message_id
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
@@ -401,6 +408,8 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
+    if MESSAGE_ID in request:
+        response.headers["X-Message-Id"] = request[MESSAGE_ID]
     if event is not None and event.event == "done" and event.data.get("replay"):
         response.headers["X-Replayed"] = "true"  # a stored answer, as a JSON turn says it
     try:

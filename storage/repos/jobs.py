@@ -28,29 +28,38 @@ class JobRepo:
 
     async def create(
         self, tenant_id: str, session_id: str, job_id: str, tool_name: str, arguments: dict[str, Any]
-    ) -> JobRecord:
-        with translate("starting a job", conflict=f"job {job_id!r} already exists"):
+    ) -> tuple[JobRecord, bool]:
+        """Start job `job_id` (running), or find it started already: a re-run of the turn that
+        started it makes the same id (services.workflows.job_id_for). Returns (the job, whether
+        this call created it)."""
+        with translate("starting a job"):
             row = await self._pool.fetchrow(
                 f"INSERT INTO ce_jobs (id, tenant_id, session_id, session_key, tool_name, status, arguments) "
-                f"VALUES ($1, $2, $3, $4, $5, 'running', $6) RETURNING {_COLUMNS}",
+                f"VALUES ($1, $2, $3, $4, $5, 'running', $6) ON CONFLICT (id) DO NOTHING RETURNING {_COLUMNS}",
                 job_id, tenant_id, session_uid(tenant_id, session_id), session_id, tool_name, arguments,
             )
-        return _job(row)
+            if row is not None:
+                return _job(row), True
+            return await self.get(tenant_id, job_id), False
 
     async def finish(
         self, tenant_id: str, job_id: str, *, succeeded: bool, result: Any = None, error: str | None = None
     ) -> JobRecord:
-        """Record a job's outcome once. NotFound for another tenant's or an unknown job; Conflict
-        when it already finished."""
+        """Record a job's outcome once; the same outcome sent again returns the job as recorded.
+        NotFound for another tenant's or an unknown job; Conflict when it finished otherwise."""
+        status = "succeeded" if succeeded else "failed"
         with translate("finishing a job"):
             row = await self._pool.fetchrow(
                 f"UPDATE ce_jobs SET status = $3, result = $4, error = $5, updated_at = now() "
                 f"WHERE tenant_id = $1 AND id = $2 AND status IN ('pending', 'running') RETURNING {_COLUMNS}",
-                tenant_id, job_id, "succeeded" if succeeded else "failed", result, error,
+                tenant_id, job_id, status, result, error,
             )
             if row is None:
                 current = await self.get(tenant_id, job_id)
-                raise Conflict(f"job {job_id!r} already finished ({current.status}); results are accepted once")
+                if (current.status, current.result, current.error) == (status, result, error):
+                    return current  # the same outcome again (a sender that lost our answer): done
+                raise Conflict(f"job {job_id!r} already finished ({current.status}) with another outcome; "
+                               f"results are accepted once (GET /v1/jobs/{job_id} shows the one recorded)")
         return _job(row)
 
     async def get(self, tenant_id: str, job_id: str) -> JobRecord:
@@ -69,5 +78,18 @@ class JobRepo:
                 f"SELECT {_COLUMNS} FROM ce_jobs WHERE tenant_id = $1 AND session_id = $2 AND id = ANY($3) "
                 "AND status IN ('succeeded', 'failed') ORDER BY updated_at",
                 tenant_id, session_uid(tenant_id, session_id), job_ids,
+            )
+        return [_job(r) for r in rows]
+
+    async def expire_overdue(self, older_than_s: float, error: str) -> list[JobRecord]:
+        """Fail every job of any tenant still open `older_than_s` after it last changed (its
+        runner died with its process, or the tenant's system never reported): the session waiting
+        for it is told on its next turn, instead of waiting for ever. Returns the jobs failed."""
+        with translate("expiring overdue jobs"):
+            rows = await self._pool.fetch(
+                f"UPDATE ce_jobs SET status = 'failed', error = $2, updated_at = now() "
+                f"WHERE status IN ('pending', 'running') AND updated_at < now() - make_interval(secs => $1) "
+                f"RETURNING {_COLUMNS}",
+                older_than_s, error,
             )
         return [_job(r) for r in rows]

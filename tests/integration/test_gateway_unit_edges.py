@@ -256,6 +256,25 @@ async def test_router_errors_become_problem_json(gateway, error, status, retry_a
     assert r.status == status, body
     assert body["detail"] == str(error)
     assert r.headers.get("Retry-After") == retry_after
+    # the id the gateway made up for the turn, to send again (a 503 says "the same message_id")
+    assert r.headers["X-Message-Id"] == router.ids[-1][0] and router.ids[-1][0].startswith("m_")
+
+
+async def test_every_answer_to_a_message_names_its_message_id(gateway):
+    client, router, headers = gateway
+    router.raises = Overloaded("the reply is ready but could not be saved yet (database unavailable); "
+                               "retry with the same message_id to get it", retry_after=2, reason="unsaved")
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi", "message_id": "c-9"})
+    assert r.status == 503 and r.headers["X-Message-Id"] == "c-9"
+    router.raises = None
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
+    assert r.status == 200 and r.headers["X-Message-Id"] == (await r.json())["message_id"] == router.ids[-1][0]
+    r = await client.post("/v1/sessions/s1/messages", json={"text": "hi"},
+                          headers={**headers, "Accept": "text/event-stream"})
+    await r.text()
+    assert r.status == 200 and r.headers["X-Message-Id"] == router.ids[-1][0]
+    r = await client.get("/v1/sessions/s1", headers=headers)
+    assert "X-Message-Id" not in r.headers
 
 
 async def test_an_unexpected_crash_is_500_with_the_request_id_and_no_internals(gateway):
