@@ -12,7 +12,10 @@ import json
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
+
+from services.errors import ChatEngineError
 
 
 def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
@@ -21,14 +24,25 @@ def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
     return cls(parts.hostname, parts.port, timeout=120), parts.path.rstrip("/")
 
 
+def _send(url: str, method: str, path: str, **request: Any) -> http.client.HTTPResponse:
+    """One request to the gateway at `url`. Raises ChatEngineError (the CLI's one-sentence exit)
+    when it cannot be reached, saying where it looked."""
+    conn, base = _connection(url)
+    try:
+        conn.request(method, f"{base}{path}", **request)
+        return conn.getresponse()
+    except OSError as exc:
+        raise ChatEngineError(
+            f"cannot reach the gateway at {url} ({exc.strerror or exc}); start it with 'make run', or pass "
+            "--url (the default is CE_URL in .data/demo.env)") from None
+
+
 def sse_events(url: str, key: str, session_id: str, text: str) -> Iterator[tuple[str, dict]]:
     """POST one message with Accept: text/event-stream; yield (event, data) as they arrive."""
-    conn, base = _connection(url)
     body = json.dumps({"text": text, "message_id": uuid.uuid4().hex})
-    conn.request("POST", f"{base}/v1/sessions/{session_id}/messages", body=body, headers={
+    response = _send(url, "POST", f"/v1/sessions/{session_id}/messages", body=body, headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json", "Accept": "text/event-stream",
     })
-    response = conn.getresponse()
     if response.status != 200:
         problem = json.loads(response.read() or b"{}")
         yield "error", problem
@@ -40,7 +54,7 @@ def sse_events(url: str, key: str, session_id: str, text: str) -> Iterator[tuple
             event = line[7:]
         elif line.startswith("data: "):
             yield event, json.loads(line[6:])
-    conn.close()
+    response.close()
 
 
 def render(event: str, data: dict, out: Callable[[str], None]) -> None:
@@ -90,10 +104,16 @@ async def chat(url: str, key: str, session_id: str) -> None:
 
 async def print_contract(url: str, key: str) -> None:
     def fetch() -> dict:
-        conn, base = _connection(url)
-        conn.request("GET", f"{base}/v1/tools/contract", headers={"Authorization": f"Bearer {key}"})
-        response = conn.getresponse()
-        return json.loads(response.read())
+        response = _send(url, "GET", "/v1/tools/contract", headers={"Authorization": f"Bearer {key}"})
+        body = response.read()
+        if response.status != 200:
+            try:
+                detail = json.loads(body).get("detail")
+            except (ValueError, AttributeError):
+                detail = None
+            raise ChatEngineError(f"the gateway at {url} answered {response.status}: "
+                                  f"{detail or body[:200].decode(errors='replace')}")
+        return json.loads(body)
 
     report = await asyncio.to_thread(fetch)
     from services.contract_text import format_report

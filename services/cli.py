@@ -197,7 +197,7 @@ async def _migrate(settings: Settings) -> None:
         print("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
     finally:
         await pool.close()
-        if pg is not None:
+        if pg is not None and pg.started:  # never the Postgres of a running `chat-engine run`
             pg.stop()
 
 
@@ -213,7 +213,7 @@ async def _tenant_create(settings: Settings, name: str) -> None:
         print("keep the api_key: it is shown only this once", file=sys.stderr)
     finally:
         await pool.close()
-        if pg is not None:
+        if pg is not None and pg.started:  # never the Postgres of a running `chat-engine run`
             pg.stop()
 
 

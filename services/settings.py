@@ -93,13 +93,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             placement=placement,  # type: ignore[arg-type]
             shards=_int(get, "CE_SHARDS", 4, minimum=1),
             host=get("CE_HOST") or "127.0.0.1",
-            port=_int(get, "CE_PORT", 8080, minimum=0),
+            port=_int(get, "CE_PORT", 8080, minimum=0, maximum=65535),
             webhook_allow=allow,
             data_dir=get("CE_DATA_DIR") or ".data",
             main_model=get("CE_MAIN_MODEL") or "claude-sonnet-4-5",
             cheap_model=get("CE_CHEAP_MODEL") or "claude-haiku-4-5",
             idle_seconds=_float(get, "CE_IDLE_SECONDS", 300.0),
-            output_gate=(get("CE_OUTPUT_GATE") or "on").lower() not in ("off", "0", "false", "no"),
+            output_gate=_switch(get, "CE_OUTPUT_GATE", True),
             flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
             approval_ttl_s=_float(get, "CE_APPROVAL_TTL_S", 900.0),
             otlp_endpoint=get("CE_OTLP_ENDPOINT"),
@@ -123,7 +123,7 @@ def _is_tty() -> bool:
     return sys.stderr.isatty()
 
 
-def _int(get, name: str, default: int, *, minimum: int) -> int:
+def _int(get, name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
     raw = get(name)
     if raw is None:
         return default
@@ -133,6 +133,8 @@ def _int(get, name: str, default: int, *, minimum: int) -> int:
         raise ConfigError(f"{name} must be a whole number, got {raw!r}", variable=name) from None
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}", variable=name)
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}", variable=name)
     return value
 
 

@@ -109,6 +109,8 @@ class Stack:
         self.gateway = await open_gateway(
             settings, self.placement, port=port, ready_check=self._hosts_ready, contract=self.placement.contract
         )
+        if self.demo_key is not None:
+            write_demo_env(data, self.gateway.url, self.demo_key)
 
     async def _hosts_ready(self) -> bool:
         assert self.placement is not None
@@ -140,7 +142,8 @@ class Stack:
 async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: Path) -> str:
     """Tenant `demo` with seed 000's check_order and seed 001's catalog search; returns its key.
 
-    The key is kept in `.data/demo.env` (only its hash is in Postgres) and reused while valid.
+    The key is kept in `.data/demo.env` (only its hash is in Postgres; `write_demo_env` writes
+    it once the gateway is bound) and reused while valid.
     """
     tenants, tools, configs = TenantRepo(pool), ToolRepo(pool), BotConfigRepo(pool)
     env_file = data / "demo.env"
@@ -203,6 +206,12 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     builtins = BuiltinRepos(pool)
     await builtins.forms.put(tenant.id, "contact", check_form("contact", DEMO_FORM))
     await builtins.appointments.put_service(tenant.id, service_from_body("consultation", DEMO_SERVICE))
-    env_file.write_text(f"CE_URL=http://{settings.host}:{settings.port}\nCE_API_KEY={key}\n")
-    env_file.chmod(0o600)
     return key
+
+
+def write_demo_env(data: Path, url: str, key: str) -> None:
+    """`.data/demo.env` for `chat-engine chat`, `make loadtest` and scripts: the gateway's URL as
+    it is bound (CE_PORT=0 picks the port when the gateway opens) and the demo tenant's key."""
+    env_file = data / "demo.env"
+    env_file.write_text(f"CE_URL={url}\nCE_API_KEY={key}\n")
+    env_file.chmod(0o600)

@@ -23,13 +23,18 @@ _INSTALL_HINT = (
 
 
 class EmbeddedPostgres:
-    """A running embedded server: `url` for asyncpg/psql, `stop()` to shut it down (data kept)."""
+    """A running embedded server: `url` for asyncpg/psql, `stop()` to shut it down (data kept).
 
-    def __init__(self, server: object, *, data_dir: Path, pgdata: Path, url: str) -> None:
+    `started` says whether this call started it, rather than finding it running (another process
+    using the same data directory, say `make run`): a one-off command stops only what it started.
+    """
+
+    def __init__(self, server: object, *, data_dir: Path, pgdata: Path, url: str, started: bool = True) -> None:
         self._server = server
         self.data_dir = data_dir
         self.pgdata = pgdata
         self.url = url
+        self.started = started
 
     def __repr__(self) -> str:
         return f"EmbeddedPostgres(pgdata={str(self.pgdata)!r}, url={self.url!r})"
@@ -87,6 +92,7 @@ def start_embedded(data_dir: Path, *, ephemeral: bool = False) -> EmbeddedPostgr
     data_dir = Path(data_dir).expanduser().resolve()
     pgdata = data_dir / "postgres"
     data_dir.mkdir(parents=True, exist_ok=True)
+    running = _running(pgdata)
     try:
         if ephemeral and not (pgdata / "PG_VERSION").exists():
             _init_unsynced(pgdata)
@@ -110,7 +116,21 @@ def start_embedded(data_dir: Path, *, ephemeral: bool = False) -> EmbeddedPostgr
             f"the embedded Postgres cannot use {exc.filename}: permission denied; "
             "choose a data directory the current user may write (CE_DATA_DIR)"
         ) from None
-    return EmbeddedPostgres(server, data_dir=data_dir, pgdata=pgdata, url=_asyncpg_url(server.get_uri()))
+    return EmbeddedPostgres(server, data_dir=data_dir, pgdata=pgdata, url=_asyncpg_url(server.get_uri()),
+                            started=not running)
+
+
+def _running(pgdata: Path) -> bool:
+    """Whether a postmaster runs for `pgdata` now: its postmaster.pid names a live process (a
+    stale file left by a crash names none)."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 _EPHEMERAL_SETTINGS = """

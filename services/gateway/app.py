@@ -407,6 +407,7 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     event = await anext(events, None)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+        "X-Request-Id": request[REQUEST_ID],  # sent with the first event, before the middleware sees it
     })
     if MESSAGE_ID in request:
         response.headers["X-Message-Id"] = request[MESSAGE_ID]

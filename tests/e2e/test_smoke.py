@@ -23,3 +23,22 @@ async def test_the_demo_tenant_is_offered_every_built_in(stack, client):
         assert r.status == 200, report
     offered = {t["name"] for t in report["tools"] if t["origin"] == "builtin" and t["offered"]}
     assert offered == {d.name for d in DEFINITIONS}
+
+
+async def test_the_cli_finds_the_stack_through_demo_env_whatever_port_it_was_given(stack):
+    # the stack was started on port 0: demo.env must name the port the gateway got, not 0
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(stack.settings.data_dir)
+    assert (data / "demo.env").read_text().splitlines() == [f"CE_URL={stack.gateway.url}",
+                                                             f"CE_API_KEY={stack.demo_key}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CE_", "DATABASE_URL"))}
+    result = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "contract"],
+                                     env={**env, "CE_DATA_DIR": str(data)}, capture_output=True, text=True,
+                                     timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "check_order" in result.stdout

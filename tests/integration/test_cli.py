@@ -53,3 +53,65 @@ async def test_tenant_create_prints_a_working_key(fresh_db):
     finally:
         await pool.close()
     assert tenant is not None and tenant.id == created["tenant_id"]
+
+
+async def test_tenant_create_beside_a_running_stack_leaves_its_embedded_postgres_running(pg_server, pg_url):
+    # `make run` serving, an operator adds a tenant with the same data directory: the command
+    # attaches to the stack's Postgres and must not stop it on its way out
+    import asyncio
+    import json
+
+    import asyncpg
+
+    if pg_server is None:
+        pytest.skip("TEST_DATABASE_URL: no embedded server in this run")
+    result = await asyncio.to_thread(run_cli, "tenant", "create", "beside-run", env={"CE_DATA_DIR": str(pg_server.data_dir)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["name"] == "beside-run"
+    conn = await asyncpg.connect(pg_url, timeout=5)  # still serving
+    try:
+        assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await conn.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["contract", "chat"])
+def test_a_gateway_that_cannot_be_reached_is_one_sentence_saying_where_it_looked(command):
+    url = f"http://127.0.0.1:{_free_port()}"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("CE_", "DATABASE_URL"))}
+    result = subprocess.run([*CLI, command, "--url", url, "--key", "ce_x"], env=full_env, input="hi\n",
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot reach the gateway at {url}" in result.stderr and "make run" in result.stderr
+
+
+async def test_a_contract_the_gateway_refuses_exits_non_zero_with_its_detail():
+    import asyncio
+
+    from aiohttp import web
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"type": "about:blank", "title": "Unauthorized", "status": 401,
+                                  "detail": "this API key is unknown or revoked"}, status=401)
+
+    app = web.Application()
+    app.router.add_get("/v1/tools/contract", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        result = await asyncio.to_thread(run_cli, "contract", "--url", url, "--key", "ce_wrong", env={})
+    finally:
+        await runner.cleanup()
+    assert result.returncode == 2, result.stdout
+    assert "answered 401: this API key is unknown or revoked" in result.stderr

@@ -260,7 +260,7 @@ async def test_router_errors_become_problem_json(gateway, error, status, retry_a
     assert r.headers["X-Message-Id"] == router.ids[-1][0] and router.ids[-1][0].startswith("m_")
 
 
-async def test_every_answer_to_a_message_names_its_message_id(gateway):
+async def test_every_answer_to_a_message_names_its_message_id_and_request_id(gateway):
     client, router, headers = gateway
     router.raises = Overloaded("the reply is ready but could not be saved yet (database unavailable); "
                                "retry with the same message_id to get it", retry_after=2, reason="unsaved")
@@ -270,9 +270,10 @@ async def test_every_answer_to_a_message_names_its_message_id(gateway):
     r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
     assert r.status == 200 and r.headers["X-Message-Id"] == (await r.json())["message_id"] == router.ids[-1][0]
     r = await client.post("/v1/sessions/s1/messages", json={"text": "hi"},
-                          headers={**headers, "Accept": "text/event-stream"})
+                          headers={**headers, "Accept": "text/event-stream", "X-Request-Id": "req-sse"})
     await r.text()
     assert r.status == 200 and r.headers["X-Message-Id"] == router.ids[-1][0]
+    assert r.headers["X-Request-Id"] == "req-sse"  # a stream too, though its headers leave before the middleware's turn
     r = await client.get("/v1/sessions/s1", headers=headers)
     assert "X-Message-Id" not in r.headers
 

@@ -93,6 +93,7 @@ def test_starting_on_a_running_data_dir_attaches_to_the_same_server(pg_server):
     again = start_embedded(pg_server.data_dir)
     assert again.url == pg_server.url
     assert again.pgdata == pg_server.pgdata
+    assert pg_server.started and not again.started  # found running: not its to stop
 
 
 async def test_a_connection_lost_mid_flush_is_retryable_and_writes_nothing(fresh_db):

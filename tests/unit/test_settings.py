@@ -20,6 +20,9 @@ from services.settings import Settings
         ({"CE_SHARDS": "0"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got 0"),
         ({"CE_SHARDS": "-3"}, "CE_SHARDS", r"CE_SHARDS must be >= 1, got -3"),
         ({"CE_HOST_LANE": "sometimes"}, "CE_HOST_LANE", r"CE_HOST_LANE must be 'on' or 'off', got 'sometimes'"),
+        ({"CE_OUTPUT_GATE": "disabled"}, "CE_OUTPUT_GATE", r"CE_OUTPUT_GATE must be 'on' or 'off', got 'disabled'"),
+        ({"CE_OUTPUT_GATE": "of"}, "CE_OUTPUT_GATE", r"CE_OUTPUT_GATE must be 'on' or 'off', got 'of'"),
+        ({"CE_PORT": "99999"}, "CE_PORT", r"CE_PORT must be <= 65535, got 99999"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(env, variable, message):
@@ -58,3 +61,11 @@ def test_the_turn_lane_is_on_unless_switched_off():
     assert Settings.from_env({}).host_lane is True
     assert Settings.from_env({"CE_HOST_LANE": "Off"}).host_lane is False
     assert Settings.from_env({"CE_HOST_LANE": "1"}).host_lane is True
+
+
+def test_the_output_gate_is_on_unless_switched_off():
+    assert Settings.from_env({}).output_gate is True
+    assert Settings.from_env({"CE_OUTPUT_GATE": "OFF"}).output_gate is False
+    assert Settings.from_env({"CE_OUTPUT_GATE": "no"}).output_gate is False
+    assert Settings.from_env({"CE_OUTPUT_GATE": "yes"}).output_gate is True
+    assert Settings.from_env({"CE_PORT": "65535"}).port == 65535
