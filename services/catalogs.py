@@ -5,7 +5,9 @@ announced on Postgres's `ce_catalog` channel; every host process listens and dro
 entry. A notification reaches a host a moment after the write commits, so a message sent right
 after the write can overtake it; to keep "live sessions see the change on their next message"
 true, every turn also compares its cached entry with the tenant's catalog stamp (one small
-indexed read) and reloads on a difference. A TTL bounds the staleness should both fail.
+indexed read) and reloads on a difference. A TTL bounds the staleness should both fail. At most
+MAX_CACHED tenants' environments are kept, the least recently loaded dropped first: a host sees
+many tenants over its life, and an environment holds a whole compiled catalog.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from services.tools.model import ToolDefinition
 from services.tools.registry import Catalog, HandlerRegistry, ToolBackend, build_catalog
 
 log = structlog.get_logger(__name__)
+
+#: tenants whose environments a host keeps (each reloads in one round of reads when it comes back)
+MAX_CACHED = 1024
 
 
 class TenantCatalogs:
@@ -96,7 +101,7 @@ class TenantCatalogs:
             # turn load once more, never keeps a stale catalog.
             env = await self._load(tenant_id)
             if generation == self._generation:  # not invalidated while loading
-                self._cache[tenant_id] = (env, time.monotonic() + self._ttl, stamp)
+                self._remember(tenant_id, (env, time.monotonic() + self._ttl, stamp))
             future.set_result(env)
             return env
         except BaseException as exc:
@@ -106,6 +111,13 @@ class TenantCatalogs:
         finally:
             if self._loading.get(tenant_id, (None, None))[1] is future:
                 del self._loading[tenant_id]
+
+    def _remember(self, tenant_id: str, entry: tuple[TurnEnv, float, str | None]) -> None:
+        """Cache an environment as the most recently loaded; past MAX_CACHED drop the oldest."""
+        self._cache.pop(tenant_id, None)
+        self._cache[tenant_id] = entry
+        while len(self._cache) > MAX_CACHED:
+            del self._cache[next(iter(self._cache))]
 
     async def _current_stamp(self, tenant_id: str) -> str | None:
         """The tenant's catalog stamp now; None when there is no stamp source or the read failed
