@@ -82,8 +82,15 @@ def _core_document() -> dict[str, Any]:
         }
         return o
 
+    send = turn(op("Send a message (JSON or SSE)", body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid],
+                   errors=("401", "422", "429", "503")))
+    message_id = {"description": "the turn's message_id (the client's, or the one made up for it), on every "
+                  "answer to a message, failures included: the id a retry sends", "schema": {"type": "string"}}
+    send["responses"]["200"]["headers"]["X-Message-Id"] = message_id
+    for status in ("429", "503"):
+        send["responses"][status]["headers"] = {"X-Message-Id": message_id}
     paths = {
-        "/v1/sessions/{session_id}/messages": {"post": turn(op("Send a message (JSON or SSE)", body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid], errors=("401", "422", "429", "503")))},
+        "/v1/sessions/{session_id}/messages": {"post": send},
         "/v1/sessions/{session_id}": {"get": op("Inspect a session", ok=ref["SessionView"], params=[sid])},
         "/v1/sessions/{session_id}/approvals/{approval_id}": {"post": turn(op(
             "Approve or deny a held turn", body=ref["DecideApproval"], ok=ref["TurnReply"],
