@@ -12,7 +12,11 @@ Durable Object semantics, enforced here:
   the group-commit window only while another turn is running (Postgres's commit_delay with
   commit_siblings = 1): a turn alone on its host is flushed at once;
 - Postgres away: deltas go back into their sessions, the flusher retries with backoff and replies
-  wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost.
+  wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost;
+- Postgres refusing a session's data for good: its turns are written one by one, those before the
+  refused one kept and answered, the rest not acknowledged, and the copy dropped; the other
+  sessions of the batch are written as usual;
+- the session view, like a reply, shows only durable state while the gate is on (`view`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import msgspec
 import structlog
 
 from actors import session as core
-from actors.session import SessionState, TurnEnv
+from actors.session import SealedTurns, SessionState, TurnEnv
 from services import heap
 from services.errors import ChatEngineError, Overloaded
 from services.wire import SessionView, StreamEvent, TurnReply, TurnTiming
@@ -96,14 +100,18 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("last_used", "lock", "queued", "stale", "state")
+    __slots__ = ("durable_through", "last_used", "lock", "queued", "stale", "state")
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
         self.lock = asyncio.Lock()
         self.last_used = time.monotonic()
         self.queued = 0
-        self.stale = False  # a flush of this copy was refused: a newer activation owns the session
+        #: a flush of this copy was refused (a newer activation owns the session, or Postgres
+        #: refused its data for good): it is dropped, and what it holds beyond
+        #: `durable_through` will never be written
+        self.stale = False
+        self.durable_through = 0  # the number of its newest turn known written (state.sealed_turns)
 
 
 class SessionHost:
@@ -121,7 +129,9 @@ class SessionHost:
         self._activating: dict[Key, asyncio.Future[_Entry]] = {}
         self._dirty: set[Key] = set()
         self._inflight: set[Key] = set()  # sessions whose delta is in the flush now running
-        self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
+        #: per session, who waits for its turns to be durable: (the number of the newest turn
+        #: waited for, state.sealed_turns when it began waiting; the future resolved then)
+        self._waiters: dict[Key, list[tuple[int, asyncio.Future[None]]]] = {}
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -133,6 +143,10 @@ class SessionHost:
         self._none_busy.set()
         self._drained = asyncio.Event()  # set while no admitted turn is out (stop() waits for it)
         self._drained.set()
+        #: the task running each session's turn now (its session code, not its gate), so that a
+        #: stop() that waited long enough can cancel the turns stuck in a model or tool call
+        self._turn_tasks: dict[Key, asyncio.Task] = {}
+        self._cancelled_by_stop: set[asyncio.Task] = set()
         #: which sessions this host may hold (sharded hosts: its shard under the current view);
         #: None: every session (dedicated actors, the in-process router)
         self._owns: Callable[[str, str], bool] | None = None
@@ -162,6 +176,15 @@ class SessionHost:
         (waiting for its session's lock, its activation or its tenant) is turned away having run
         nothing. Every admitted turn is out before the flusher stops, so none runs its tools on
         state that could no longer be saved (a retry on the next host would run them again).
+
+        Bounded: admitted turns get `gate_timeout_s` + STOP_GRACE_S to leave (one leaves within
+        the gate timeout, replied or told its reply could not be saved yet). Past that something
+        is stuck (a model or tool call that never answers) and stopping matters more: the turns
+        still running their session code are cancelled, which keeps and writes what each did, as
+        for any turn that fails half way, and answers each with Overloaded ('shutting_down');
+        no answer is stored for its message id, so sent again it runs anew. A session still
+        locked STOP_GRACE_S after that (a turn that ignores its cancellation) is left as it is:
+        nothing of its running turn was acknowledged. Then everything else is flushed.
         """
         self._closing = True
         # Bounded: an admitted turn leaves within the gate timeout (replied, or told its reply
@@ -170,7 +193,10 @@ class SessionHost:
         pause = 0.05
         while not self._drained.is_set():
             if time.monotonic() > deadline:
-                log.error("stop_gave_up_waiting", turns=self._running)
+                log.error("stop_gave_up_waiting", turns=self._running, cancelled=len(self._turn_tasks))
+                for task in self._turn_tasks.values():
+                    self._cancelled_by_stop.add(task)
+                    task.cancel()
                 break
             try:  # now, not after the group-commit window: admitted turns wait on their gate
                 await self.flush_all()
@@ -180,15 +206,25 @@ class SessionHost:
                 pause = min(pause * 2, 1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), pause)
-        for entry in list(self._sessions.values()):
-            async with entry.lock:
-                pass
-        await self.flush_all()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A session's lock is also held while it is passivated or handed over (flushing it), and
+        # by a cancelled turn until it has closed what it did: wait for those, bounded too.
+        grace = time.monotonic() + STOP_GRACE_S
+        for key, entry in list(self._sessions.items()):
+            try:
+                async with asyncio.timeout(max(0.0, grace - time.monotonic())):
+                    await entry.lock.acquire()
+            except TimeoutError:
+                log.error("stop_left_session_locked", session_id=key[1])
+                continue
+            entry.lock.release()
+        try:
+            await self.flush_all()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     @property
     def live_sessions(self) -> int:
@@ -325,14 +361,42 @@ class SessionHost:
             raise failed[0]
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
-        entry = self._sessions.get((tenant_id, session_id))
-        if entry is None:
+        """The session as this host holds it (GET /v1/sessions/{id}), or None when it holds none
+        that may be shown: the caller then reads the stored session.
+
+        With the output gate on only durable state is shown, as only a durable reply is released:
+        whole turns not written yet are waited for as a reply waits for them, at most
+        `gate_timeout_s` (then Overloaded 'unsaved', a 503 with Retry-After saying to retry).
+        While a turn is half way, the cached state holds half a turn, which may never be written
+        (the host may die): None, and what Postgres holds is every turn acknowledged so far.
+        Without the gate (lossy, for benchmarks) the cached state is shown as it is.
+        """
+        key = (tenant_id, session_id)
+        entry = self._sessions.get(key)
+        if entry is None or entry.stale:
             return None
-        s = entry.state
-        return SessionView(
-            session_id=session_id, variables=dict(s.variables), open_breakers=s.open_breakers(),
-            handoff=s.snapshot.handoff, messages=s.snapshot.message_count,
-        )
+        if not self._settings.output_gate or self._saved(key, entry):
+            return _view(entry.state)
+        if entry.state.turn_half_done:
+            return None
+        durable = self._mark_dirty(key)
+        try:
+            await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
+        except TimeoutError:
+            raise Overloaded(
+                f"session {session_id!r} has changes that could not be saved yet (database "
+                "unavailable); retry in a moment", retry_after=2.0, reason="unsaved",
+            ) from None
+        except ChatEngineError:  # refused for good or taken over: this copy was dropped
+            return None
+        # A newer turn may have changed it while this waited: then the stored session.
+        if self._sessions.get(key) is not entry or not self._saved(key, entry):
+            return None
+        return _view(entry.state)
+
+    def _saved(self, key: Key, entry: _Entry) -> bool:
+        """Everything this copy of the session holds is written (nothing unsaved or in flight)."""
+        return not entry.stale and not entry.state.dirty and key not in self._inflight
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -395,17 +459,30 @@ class SessionHost:
                 structlog.contextvars.bind_contextvars(tenant_id=tenant_id, session_id=session_id)
                 self._busy += 1
                 self._none_busy.clear()
+                task = asyncio.current_task()
+                if task is not None:
+                    self._turn_tasks[key] = task
                 try:
                     reply = await run(entry, env)
-                except BaseException:
+                except BaseException as exc:
                     try:  # what ran is kept, made whole, and written without waiting for a next turn
                         entry.state.close_failed_turn()
                     except Exception:  # the turn's own error is the one to raise
                         log.exception("failed_turn_not_closed", session_id=session_id)
                     if entry.state.dirty:
                         self._queue_flush(key)
+                    if isinstance(exc, asyncio.CancelledError) and task in self._cancelled_by_stop:
+                        # stop() gave up waiting for it: the caller is told, not cancelled
+                        task.uncancel()
+                        raise Overloaded(
+                            "this session host stopped while the turn was still running (a model "
+                            "or tool call did not answer in time); what it did is kept; send the "
+                            "message again in a moment", retry_after=1.0, reason="shutting_down",
+                        ) from None
                     raise
                 finally:
+                    self._turn_tasks.pop(key, None)
+                    self._cancelled_by_stop.discard(task)  # type: ignore[arg-type]
                     self._busy -= 1
                     if not self._busy:
                         self._none_busy.set()
@@ -415,6 +492,7 @@ class SessionHost:
                 # Also when clean but in flight: a replayed answer is released only once durable.
                 unsaved = entry.state.dirty or key in self._inflight
                 durable = self._mark_dirty(key) if unsaved else None
+                upto = entry.state.sealed_turns  # the newest turn this reply reports
         finally:
             entry.lock.release()
         if evicted:  # passivated or taken over while we waited: activate again
@@ -431,7 +509,8 @@ class SessionHost:
                     "header of this answer)",
                     retry_after=2.0, reason="unsaved",
                 ) from None
-            if entry.stale:  # evicted before its delta was taken: the flush that resolved us had none
+            if entry.stale and entry.durable_through < upto:
+                # evicted before its turn was taken: the flush that resolved us did not write it
                 raise _lease_lost(session_id)
             gate_s = time.perf_counter() - gated
         return reply, gate_s
@@ -513,8 +592,11 @@ class SessionHost:
     # -- the flusher (group commit + output gate) ---------------------------------------------
 
     def _mark_dirty(self, key: Key) -> asyncio.Future[None]:
+        """Have the flusher write the session's sealed turns; the future is resolved once every
+        turn it holds now is durable (failed if Postgres refuses one of them)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(key, []).append(future)
+        entry = self._sessions.get(key)
+        self._waiters.setdefault(key, []).append((entry.state.sealed_turns if entry else 0, future))
         self._queue_flush(key)
         return future
 
@@ -559,47 +641,76 @@ class SessionHost:
             await self._flush_locked()
 
     async def _flush_isolating(
-        self, deltas: dict[Key, tuple[_Entry, SessionDelta]]
-    ) -> tuple[list, list, list[Key]]:
+        self, deltas: dict[Key, tuple[_Entry, SealedTurns]]
+    ) -> tuple[list, list, dict[Key, int]]:
         """One transaction for all (group commit). When Postgres refuses the batch for good (a
         data error, not a lost connection), flush session by session so one session's bad data
-        cannot hold every other session's replies: returns (written, refused, poisoned keys).
-        A retryable error propagates: the caller puts every delta back and retries."""
+        cannot hold every other session's replies, and a session it refuses turn by turn (see
+        `_flush_alone`). Returns (written, refused, poisoned: for each session whose data Postgres
+        refused, the number of its newest turn written). A retryable error propagates: the
+        caller puts every delta back and retries (what this wrote meanwhile is written again
+        then, as after a lost acknowledgement, which the store absorbs)."""
         try:
-            result = await self._store.flush([delta for _, delta in deltas.values()])
-            return list(result.written), list(result.refused), []
+            result = await self._store.flush([taken.joined() for _, taken in deltas.values()])
+            return list(result.written), list(result.refused), {}
         except Exception as exc:
             if _transient(exc):
                 raise
             batch_error = exc
         written: list = []
         refused: list = []
-        poisoned: list[Key] = []
-        for key, (_, delta) in deltas.items():
-            try:
-                one = await self._store.flush([delta])
-            except Exception as exc:
-                if _transient(exc):
-                    raise
-                poisoned.append(key)
-                continue
-            written += one.written
-            refused += one.refused
+        poisoned: dict[Key, int] = {}
+        for key, (_, taken) in deltas.items():
+            stale, newest = await self._flush_alone(taken)
+            if stale:
+                refused.append(key)
+            elif newest == taken.last:
+                written.append(key)
+            else:
+                poisoned[key] = newest
         log.warning("flush_isolated_bad_session", sessions=len(deltas), poisoned=len(poisoned),
                     error=type(batch_error).__name__)
         return written, refused, poisoned
 
+    async def _flush_alone(self, taken: SealedTurns) -> tuple[bool, int]:
+        """One session's turns in a transaction of their own: returns (refused for a stale epoch,
+        the number of the newest turn written). When Postgres refuses them for good, turn by
+        turn up to the first it refuses: each turn before it is kept, its reply released (a
+        later turn builds on the earlier ones, never the reverse), and only the turns from there
+        on are lost. A retryable error propagates."""
+        before = taken.last - len(taken.turns)  # the number of the turn before the first
+        try:
+            one = await self._store.flush([taken.joined()])
+            return bool(one.refused), taken.last if one.written else before
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            if len(taken.turns) == 1:
+                return False, before
+        newest = before
+        for turn in taken.turns:
+            try:
+                one = await self._store.flush([turn])
+            except Exception as exc:
+                if _transient(exc):
+                    raise
+                break
+            if one.refused:
+                return True, newest
+            newest += 1
+        return False, newest
+
     async def _flush_locked(self) -> None:
         keys, self._dirty = self._dirty, set()
         waiters = {k: self._waiters.pop(k, []) for k in keys}
-        # Each delta with the entry it came from: the session may be evicted or re-activated
-        # while the flush runs, and a result must reach that copy, not whichever is current.
-        deltas: dict[Key, tuple[_Entry, SessionDelta]] = {}
+        # Each session's turns with the entry they came from: the session may be evicted or
+        # re-activated while the flush runs, and a result must reach that copy, not the current.
+        deltas: dict[Key, tuple[_Entry, SealedTurns]] = {}
         for key in keys:
             entry = self._sessions.get(key)
-            delta = entry.state.take_delta() if entry else None
-            if entry is not None and delta is not None:
-                deltas[key] = (entry, delta)
+            taken = entry.state.take_turns() if entry else None
+            if entry is not None and taken is not None:
+                deltas[key] = (entry, taken)
         if not deltas:
             _resolve(waiters)
             return
@@ -608,8 +719,8 @@ class SessionHost:
         try:
             written, refused, poisoned = await self._flush_isolating(deltas)
         except BaseException:
-            for entry, delta in deltas.values():
-                entry.state.restore_delta(delta)
+            for entry, taken in deltas.values():
+                entry.state.restore_turns(taken)
             for key, fs in waiters.items():
                 self._waiters.setdefault(key, [])[:0] = fs
             self._dirty |= keys
@@ -621,20 +732,31 @@ class SessionHost:
         self.flushed_sessions += len(written)
         if self._on_flush is not None:
             self._on_flush(len(written), self.last_flush_ms)
-        for key in poisoned:
-            # Postgres refuses this session's data for good (not a lost connection): the turn is
-            # not acknowledged and its copy is dropped, so the session goes on from what is stored.
+        for key in map(tuple, written):
+            source = deltas.get(key)  # type: ignore[call-overload]
+            if source is not None:
+                source[0].durable_through = source[1].last
+        for key, kept in poisoned.items():
+            # Postgres refuses this session's data for good (not a lost connection): the turns
+            # from the one it refused on are not acknowledged and the copy, which holds them, is
+            # dropped, so the session goes on from what is stored (the turns before are).
             entry = deltas[key][0]
             entry.stale = True
+            entry.durable_through = kept
             if self._sessions.get(key) is entry:
                 del self._sessions[key]
-            for f in waiters.pop(key, []):
-                if not f.done():
+            for upto, f in waiters.pop(key, []):
+                if f.done():
+                    continue
+                if upto <= kept:
+                    f.set_result(None)
+                else:
                     f.set_exception(TurnNotSaved(
                         f"the last turn of session {key[1]!r} could not be saved and was not acknowledged; "
                         "send the message again (the session continues from its saved state)"
                     ))
-            log.error("flush_refused_session_data", session_id=key[1])
+            log.error("flush_refused_session_data", session_id=key[1],
+                      turns_kept=kept - (deltas[key][1].last - len(deltas[key][1].turns)))
         for key in map(tuple, refused):
             # A newer activation owns this session: this copy is stale. Evict it so the next
             # message re-activates from Postgres, and fail the replies that were waiting.
@@ -643,7 +765,7 @@ class SessionHost:
                 source[0].stale = True
                 if self._sessions.get(key) is source[0]:  # type: ignore[call-overload]
                     del self._sessions[key]  # type: ignore[arg-type]
-            for f in waiters.pop(key, []):  # type: ignore[arg-type]
+            for _, f in waiters.pop(key, []):  # type: ignore[arg-type]
                 if not f.done():
                     f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
@@ -667,11 +789,18 @@ def _percentile(values: collections.deque[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))]
 
 
-def _resolve(waiters: dict[Key, list[asyncio.Future[None]]]) -> None:
+def _resolve(waiters: dict[Key, list[tuple[int, asyncio.Future[None]]]]) -> None:
     for fs in waiters.values():
-        for f in fs:
+        for _, f in fs:
             if not f.done():
                 f.set_result(None)
+
+
+def _view(state: SessionState) -> SessionView:
+    return SessionView(
+        session_id=state.session_id, variables=dict(state.variables), open_breakers=state.open_breakers(),
+        handoff=state.snapshot.handoff, messages=state.snapshot.message_count,
+    )
 
 
 def _lease_lost(session_id: str) -> LeaseLost:

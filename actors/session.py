@@ -140,6 +140,38 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     handoff: Any = None
 
 
+class SealedTurns:
+    """Whole turns' changes a flush took from a session, one delta per turn, oldest first.
+
+    Written as one delta (`joined`), the group commit's normal case; when Postgres refuses that
+    for good, turn by turn, so the turns before the one it refuses are kept (a later turn builds
+    on the earlier ones, never the reverse). `last` is the number of the newest turn
+    (SessionState.sealed_turns when taken); the first is `last - len(turns) + 1`.
+    """
+
+    __slots__ = ("_joined", "attempted", "last", "turns")
+
+    def __init__(self, turns: list[SessionDelta], *, attempted: int, last: int) -> None:
+        self.turns = turns
+        self.attempted = attempted  # leading turns a failed flush held already
+        self.last = last
+        self._joined: SessionDelta | None = None
+
+    def joined(self) -> SessionDelta:
+        """The turns as one delta. Usage rows of turns a failed flush held stay apart, each with
+        its own seq: that flush may have committed with its acknowledgement lost, and the store
+        skips a row whose seq it has applied. Untried turns' rows are summed, one per model (the
+        newest seq covers them), which keeps the batch to one statement."""
+        if self._joined is None:
+            if len(self.turns) == 1:
+                self._joined = self.turns[0]
+            else:
+                tried, fresh = self.turns[:self.attempted], self.turns[self.attempted:]
+                self._joined = _joined(self.turns, usage=[u for d in tried for u in d.usage]
+                                       + _summed([u for d in fresh for u in d.usage]))
+        return self._joined
+
+
 class SessionState:
     """One activation of a session: cached state plus what changed since the last flush."""
 
@@ -164,34 +196,56 @@ class SessionState:
         self.turn_message_id: str | None = None  # the message id of the turn running (or last run)
         #: jobs the turn in progress took off the waiting list to deliver: waiting again if it fails
         self.taken_jobs: list[str] = []
-        self._sealed: SessionDelta | None = None  # whole turns' changes, not yet taken by a flush
-        self._attempted = 0  # leading usage rows of `_sealed` a failed flush held (kept apart)
+        #: whole turns' changes not yet taken by a flush, one delta per turn, oldest first: kept
+        #: apart so that a turn Postgres refuses for good takes none of the turns before it along
+        self._sealed: list[SessionDelta] = []
+        self._attempted = 0  # leading turns of `_sealed` a failed flush held (their usage kept apart)
+        #: turns sealed in this activation: the newest one's number (the host's gate counts by it)
+        self.sealed_turns = 0
 
     # -- flush deltas ----------------------------------------------------------------------
 
     @property
     def dirty(self) -> bool:
         """Something is not written yet: whole turns', or a turn's still in progress."""
-        return self._sealed is not None or self._dirty
+        return bool(self._sealed) or self._dirty
+
+    @property
+    def turn_half_done(self) -> bool:
+        """A turn in progress has changed something: the cached state is not whole turns' now."""
+        return self._dirty
+
+    def take_turns(self) -> SealedTurns | None:
+        """What whole turns changed since the last take, turn by turn, or None. Never part of a
+        turn: a flush that wrote the first half of a turn whose host then died would leave it
+        stored half done, and the retry of its message id would run it again on top of that."""
+        if not self._sealed:
+            return None
+        taken = SealedTurns(self._sealed, attempted=self._attempted, last=self.sealed_turns)
+        self._sealed, self._attempted = [], 0
+        return taken
 
     def take_delta(self) -> SessionDelta | None:
-        """What whole turns changed since the last take, or None. Never part of a turn: a flush
-        that wrote the first half of a turn whose host then died would leave it stored half done,
-        and the retry of its message id would run it again on top of that."""
-        delta, self._sealed, self._attempted = self._sealed, None, 0
-        return delta
+        """What whole turns changed since the last take, as one delta, or None."""
+        taken = self.take_turns()
+        return None if taken is None else taken.joined()
+
+    def restore_turns(self, taken: SealedTurns) -> None:
+        """Put back turns whose flush failed, before anything newer, so nothing is lost. Their
+        usage rows stay as they were tried from now on (see SealedTurns.joined)."""
+        self._sealed = taken.turns + self._sealed
+        self._attempted = len(taken.turns)
 
     def restore_delta(self, delta: SessionDelta) -> None:
-        """Put back a delta whose flush failed, before anything newer, so nothing is lost."""
-        self._sealed = delta if self._sealed is None else _joined(delta, self._sealed)
-        self._attempted = len(delta.usage)
+        """Put back one delta whose flush failed (as one turn), before anything newer."""
+        self.restore_turns(SealedTurns([delta], attempted=0, last=self.sealed_turns))
 
     def _seal(self) -> None:
         """The turn in progress is whole (its answer is remembered): its changes may be written."""
         if not self._dirty:
             return
         newest = self._messages[-1].seq if self._messages else None  # appended in seq order
-        turn = SessionDelta(
+        self._sealed.append(SessionDelta(
             tenant_id=self.tenant_id, session_id=self.session_id, epoch=self.epoch,
             # A deep copy: the store encodes it after awaits, while later turns change the original.
             snapshot=msgspec.convert(msgspec.to_builtins(self.snapshot), SessionSnapshot),
@@ -199,15 +253,10 @@ class SessionState:
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                    for m, (i, o) in self._usage.items()],
             turns=self._turns,  # one turn's: its one answer (a turn ends by remembering it)
-        )
+        ))
+        self.sealed_turns += 1
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
         self._dirty = False
-        if self._sealed is None:
-            self._sealed = turn
-            return
-        # one usage row per model for turns no flush has tried yet (the newest seq covers them)
-        sealed, tried = self._sealed, self._attempted
-        self._sealed = _joined(sealed, turn, usage=sealed.usage[:tried] + _summed(sealed.usage[tried:] + turn.usage))
 
     def close_failed_turn(self) -> None:
         """A turn raised half way (a bug or a cancellation; model and tool errors are answered
@@ -455,16 +504,17 @@ async def _handle_approval(
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
 
 
-def _joined(older: SessionDelta, newer: SessionDelta, *, usage: list[UsageDelta] | None = None) -> SessionDelta:
-    """Two deltas of one session as one, `older` first. Unless `usage` is given, usage rows stay
-    apart, each with its own seq: one may be a retry of a flush whose acknowledgement was lost,
-    whose tokens the store holds already (it skips a row whose seq it has applied)."""
+def _joined(deltas: list[SessionDelta], *, usage: list[UsageDelta]) -> SessionDelta:
+    """Deltas of one session, oldest first, as one (the newest snapshot; `usage` as given)."""
+    newest = deltas[-1]
+    variables: dict[str, str] = {}
+    for d in deltas:
+        variables.update(d.variables)
     return SessionDelta(
-        tenant_id=newer.tenant_id, session_id=newer.session_id, epoch=newer.epoch, snapshot=newer.snapshot,
-        messages=older.messages + newer.messages, variables={**older.variables, **newer.variables},
-        tool_calls=older.tool_calls + newer.tool_calls,
-        usage=older.usage + newer.usage if usage is None else usage,
-        turns=_latest_answers(older.turns + newer.turns),
+        tenant_id=newest.tenant_id, session_id=newest.session_id, epoch=newest.epoch, snapshot=newest.snapshot,
+        messages=[m for d in deltas for m in d.messages], variables=variables,
+        tool_calls=[c for d in deltas for c in d.tool_calls], usage=usage,
+        turns=_latest_answers([t for d in deltas for t in d.turns]),
     )
 
 

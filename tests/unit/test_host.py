@@ -149,6 +149,48 @@ async def test_without_the_output_gate_a_reply_does_not_wait_for_the_database(wo
     await eventually(lambda: "m1" in store.turns[KEY])
 
 
+async def test_with_the_output_gate_the_session_view_waits_for_what_it_shows_to_be_durable(world):
+    # GET /v1/sessions/{id}: a turn set a variable and waits at the gate while its flush is in
+    # flight. The view waits with it (before, it showed the variable at once, and a host dying
+    # then would have shown the client state that vanished).
+    store = world.store
+    store.hold = asyncio.Event()
+    host = await world.host(output_gate=True)
+    turn = asyncio.create_task(host.send("t1", "s1", "use collect_lead ada", "m1"))
+    await asyncio.wait_for(store.flush_entered.wait(), T)
+    view = asyncio.create_task(host.view("t1", "s1"))
+    await spin()
+    assert not view.done(), "the view showed state whose flush had not committed"
+    store.hold.set()
+    shown = await asyncio.wait_for(view, T)
+    await asyncio.wait_for(turn, T)
+    assert shown.variables == store.variables[KEY] == {"lead_collected": "true"}
+    assert shown.messages == store.snapshots[KEY].message_count == 4
+
+
+async def test_the_session_view_is_503_while_its_state_cannot_be_saved_and_reads_the_store_mid_turn(world):
+    store, model = world.store, world.model
+    host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
+    store.down = True
+    with pytest.raises(Overloaded, match="retry with the same message_id"):
+        await asyncio.wait_for(host.send("t1", "s1", "use collect_lead ada", "m1"), T)
+    with pytest.raises(Overloaded, match="could not be saved yet") as info:
+        await asyncio.wait_for(host.view("t1", "s1"), T)
+    assert info.value.reason == "unsaved" and info.value.retry_after > 0
+    store.down = False
+    assert (await asyncio.wait_for(host.view("t1", "s1"), T)).variables == {"lead_collected": "true"}
+
+    # half a turn in memory (its message taken, its model call running): not shown; the caller
+    # reads the stored session, which holds every acknowledged turn
+    slow = model.hold("use lookup q")
+    turn = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m2"))
+    await asyncio.wait_for(model.entered("use lookup q").wait(), T)
+    assert await asyncio.wait_for(host.view("t1", "s1"), T) is None
+    slow.set()
+    await asyncio.wait_for(turn, T)
+    assert (await asyncio.wait_for(host.view("t1", "s1"), T)).messages == 8
+
+
 # -- group commit --------------------------------------------------------------------------------
 
 
@@ -800,6 +842,26 @@ async def test_stop_flushes_state_that_was_not_yet_written(world):
     assert "m2" in store.turns[("t1", "s2")]
 
 
+async def test_stop_is_bounded_by_a_turn_stuck_in_a_model_call_and_keeps_what_it_did(world, monkeypatch):
+    # The turn's tool ran, then its next model call never answers. stop() gives up waiting after
+    # the gate timeout and its grace, cancels the turn (which keeps and writes what it did) and
+    # stops; before, it waited for the turn's session lock for ever.
+    import actors.host as host_module
+
+    store, model = world.store, world.model
+    monkeypatch.setattr(host_module, "STOP_GRACE_S", 0.1)
+    host = await world.host(gate_timeout_s=0.1)
+    model.hold("")  # the round after the tool result
+    turn = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    await asyncio.wait_for(model.entered("<tool results>").wait(), T)
+    await asyncio.wait_for(host.stop(), 2.0)
+    with pytest.raises(Overloaded, match="stopped while the turn was still running") as info:
+        await asyncio.wait_for(turn, T)
+    assert info.value.reason == "shutting_down" and not turn.cancelled()
+    assert world.calls() == [("lookup", "q")] and [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+    assert store.seqs(KEY) == [0, 1, 2] and "m1" not in store.turns[KEY]  # kept, unanswered: sent again it runs anew
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 
@@ -869,3 +931,38 @@ async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_repl
     assert isinstance(results[5], TurnNotSaved) and "send the message again" in str(results[5])
     assert all("m" + str(i) in store.turns[("t1", f"s{i}")] for i in range(5))
     assert ("t1", "bad") not in host._sessions
+
+
+async def test_a_good_turn_is_kept_when_a_later_turn_of_its_session_is_unsavable(world):
+    # m1's first flush fails (a blip); m2 runs meanwhile and its data is refused for good. The
+    # two went back as one delta: both were dropped, m1 answered "not saved" though its tool ran
+    # (sent again, it would run twice). Turn by turn, m1 is written and answered; m2 is not.
+    from actors.host import TurnNotSaved
+    from services.errors import ChatEngineError
+
+    class DataRefused(ChatEngineError):
+        retryable = False
+
+    store = world.store
+    real_flush = store.flush
+
+    async def flush(deltas):
+        if any("POISON" in str(m.content) for d in deltas for m in d.messages):
+            raise DataRefused("postgres refused a value")
+        return await real_flush(deltas)
+
+    store.flush = flush
+    host = await world.host()
+    store.fail_next = 1
+    first = asyncio.create_task(host.send("t1", "s1", "use lookup good", "m1"))
+    await eventually(lambda: store.failed_flushes == 1)  # m1 back in its session: 50 ms of backoff
+    second = asyncio.create_task(host.send("t1", "s1", "POISON", "m2"))
+    r1, r2 = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), T)
+    assert isinstance(r2, TurnNotSaved) and "send the message again" in str(r2)
+    assert not isinstance(r1, Exception) and r1.reply == 'done: {"found":"good"}'
+    assert set(store.turns[KEY]) == {"m1"} and store.seqs(KEY) == [0, 1, 2, 3]
+    assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
+    assert store.usage[KEY] == {"main": [10, 3], "cheap": [10, 3]} and store.duplicates == []
+    assert KEY not in host._sessions  # the copy holding m2 is dropped; the session goes on from the store
+    again = await asyncio.wait_for(host.send("t1", "s1", "use lookup good", "m1"), T)
+    assert again.replay and world.calls() == [("lookup", "good")]  # m1's tool ran once
