@@ -88,6 +88,8 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     mailbox: int = 16  # turns queued per session beyond the running one
     max_inflight: int = 5000  # turns admitted at once per host; beyond: 503 (admission control)
     max_backoff_s: float = 2.0
+    #: live sessions a host keeps; beyond, the least recently used idle ones are passivated early
+    max_sessions: int = 10_000
 
     @classmethod
     def from_settings(cls, settings: Any) -> HostSettings:
@@ -95,7 +97,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
         return cls(
             idle_seconds=settings.idle_seconds, output_gate=settings.output_gate,
             flush_interval_s=settings.flush_interval_ms / 1000,
-            max_inflight=settings.host_max_inflight,
+            max_inflight=settings.host_max_inflight, max_sessions=settings.host_max_sessions,
         )
 
 
@@ -576,18 +578,33 @@ class SessionHost:
         idle = self._settings.idle_seconds
         while True:
             await asyncio.sleep(max(0.05, min(idle / 4, 5.0)))
-            cutoff = time.monotonic() - idle
-            for key, entry in list(self._sessions.items()):
-                if entry.last_used < cutoff and not entry.lock.locked() and not entry.queued:
-                    if entry.state.dirty or key in self._inflight:
-                        # Not written yet (the database may be away): queue it for the flusher and
-                        # passivate on a later sweep, rather than hold its lock until Postgres answers.
-                        self._queue_flush(key)
-                        continue
-                    try:
-                        await self.passivate(*key)
-                    except Exception:  # noqa: BLE001 - a failed flush keeps the session cached
-                        log.warning("passivation_failed", session_id=key[1])
+            await self.sweep(time.monotonic() - idle)
+
+    async def sweep(self, cutoff: float) -> int:
+        """Passivate the sessions unused since `cutoff` (monotonic), and, while the host holds
+        more than `max_sessions`, the least recently used idle ones beyond that: sessions are
+        named by clients, and a host must not keep every one it was sent in memory until the idle
+        time runs out. A session whose changes are not written yet is queued for the flusher and
+        passivated by a later sweep. Returns how many were passivated."""
+        excess = len(self._sessions) - self._settings.max_sessions
+        if excess > 0:
+            # a tenth more than the excess, so that the next few activations do not sweep again
+            oldest = sorted(self._sessions.items(), key=lambda item: item[1].last_used)
+            cutoff = max(cutoff, oldest[min(len(oldest) - 1, excess + self._settings.max_sessions // 10)][1].last_used)
+            log.warning("live_sessions_over_cap", live=len(self._sessions), cap=self._settings.max_sessions)
+        passivated = 0
+        for key, entry in list(self._sessions.items()):
+            if entry.last_used < cutoff and not entry.lock.locked() and not entry.queued:
+                if entry.state.dirty or key in self._inflight:
+                    # Not written yet (the database may be away): queue it for the flusher and
+                    # passivate on a later sweep, rather than hold its lock until Postgres answers.
+                    self._queue_flush(key)
+                    continue
+                try:
+                    passivated += await self.passivate(*key)
+                except Exception:  # noqa: BLE001 - a failed flush keeps the session cached
+                    log.warning("passivation_failed", session_id=key[1])
+        return passivated
 
     # -- the flusher (group commit + output gate) ---------------------------------------------
 

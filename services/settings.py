@@ -43,6 +43,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
     host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
+    host_max_sessions: int = 10_000  # live sessions per host; beyond, the least recently used passivate
     host_lane: bool = True  # gateways send turns to shard hosts over their lane, not Ray's task path
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
@@ -107,6 +108,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
             host_max_inflight=_int(get, "CE_HOST_MAX_INFLIGHT", 256, minimum=1),
+            host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
             host_lane=_switch(get, "CE_HOST_LANE", True),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=(get("CE_LOG_LEVEL") or "info").lower(),

@@ -535,6 +535,21 @@ async def test_an_idle_session_with_unsaved_state_still_takes_messages_while_the
     await eventually(lambda: host.live_sessions == 0)  # passivated once clean
 
 
+async def test_past_its_session_cap_a_host_passivates_the_least_recently_used_idle_sessions(world):
+    # sessions are named by clients: a host must not keep every one until the idle time runs out
+    store = world.store
+    host = await world.host(max_sessions=10)
+    for i in range(14):
+        await asyncio.wait_for(host.send("t1", f"s{i}", "hello", f"m{i}"), T)
+    assert host.live_sessions == 14  # the sweep, every few seconds, brings it down
+    assert await host.sweep(cutoff=0.0) == 5  # the 4 over the cap, and a tenth of it more
+    assert sorted(k[1] for k in host._sessions) == sorted(f"s{i}" for i in range(5, 14))
+    assert all(f"m{i}" in store.turns[("t1", f"s{i}")] for i in range(14))  # written, nothing lost
+    reply = await asyncio.wait_for(host.send("t1", "s0", "again", "m20"), T)  # re-activated from the store
+    assert reply.reply == "echo: again" and store.texts(("t1", "s0"))[:2] == ["hello", "echo: hello"]
+    assert await host.sweep(cutoff=0.0) == 0  # at the cap: nothing more
+
+
 # -- fencing -------------------------------------------------------------------------------------
 
 

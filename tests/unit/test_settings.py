@@ -23,6 +23,7 @@ from services.settings import Settings
         ({"CE_OUTPUT_GATE": "disabled"}, "CE_OUTPUT_GATE", r"CE_OUTPUT_GATE must be 'on' or 'off', got 'disabled'"),
         ({"CE_OUTPUT_GATE": "of"}, "CE_OUTPUT_GATE", r"CE_OUTPUT_GATE must be 'on' or 'off', got 'of'"),
         ({"CE_PORT": "99999"}, "CE_PORT", r"CE_PORT must be <= 65535, got 99999"),
+        ({"CE_HOST_MAX_SESSIONS": "0"}, "CE_HOST_MAX_SESSIONS", r"CE_HOST_MAX_SESSIONS must be >= 1, got 0"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(env, variable, message):
