@@ -1207,7 +1207,9 @@ class Bench:
 
     async def growth(self) -> dict[str, Any]:
         a = self.args
-        settings = msgspec.structs.replace(self.settings, idle_seconds=3600.0, shards=a.growth_shards)
+        # every session of every level stays live: neither the idle time nor the cap passivates one
+        settings = msgspec.structs.replace(self.settings, idle_seconds=3600.0, shards=a.growth_shards,
+                                           host_max_sessions=2 * sum(a.growth_levels) + 1000)
         placement, gateway = await self.gateway_for(settings, "growth-")
         url = gateway.url
 
