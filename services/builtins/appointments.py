@@ -2,9 +2,17 @@
 
 A service (ce_appointment_services) has a duration, a time zone and weekly opening hours
 (`{"mon": [["09:00", "17:00"]], ...}`; "24:00" closes at midnight). Slots start at each opening
-time and every `duration` after it while the slot still ends by closing time, in the service's
-local time (days that skip or repeat an hour for daylight saving keep their local slot times; a
-local time that does not exist is no slot). A booking must start exactly on a slot.
+time and every `duration` after it, in the service's local time, while the slot still ends by
+closing time. A booking must start exactly on a slot.
+
+Daylight saving: slot starts are local clock times, but a slot lasts `duration` of real time, its
+end (and "ends by closing time") reckoned in UTC, where listing and booking both reckon it. So on
+a day the clocks skip an hour, a slot that starts before the change ends `duration` later on the
+new clock (01:30-05:00 + 90 min is 04:00-04:00) and may overlap the next local slot (03:00): both
+are listed while free, and booking either takes the other. A local time that does not exist
+(02:30 that day in New York) is no slot, and a `start` naming it is refused in-band. A local time
+that occurs twice (the hour repeated when the clocks go back) means its first occurrence (fold=0,
+still on summer time) wherever it is given without an offset, and only that one is a slot.
 
 Two sessions racing for one slot cannot both win: Postgres refuses the second insert through
 the exclusion constraint on (tenant, service, time range) of ce_appointments, and the loser gets
@@ -198,17 +206,21 @@ class Schedule:
         }
 
     def slots_on(self, day: date) -> list[datetime]:
-        """The slot starts of one local day, as aware UTC datetimes, in order."""
+        """The slot starts of one local day, as aware UTC datetimes, in order: every `duration` of
+        local clock time from each opening time, each that exists and ends (`duration` of real
+        time later) by the closing time."""
         out = []
         step = self.service.duration_minutes
+        midnight = datetime.combine(day, time(0))
         for start, end in self._ranges.get(day.weekday(), ()):
+            # a closing time the clocks skip that day is read as if they had not changed yet
+            # (fold=0): 02:30 closes at 03:30 on the new clock, as many hours after opening as ever
+            closes = (midnight + timedelta(minutes=end)).replace(tzinfo=self.zone).astimezone(UTC)
             m = start
-            while m + step <= end:
-                local = datetime.combine(day, time(0)) + timedelta(minutes=m)
-                aware = local.replace(tzinfo=self.zone)
-                as_utc = aware.astimezone(UTC)
-                if as_utc.astimezone(self.zone).replace(tzinfo=None) == local:  # skip nonexistent times
-                    out.append(as_utc)
+            while m < end:
+                slot = utc_instant(midnight + timedelta(minutes=m), self.zone)
+                if slot is not None and slot + self.duration <= closes:
+                    out.append(slot)
                 m += step
         return out
 
@@ -253,10 +265,19 @@ class Schedule:
         return "; ".join(f"{d}: {', '.join(times)}" for d, times in by_day.items())
 
 
+def utc_instant(local: datetime, zone: ZoneInfo) -> datetime | None:
+    """The UTC instant of the naive local time `local` in `zone`: its first occurrence (fold=0)
+    when the clocks go back, None when it does not exist (the hour skipped when they go forward)."""
+    instant = local.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    return instant if instant.astimezone(zone).replace(tzinfo=None) == local else None
+
+
 def parse_start(raw: Any, zone: ZoneInfo, field: str = "start") -> datetime | date:
-    """A booking start (aware datetime; naive input is in `zone`) or a day (date alone).
-    Raises InvalidArguments naming `field`. The value may lie anywhere in the calendar: the
-    service checks it against the bookable days (AppointmentService._day, ._local)."""
+    """A booking start (an aware UTC datetime; naive input is local time in `zone`, a time that
+    occurs twice meaning its first occurrence) or a day (date alone). Raises InvalidArguments
+    naming `field`, also for a local time that does not exist in `zone` (skipped by a daylight
+    saving change). The value may lie anywhere in the calendar: the service checks it against
+    the bookable days (AppointmentService._day, ._local)."""
     text = str(raw).strip() if raw is not None else ""
     if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
         try:
@@ -268,8 +289,20 @@ def parse_start(raw: Any, zone: ZoneInfo, field: str = "start") -> datetime | da
             value = datetime.fromisoformat(text)
         except ValueError:
             value = None
+        if value is not None and value.tzinfo is not None:
+            return value
         if value is not None:
-            return value if value.tzinfo is not None else value.replace(tzinfo=zone)
+            try:
+                instant = utc_instant(value, zone)
+            except OverflowError:  # 0001-01-01T00:00 in a zone east of UTC: the service says how far off
+                return value.replace(tzinfo=zone)
+            if instant is None:
+                raise InvalidArguments(
+                    f"'{field}' {value.isoformat(timespec='minutes')} does not exist in {zone.key}: the clocks "
+                    "skip that hour for daylight saving",
+                    advice="Ask the customer to pick another time, or list the free slots of that day.",
+                )
+            return instant
     raise InvalidArguments(
         f"'{field}' is not a date and time: {clip(text, 40)!r} - use ISO 8601 like 2026-07-02T10:00",
         advice="Ask the customer which day and time they want, or list the free slots first.",
@@ -338,8 +371,9 @@ class AppointmentService:
                     after: datetime | None = None) -> list[datetime]:
         """Free slots on `days` days from `first_day`, later than now (and than `after`)."""
         after = max(self._now(), after) if after is not None else self._now()
-        window_start = max(after, datetime.combine(first_day, time(0), tzinfo=schedule.zone) - timedelta(days=1))
+        window_start = max(after, datetime.combine(first_day - timedelta(days=1), time(0), tzinfo=schedule.zone))
         window_end = datetime.combine(first_day + timedelta(days=days + 1), time(0), tzinfo=schedule.zone)
+        window_start, window_end = window_start.astimezone(UTC), window_end.astimezone(UTC)
         busy = await self._store.busy(tenant_id, schedule.service.name, window_start - schedule.duration, window_end)
         return schedule.free_slots(busy, after=after, first_day=first_day, days=days, limit=limit)
 
@@ -430,6 +464,7 @@ class AppointmentService:
         if not isinstance(start, datetime):
             return await self._listing(ctx, schedule, self._day(schedule, "start", start))
         self._local(schedule, "start", start)  # showing it (in the errors below too) must not overflow
+        start = start.astimezone(UTC)  # its end is `duration` of real time later, not of clock time
         now = self._now()
         if start <= now:
             raise InvalidArguments(

@@ -5,6 +5,11 @@ checked then, so a broken one is a 422 for the admin, never a failure in a conta
 submission is validated against it (jsonschema, formats checked) and stored only when valid; the
 in-band error names each wrong field and what is wrong with it. Called without `data`, the tool
 describes the form's fields so the model knows what to ask for.
+
+The answers (`data`) are `sensitive`: stored whole in ce_form_submissions for the tenant, shown
+as [redacted] in call records, traces and the dashboard. One submission of a form per message:
+the idempotency key names the form only, so a turn re-run after a crash, whose model words an
+answer differently, finds the row the first run wrote.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ DEFINITION = PythonTool(
     },
     mutability="write",
     requires_approval=False,  # the contact is filling in the form themselves
+    # The answers are the contact's details: kept whole in ce_form_submissions for the tenant,
+    # redacted in call records, traces and the dashboard (as collect_lead's fields are).
+    sensitive=("data",),
+    # one submission of a form per message: a turn re-run after a crash may word an answer differently
+    idempotency_arguments=("form",),
     handler=HANDLER,
 )
 

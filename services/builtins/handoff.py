@@ -2,7 +2,9 @@
 
 The row (ce_handoffs) and the `handoff.requested` notification happen here; the engine marks the
 session handed off when this tool succeeds (actors.session, as the `[[HANDOFF]]` marker does),
-after which the bot no longer answers and tells the contact a person will reply.
+after which the bot no longer answers and tells the contact a person will reply. One handoff per
+message: the call's idempotency key leaves the reason out (`idempotency_arguments=()`), so a turn
+re-run after a crash, whose model words the reason differently, finds the row the first run wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ DEFINITION = PythonTool(
     # "read" on purpose: a handoff changes none of the business's records, and an assistant that
     # may not change records (allow_writes=false) must still be able to hand over.
     mutability="read",
+    # once per message: a turn re-run after a crash may word the reason differently
+    idempotency_arguments=(),
     handler=HANDLER,
 )
 

@@ -11,7 +11,8 @@ Nothing is lost and no reply waits for the tenant: `Notifier.emit` writes the ev
 `WebhookClient` (the tenant's URL gets no more network reach than its tools), each attempt bounded
 in time, retried on a schedule of hours for retryable failures, even by another process after a
 crash (at least once: receivers de-duplicate by `webhook-id`). Every failure is logged
-(`notification_failed`), none is raised to the tool.
+(`notification_failed`), none is raised to the tool. Delivered and given-up events are deleted
+after KEEP_S (7 days) by any process that runs the loop, timed by a clock (PRUNE_EVERY_S).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ CLAIM_BATCH = 32
 #: queues at once, and looks for other processes' due events rarely and a few at a time
 LIGHT_POLL_S = 30.0
 LIGHT_BATCH = 4
-PRUNE_EVERY_POLLS = 1800  # about an hour of idle polls
+#: how often a delivering process deletes old events: at its first idle poll, then at the first
+#: idle poll an hour after its last prune (a clock, not a count of polls: a dedicated session
+#: actor polls every 30 s and lives minutes, and must prune too)
+PRUNE_EVERY_S = 3600.0
 FORGET_EVERY_POLLS = 30  # idle polls between forgetting the ids other processes settled
 KEEP_S = 7 * 86400.0  # delivered and given-up events (their payloads hold contact details) are deleted after
 DRAIN_BATCH = 1000
@@ -203,6 +207,7 @@ class Notifier:
         lease_s: float = LEASE_S,
         now: Callable[[], float] = time.time,
         decrypt: Callable[[str], str] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._outbox = outbox
@@ -214,6 +219,8 @@ class Notifier:
         self._lease_s = max(lease_s, attempt_timeout_s * 2)
         self._now = now
         self._decrypt = decrypt  # the secret box of CE_SECRET_KEY: reads `notification_secret_enc`
+        self._monotonic = monotonic  # when this process last pruned the outbox
+        self._pruned_at: float | None = None
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._queued: set[str] = set()  # queued by this notifier, not yet known to be settled
@@ -295,14 +302,24 @@ class Notifier:
                 polls += 1
                 if self._queued and polls % FORGET_EVERY_POLLS == 0:  # settled by other processes
                     self._queued -= await self._outbox.settled(list(self._queued)[:DRAIN_BATCH])
-                if polls % PRUNE_EVERY_POLLS == 0:
-                    await self._outbox.prune(KEEP_S)
+                await self._prune_when_due()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Postgres away: the events wait in the outbox
                 log.warning("notification_loop_retry", error=type(exc).__name__)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
+
+    async def _prune_when_due(self) -> None:
+        """Delete events settled more than KEEP_S ago, when this process has not for PRUNE_EVERY_S
+        (or ever). The time is taken first: a prune that fails waits for the next hour too."""
+        now = self._monotonic()
+        if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        pruned = await self._outbox.prune(KEEP_S)
+        if pruned:
+            log.info("notifications_pruned", count=pruned)
 
     async def _attempt(self, n: Any) -> None:
         bound = log.bind(tenant_id=n.tenant_id, event_type=n.event_type, webhook_id=n.id, attempt=n.attempts)

@@ -417,11 +417,15 @@ class Executor:
 def idempotency_key(ctx: TrustedContext, p: PreparedCall) -> str:
     """Stable for the same call of the same message, also when a retried message re-runs the
     turn and the model names its call differently: the client's message id, the tool and its
-    arguments (canonical JSON). The tenant and session are in the digest: a message id is the
-    client's, unique within its session only, and two contacts' first messages may both be "1"."""
+    arguments (canonical JSON), or only those its definition's `idempotency_arguments` names (a
+    re-run's model may word a free-text argument differently). The tenant and session are in the
+    digest: a message id is the client's, unique within its session only, and two contacts'
+    first messages may both be "1"."""
+    named = p.tool.definition.idempotency_arguments if p.tool is not None else None
+    arguments = p.arguments if named is None else {k: v for k, v in p.arguments.items() if k in named}
     digest = hashlib.sha256(b"\0".join((
         ctx.tenant_id.encode(), ctx.session_id.encode(), p.call.name.encode(),
-        msgspec.json.encode(p.arguments, order="sorted"),
+        msgspec.json.encode(arguments, order="sorted"),
     ))).hexdigest()[:24]
     return f"{ctx.idempotency_key or ctx.message_id or ''}:{digest}"
 

@@ -38,6 +38,10 @@ class ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     completes_variable: str | None = None
     #: the resource whose concurrency limit this tool shares (default: the tool itself)
     resource: str | None = None
+    #: the arguments that make a call the same call when a retried message re-runs its turn (the
+    #: idempotency key: the message and a digest of these). None: all of them; (): none, so one
+    #: call of the tool per message (a re-run's model may reword free text such as a reason)
+    idempotency_arguments: tuple[str, ...] | None = None
     # -- limits beyond the breaker ----------------------------------------------------------
     max_calls_per_turn: int | None = None
     max_calls_per_session: int | None = None

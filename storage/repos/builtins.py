@@ -7,6 +7,11 @@ search joins the two through ce_sessions). Every query is scoped by tenant_id.
 Postgres decides the races here, not the caller: a second lead in one session is refused by
 UNIQUE (tenant_id, session_id), an overlapping booking by the exclusion constraint of
 ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes of 006.
+
+Text from the model or the contact (a name, a reason, a query, a form or service name) goes
+through `storable_text` on its way in, as in the session flush: Postgres refuses a NUL and UTF-8
+cannot carry a lone surrogate, and a tool must not crash (and count against its breaker) on
+either. JSONB values are scrubbed the same way by the pool's codec.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import msgspec
 
 from services.errors import ChatEngineError, NotFound
 from storage.errors import translate
+from storage.pool import storable_text as _text
 from storage.records import session_uid
 from storage.repos.notifications import NewNotification, NotificationRepo, insert_notification
 
@@ -196,7 +202,7 @@ class MemoryRepo:
 
     async def text_config(self, language: str) -> str:
         """The text search configuration named `language` if this Postgres has it, else 'simple'."""
-        key = (language or "").strip().lower()
+        key = _text((language or "").strip().lower())
         cached = self._configs.get(key)
         if cached is not None:
             return cached
@@ -214,7 +220,7 @@ class MemoryRepo:
             return await self._pool.fetchval(
                 "INSERT INTO ce_memories (tenant_id, contact_id, session_id, kind, content, language) "
                 "VALUES ($1, $2, $3, 'fact', $4, $5::regconfig) RETURNING id",
-                tenant_id, contact_id, session_id, content, config,
+                tenant_id, _text(contact_id), session_id, _text(content), config,
             )
 
     async def search(
@@ -224,7 +230,7 @@ class MemoryRepo:
         """Facts and text messages of this session and of every session of `contact_id` (the
         sessions whose `contact_variable` holds it), matching any word of `query`, best first."""
         config = await self.text_config(language)
-        args = (tenant_id, config, query, session_id, contact_id, contact_variable,
+        args = (tenant_id, config, _text(query), session_id, _text(contact_id), _text(contact_variable),
                 session_uid(tenant_id, session_id), limit)
         with translate("searching memories"):
             rows = await self._pool.fetch(_SEARCH_SQL, *args)
@@ -234,7 +240,8 @@ class MemoryRepo:
         self, tenant_id: str, *, session_id: str, contact_id: str | None, contact_variable: str, limit: int = 5,
     ) -> list[MemoryHit]:
         """The newest facts of this session and of the contact's sessions (no text match)."""
-        args = (tenant_id, session_id, contact_id, contact_variable, session_uid(tenant_id, session_id), limit)
+        args = (tenant_id, session_id, _text(contact_id), _text(contact_variable), session_uid(tenant_id, session_id),
+                limit)
         with translate("reading recent memories"):
             rows = await self._pool.fetch(_RECENT_FACTS_SQL, *args)
         return [_hit(r) for r in rows]
@@ -269,6 +276,7 @@ class LeadRepo:
         Returns (the session's lead, True) when this call wrote it, or (the lead stored earlier
         in this session, False): a session has at most one lead.
         """
+        name, email, phone, notes, fact = (_text(v) for v in (name, email, phone, notes, fact))
         with translate("saving a lead"):
             async with self._pool.acquire() as conn, conn.transaction():
                 row = await conn.fetchrow(
@@ -287,7 +295,7 @@ class LeadRepo:
                     await conn.execute(
                         "INSERT INTO ce_memories (tenant_id, contact_id, session_id, kind, content, language) "
                         "VALUES ($1, $2, $3, 'fact', $4, $5::regconfig)",
-                        tenant_id, contact_id, session_id, fact, language,
+                        tenant_id, _text(contact_id), session_id, fact, language,
                     )
                 await _announce(conn, announce, _lead(row))
         return _lead(row), True
@@ -332,7 +340,7 @@ class FormRepo:
         with translate("reading a form"):
             row = await self._pool.fetchrow(
                 "SELECT name, schema, created_at, updated_at FROM ce_forms WHERE tenant_id = $1 AND name = $2",
-                tenant_id, name,
+                tenant_id, _text(name),
             )
         return None if row is None else FormRecord(**dict(row))
 
@@ -348,7 +356,7 @@ class FormRepo:
         """Remove the form (its submissions stay). Raises NotFound."""
         with translate("deleting a form"):
             done = await self._pool.fetchval(
-                "DELETE FROM ce_forms WHERE tenant_id = $1 AND name = $2 RETURNING true", tenant_id, name
+                "DELETE FROM ce_forms WHERE tenant_id = $1 AND name = $2 RETURNING true", tenant_id, _text(name)
             )
         if not done:
             raise NotFound(f"form {name!r} does not exist for this tenant", kind="form", key=name)
@@ -360,6 +368,7 @@ class FormRepo:
         """Store a (validated) submission, with its event in the same transaction. Returns (row,
         True), or (the row an earlier call with the same idempotency key in this session stored, False)."""
         cols = "id, form_name, session_id, data, created_at"
+        form_name, idempotency_key = _text(form_name), _text(idempotency_key)  # the key holds the client's message id
         with translate("saving a form submission"):
             async with self._pool.acquire() as conn, conn.transaction():
                 row = await conn.fetchrow(
@@ -385,7 +394,7 @@ class FormRepo:
             rows = await self._pool.fetch(
                 "SELECT id, form_name, session_id, data, created_at FROM ce_form_submissions "
                 "WHERE tenant_id = $1 AND form_name = $2 ORDER BY created_at DESC, id LIMIT $3",
-                tenant_id, form_name, limit,
+                tenant_id, _text(form_name), limit,
             )
         return [SubmissionRecord(**dict(r)) for r in rows]
 
@@ -420,7 +429,7 @@ class AppointmentRepo:
             row = await self._pool.fetchrow(
                 "SELECT name, duration_minutes, timezone, opening_hours FROM ce_appointment_services "
                 "WHERE tenant_id = $1 AND name = $2",
-                tenant_id, name,
+                tenant_id, _text(name),
             )
         return None if row is None else msgspec.convert(dict(row), ServiceRecord)
 
@@ -438,7 +447,7 @@ class AppointmentRepo:
         with translate("deleting an appointment service"):
             done = await self._pool.fetchval(
                 "DELETE FROM ce_appointment_services WHERE tenant_id = $1 AND name = $2 RETURNING true",
-                tenant_id, name,
+                tenant_id, _text(name),
             )
         if not done:
             raise NotFound(f"appointment service {name!r} does not exist for this tenant",
@@ -450,7 +459,7 @@ class AppointmentRepo:
             rows = await self._pool.fetch(
                 "SELECT starts_at, ends_at FROM ce_appointments WHERE tenant_id = $1 AND service = $2 "
                 "AND starts_at < $4 AND ends_at > $3 ORDER BY starts_at",
-                tenant_id, service, start, end,
+                tenant_id, _text(service), start, end,
             )
         return [(r["starts_at"], r["ends_at"]) for r in rows]
 
@@ -463,6 +472,8 @@ class AppointmentRepo:
         or (the row an earlier call with the same idempotency key in this session booked, False).
         Raises SlotTaken when any booking of the service overlaps: of many concurrent attempts on
         one slot exactly one succeeds."""
+        service, contact_name, contact_email = _text(service), _text(contact_name), _text(contact_email)
+        idempotency_key = _text(idempotency_key)  # it holds the client's message id
         with translate("booking an appointment"):
             async with self._pool.acquire() as conn:
                 if idempotency_key is not None:
@@ -516,7 +527,7 @@ class AppointmentRepo:
             row = await self._pool.fetchrow(
                 f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
                 "WHERE tenant_id = $1 AND service = $2 AND starts_at = $3 AND session_id = $4",
-                tenant_id, service, starts_at, session_id,
+                tenant_id, _text(service), starts_at, session_id,
             )
         return None if row is None else AppointmentRecord(**dict(row))
 
@@ -529,7 +540,7 @@ class AppointmentRepo:
                 f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments WHERE tenant_id = $1 "
                 "AND ($2::text IS NULL OR service = $2) AND ($3::timestamptz IS NULL OR starts_at >= $3) "
                 "ORDER BY starts_at, id LIMIT $4",
-                tenant_id, service, since, limit,
+                tenant_id, _text(service), since, limit,
             )
         return [AppointmentRecord(**dict(r)) for r in rows]
 
@@ -548,6 +559,7 @@ class HandoffRepo:
         """Store a handoff request, with its event in the same transaction. Returns (row, True), or
         (the row of an earlier call with the same idempotency key in this session, False)."""
         cols = "id, session_id, reason, created_at"
+        reason, idempotency_key = _text(reason), _text(idempotency_key)  # the key holds the client's message id
         with translate("recording a handoff"):
             async with self._pool.acquire() as conn, conn.transaction():
                 row = await conn.fetchrow(

@@ -5,7 +5,7 @@ concurrent attempts: exactly one booking, the others told the slot was just take
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import msgspec
@@ -111,6 +111,14 @@ async def test_a_start_that_is_no_free_slot_is_refused_in_band(pool, make_tenant
         assert await svc.repos.appointments.list(tenant.id) == []
 
 
+@pytest.mark.parametrize("name", ["haircut\x00", "hair\udc80cut"])
+async def test_a_service_name_postgres_cannot_hold_is_an_unknown_service_in_band(pool, make_tenant, name):
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc, massage=HAIRCUT)
+        with pytest.raises(InvalidArguments, match=r"there is no service named .*; the services are: haircut, massage"):
+            await svc.appointments.list_slots({"service": name}, ctx(tenant.id))
+
+
 async def test_unknown_or_missing_services_are_named_in_band(pool, make_tenant):
     async with services(pool, now=NOW) as (svc, _configs):
         bare, _ = await make_tenant("appt")
@@ -179,10 +187,11 @@ async def test_overlapping_bookings_are_refused_even_when_a_service_changes_its_
             await svc.appointments.book({"service": "haircut", "start": "2026-07-02T10:00"}, ctx(tenant.id))
 
 
-async def test_a_replayed_booking_call_returns_the_first_booking(pool, make_tenant):
+@pytest.mark.parametrize("key", ["m-7:toolu_1", "m\x00\udc80-7:toolu_1"])  # the client's message id may be any text
+async def test_a_replayed_booking_call_returns_the_first_booking(pool, make_tenant, key):
     async with services(pool, now=NOW) as (svc, _configs):
         tenant = await tenant_with_services(make_tenant, svc)
-        c = ctx(tenant.id, key="m-7:toolu_1")
+        c = ctx(tenant.id, key=key)
         first = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:00"}, c)
         again = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T11:00"}, c)
         assert again == first
@@ -211,3 +220,52 @@ async def test_a_booking_stands_when_its_memory_fact_cannot_be_written(pool, mak
             booked = await svc.appointments.book({"service": "haircut", "start": "2026-07-02T12:30"}, ctx(tenant.id))
     assert booked["status"] == "booked"
     assert any(e["event"] == "memory_fact_not_stored" for e in logs)
+
+
+# -- daylight saving: New York skips 02:00-03:00 on Sunday 2026-03-08 and repeats 01:00-02:00 on
+# Sunday 2026-11-01
+def new_york(minutes: int) -> dict:
+    return {"duration_minutes": minutes, "timezone": "America/New_York", "opening_hours": {"sun": [["00:00", "06:00"]]}}
+
+
+async def test_a_booking_across_the_spring_change_lasts_its_duration_and_takes_the_slot_it_overlaps(pool, make_tenant):
+    async with services(pool, now=datetime(2026, 3, 1, 12, 0, tzinfo=UTC)) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc, massage=new_york(90))
+        listed = await svc.appointments.list_slots({"service": "massage", "day": "2026-03-08"}, ctx(tenant.id))
+        assert listed["free_slots"] == ["2026-03-08T00:00-05:00", "2026-03-08T01:30-05:00",
+                                        "2026-03-08T03:00-04:00", "2026-03-08T04:30-04:00"]
+        a = await svc.appointments.book({"service": "massage", "start": "2026-03-08T01:30"}, ctx(tenant.id))
+        assert (a["start"], a["end"]) == ("2026-03-08T01:30-05:00", "2026-03-08T04:00-04:00")
+        # 03:00 EDT starts half way through A's 90 minutes: another session cannot have it
+        with pytest.raises(SlotUnavailable, match="that slot was just taken") as caught:
+            await svc.appointments.book({"service": "massage", "start": "2026-03-08T03:00"}, ctx(tenant.id))
+        assert "2026-03-08T04:30-04:00" in caught.value.advice
+        (row,) = await svc.repos.appointments.list(tenant.id)
+        assert (row.starts_at, row.ends_at) == (datetime(2026, 3, 8, 6, 30, tzinfo=UTC),
+                                                datetime(2026, 3, 8, 8, 0, tzinfo=UTC))
+        after = await svc.appointments.list_slots({"service": "massage", "day": "2026-03-08"}, ctx(tenant.id))
+        assert after["free_slots"] == ["2026-03-08T00:00-05:00", "2026-03-08T04:30-04:00"]
+
+
+@pytest.mark.parametrize("start", ["2026-03-08T02:30", "2026-03-08T02:00"])
+async def test_a_local_start_the_spring_change_skips_is_refused_in_band(pool, make_tenant, start):
+    async with services(pool, now=datetime(2026, 3, 1, 12, 0, tzinfo=UTC)) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc, visit=new_york(30))
+        with pytest.raises(InvalidArguments, match=f"'start' {start} does not exist in America/New_York: the clocks "
+                                                   "skip that hour for daylight saving") as caught:
+            await svc.appointments.book({"service": "visit", "start": start}, ctx(tenant.id))
+        assert "pick another time" in caught.value.advice
+        assert await svc.repos.appointments.list(tenant.id) == []
+
+
+async def test_a_booking_in_the_hour_the_autumn_change_repeats_is_the_first_and_lasts_its_duration(pool, make_tenant):
+    async with services(pool, now=datetime(2026, 10, 25, 12, 0, tzinfo=UTC)) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc, visit=new_york(30))
+        out = await svc.appointments.book({"service": "visit", "start": "2026-11-01T01:30"}, ctx(tenant.id))
+        assert (out["start"], out["end"]) == ("2026-11-01T01:30-04:00", "2026-11-01T01:00-05:00")
+        (row,) = await svc.repos.appointments.list(tenant.id)
+        assert row.starts_at == datetime(2026, 11, 1, 5, 30, tzinfo=UTC)
+        assert row.ends_at - row.starts_at == timedelta(minutes=30)
+        # the second 01:30 (EST) is no slot: only the first occurrence of a repeated time is
+        with pytest.raises(InvalidArguments, match=r"'start' 2026-11-01T01:30-05:00 is not a slot of visit"):
+            await svc.appointments.book({"service": "visit", "start": "2026-11-01T01:30-05:00"}, ctx(tenant.id))

@@ -6,9 +6,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from services.botconfig import BotConfig
+from services.builtins import DEFINITIONS
 from services.builtins.forms import check_form
 from services.errors import InvalidInput
+from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
+from services.tools.executor import REDACTED, Executor, ToolCall, ToolOutcome
+from services.tools.registry import HandlerRegistry, build_catalog
+from services.tools.toolset import SessionToolState
 from tests.integration.builtins_support import SECRET, ctx, receiver, services
 
 QUOTE = {
@@ -112,3 +118,63 @@ async def test_an_edited_form_validates_with_its_new_schema(pool, make_tenant):
 def test_a_broken_form_definition_is_refused_for_the_admin(name, schema, message):
     with pytest.raises(InvalidInput, match=message):
         check_form(name, schema)
+
+
+async def through_the_executor(svc, ctx: TrustedContext, call_id: str, args: dict) -> ToolOutcome:
+    """One submit_form call as the engine runs it: checked, keyed, executed, recorded."""
+    registry = HandlerRegistry()
+    svc.register(registry)
+    catalog = build_catalog(DEFINITIONS, [], registry=registry, backend=None)
+    executor = Executor()
+    plan = executor.prepare([ToolCall(id=call_id, name="submit_form", arguments=args)], catalog=catalog,
+                            config=BotConfig(), session=SessionToolState(), scope={})
+    (outcome,) = await executor.execute(plan, ctx, approved=True)
+    return outcome
+
+
+async def test_answers_are_stored_whole_for_the_tenant_and_redacted_in_the_call_record(pool, make_tenant):
+    tenant, _ = await make_tenant("form")
+    async with services(pool) as (svc, _configs):
+        await svc.repos.forms.put(tenant.id, "quote", check_form("quote", QUOTE))
+        data = {"email": "jane@example.com", "rooms": 3, "address": {"zip": "10115"}}
+        out = await through_the_executor(svc, ctx(tenant.id, key="m1"), "toolu_1", {"form": "quote", "data": data})
+        assert out.success, out.content
+        assert out.record.parameters == {"form": "quote", "data": REDACTED}  # ce_tool_calls, traces, dashboard
+        assert "jane@example.com" not in msgspec.json.encode(out.record).decode()
+        (row,) = await svc.repos.forms.submissions(tenant.id, "quote")
+        assert row.data == data
+
+
+async def test_a_turn_re_run_with_reworded_answers_stores_one_submission(pool, make_tenant):
+    tenant, _ = await make_tenant("form")
+    async with services(pool) as (svc, _configs):
+        await svc.repos.forms.put(tenant.id, "quote", check_form("quote", QUOTE))
+        await svc.repos.forms.put(tenant.id, "callback", check_form("callback", QUOTE))
+        c = ctx(tenant.id, "s-form", key="m1")
+        data = {"email": "jane@example.com", "rooms": 3}
+        first = await through_the_executor(svc, c, "toolu_1", {"form": "quote", "data": data})
+        # the host died before the turn was stored: the retried message m1 runs it again, and the
+        # model words an answer differently this time
+        again = await through_the_executor(svc, c, "toolu_7", {"form": "quote", "data": {**data, "service": "painting"}})
+        assert first.success and again.success and again.record.result == first.record.result
+        assert [r.data for r in await svc.repos.forms.submissions(tenant.id, "quote")] == [data]
+        # another form in the same message is another submission
+        other = await through_the_executor(svc, c, "toolu_2", {"form": "callback", "data": data})
+        assert other.success and other.record.result["submission_id"] != first.record.result["submission_id"]
+
+
+async def test_text_postgres_cannot_store_is_an_in_band_answer_or_stored_as_it_can(pool, make_tenant):
+    tenant, _ = await make_tenant("form")
+    async with services(pool) as (svc, _configs):
+        await svc.repos.forms.put(tenant.id, "feedback", check_form("feedback", {
+            "type": "object", "properties": {"comment": {"type": "string"}}}))
+        for name in ("feedback\x00", "feedback\ud800"):  # looked up as Postgres can hold it: no such form
+            with pytest.raises(InvalidArguments, match=r"there is no form named .*; the forms are: feedback"):
+                await svc.forms.submit({"form": name, "data": {}}, ctx(tenant.id))
+        c = ctx(tenant.id)
+        out = await svc.forms.submit({"form": "feedback", "data": {"comment": "great\x00 \udc80"}}, c)
+        assert out["status"] == "submitted"
+        (row,) = await svc.repos.forms.submissions(tenant.id, "feedback")
+        assert row.data == {"comment": "great\ufffd ?"}
+        facts = await pool.fetch("SELECT content FROM ce_memories WHERE tenant_id = $1", tenant.id)
+        assert [f["content"] for f in facts] == ["Submitted form feedback: comment: great\ufffd ?"]

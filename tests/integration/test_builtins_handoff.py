@@ -94,6 +94,34 @@ async def test_a_replayed_escalation_records_one_handoff(pool, make_tenant):
         assert len(await svc.repos.handoffs.list(tenant.id)) == 1
 
 
+async def test_a_turn_re_run_after_a_crash_records_one_handoff_though_the_model_rewords_its_reason(
+        pool, make_tenant):
+    tenant, _ = await make_tenant("handoff")
+    async with receiver() as rec, services(pool) as (svc, configs):
+        config = configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        for reason in ("customer wants a refund", "the customer is asking for a refund"):
+            # the host died before the session was stored: the client's retry of message m1 runs the
+            # turn again from the stored state, and the model words its reason differently
+            state = new_state(tenant.id, "s-rerun")
+            llm = ScriptedLLM([[("escalate_to_human", {"reason": reason})], "A colleague will take over."])
+            reply = await handle_message(state, "I want a person", "m1", engine(svc, llm, config))
+            assert reply.handoff and reply.tool_calls[0].success
+        rows = await svc.repos.handoffs.list(tenant.id)
+        assert [(r.session_id, r.reason) for r in rows] == [("s-rerun", "customer wants a refund")]
+        await svc.notifier.drain(5)
+    assert [msgspec.json.decode(body)["type"] for _h, body in rec.requests] == ["handoff.requested"]
+
+
+async def test_a_reason_postgres_cannot_store_is_recorded_as_it_can_not_a_crash(pool, make_tenant):
+    tenant, _ = await make_tenant("handoff")
+    async with services(pool) as (svc, _configs):
+        # the reason is the model's; the key holds the client's message id, which may be any text
+        c = ctx(tenant.id, "s-nul", key="m\x00\ud800:0123abcd")
+        first = await svc.handoff.escalate({"reason": "refund\x00 now \udc80"}, c)
+        assert await svc.handoff.escalate({"reason": "refund\x00 now \udc80"}, c) == first
+        assert [r.reason for r in await svc.repos.handoffs.list(tenant.id)] == ["refund\ufffd now ?"]
+
+
 async def test_collect_lead_leaves_the_tool_set_and_links_later_sessions_to_the_contact(pool, make_tenant):
     tenant, _ = await make_tenant("loop")
     async with services(pool) as (svc, configs):

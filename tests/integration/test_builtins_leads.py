@@ -65,6 +65,21 @@ async def test_a_lead_is_saved_once_per_session_with_a_fact_and_the_contact_vari
         assert "yoga membership" in facts[0]["content"]
 
 
+@pytest.mark.parametrize(("args", "stored"), [
+    ({"name": "Jane\x00Doe", "email": "jane@example.com"}, ("Jane\ufffdDoe", None)),
+    ({"name": "Jane", "email": "jane@example.com", "notes": "call me \ud800 soon"}, ("Jane", "call me ? soon")),
+])
+async def test_text_postgres_cannot_store_is_saved_as_it_can_not_a_crash(pool, make_tenant, args, stored):
+    # a NUL (Postgres refuses it) or a lone surrogate (UTF-8 cannot carry it) from the model: before,
+    # the insert failed, the executor logged tool_crashed and counted it against the breaker
+    tenant, _ = await make_tenant("lead")
+    async with services(pool) as (svc, _configs):
+        out = await svc.leads.collect(args, ctx(tenant.id))
+        assert out.result["status"] == "saved" and out.result["name"] == stored[0]
+        (lead,) = await svc.repos.leads.list(tenant.id)
+        assert (lead.name, lead.notes) == stored
+
+
 async def test_a_known_contact_variable_is_not_overwritten(pool, make_tenant):
     tenant, _ = await make_tenant("lead")
     async with services(pool) as (svc, _configs):

@@ -139,6 +139,8 @@ async def test_a_query_that_matches_nothing_returns_the_latest_facts(pool, make_
 
         tricky = await svc.memory.recall({"query": "a & (b | !c) 'quote' \\ :*"}, c)
         assert tricky["found"] == 1  # tsquery syntax in the question is just text
+        for odd in ("haircut\x00", "hair\udc80cut"):  # text Postgres cannot hold: searched as it can
+            assert (await svc.memory.recall({"query": odd}, c))["found"] == 1
 
         with pytest.raises(InvalidArguments, match="'query' is empty"):
             await svc.memory.recall({"query": "   "}, c)

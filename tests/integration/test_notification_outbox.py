@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from services.builtins.notify import Notifier, verify
+from services.builtins.notify import LIGHT_POLL_S, PRUNE_EVERY_S, Notifier, verify
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
 from storage.repos.notifications import NewNotification, NotificationRepo
@@ -21,11 +21,12 @@ from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receive
 
 
 @asynccontextmanager
-async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05), lease_s=60.0, decrypt=None):
+async def notifier(pool, configs: FakeConfigs, *, schedule_s=(0.05, 0.05, 0.05), lease_s=60.0, decrypt=None,
+                   **more):
     """A notifier as another process would run one: its own client, the same outbox."""
     async with WebhookClient(policy=policy_from_entries(("127.0.0.1/32",))) as client:
         n = Notifier(client, NotificationRepo(pool), configs, attempt_timeout_s=2.0, schedule_s=schedule_s,
-                     poll_s=0.05, lease_s=lease_s, decrypt=decrypt)
+                     poll_s=0.05, lease_s=lease_s, decrypt=decrypt, **more)
         n.start()
         try:
             yield n
@@ -193,3 +194,37 @@ async def test_a_secret_stored_encrypted_signs_and_one_that_cannot_be_decrypted_
     assert delivered["delivered_at"] is not None and len(rec.requests) == 1
     assert verify(SECRET, *rec.requests[0])
     assert failed["failed_at"] is not None and failed["attempts"] == 1 and "cannot be decrypted" in failed["last_error"]
+
+
+async def test_any_process_running_the_outbox_prunes_old_events_on_a_clock(pool, make_tenant):
+    # A dedicated session actor polls every 30 s and exits after minutes idle: counting an hour of
+    # idle polls, it never pruned, and its events stayed for ever (OPERATIONS.md says 7 days).
+    assert LIGHT_POLL_S == 30.0 and PRUNE_EVERY_S == 3600.0
+    tenant, _ = await make_tenant("outbox")
+
+    async def settled(id: str, days_ago: float) -> None:
+        await pool.execute(
+            "INSERT INTO ce_notifications (id, tenant_id, event_type, payload, delivered_at) "
+            "VALUES ($1, $2, 'lead.created', '{}'::jsonb, now() - make_interval(secs => $3))",
+            id, tenant.id, days_ago * 86400)
+
+    async def kept() -> set[str]:
+        rows = await pool.fetch("SELECT id FROM ce_notifications WHERE tenant_id = $1", tenant.id)
+        return {r["id"] for r in rows}
+
+    async def until(expected: set[str]) -> None:
+        async with asyncio.timeout(5):
+            while await kept() != expected:
+                await asyncio.sleep(0.02)
+
+    clock = [1000.0]
+    await settled("msg_old_1", 8)
+    await settled("msg_recent", 1)
+    async with notifier(pool, FakeConfigs(), monotonic=lambda: clock[0]):
+        await until({"msg_recent"})  # the first idle poll of a process prunes
+        await settled("msg_old_2", 8)
+        clock[0] += PRUNE_EVERY_S - 1
+        await asyncio.sleep(0.5)  # about ten idle polls within the hour: no second prune yet
+        assert await kept() == {"msg_recent", "msg_old_2"}
+        clock[0] += 1
+        await until({"msg_recent"})

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, date, datetime
+from zoneinfo import ZoneInfo
 
 import pytest
 
-from services.builtins.appointments import Schedule, normalise_opening_hours, service_from_body
+from services.builtins.appointments import (
+    Schedule,
+    normalise_opening_hours,
+    parse_start,
+    service_from_body,
+)
 from services.errors import InvalidInput
+from services.tools.errors import InvalidArguments
 
 
 def test_opening_hours_accept_one_range_or_several_and_weekday_names():
@@ -74,3 +82,62 @@ def test_free_slots_skip_busy_ranges_and_the_past():
     busy = [(datetime(2026, 7, 1, 8, 0, tzinfo=UTC), datetime(2026, 7, 1, 9, 0, tzinfo=UTC))]  # 10:00-11:00 local
     free = s.free_slots(busy, after=datetime(2026, 7, 1, 7, 15, tzinfo=UTC), first_day=date(2026, 7, 1), days=1, limit=10)
     assert [s.show(t) for t in free] == ["2026-07-01T09:30+02:00", "2026-07-01T11:00+02:00", "2026-07-01T11:30+02:00"]
+
+
+# -- daylight saving in a zone with it: New York skips 02:00-03:00 on 2026-03-08, repeats 01:00-02:00
+# on 2026-11-01 (both Sundays)
+NEW_YORK = ZoneInfo("America/New_York")
+
+
+def shown(s: Schedule, day: date) -> list[str]:
+    return [s.show(t) for t in s.slots_on(day)]
+
+
+def test_a_slot_before_the_spring_change_lasts_its_duration_of_real_time():
+    s = schedule({"sun": ["00:00", "06:00"]}, minutes=90, zone="America/New_York")
+    slots = s.slots_on(date(2026, 3, 8))
+    assert [s.show(t) for t in slots] == ["2026-03-08T00:00-05:00", "2026-03-08T01:30-05:00",
+                                          "2026-03-08T03:00-04:00", "2026-03-08T04:30-04:00"]
+    # 01:30 EST + 90 min is 04:00 EDT: it overlaps the 03:00 slot, and booking one takes the other
+    taken = [(slots[1], slots[1] + s.duration)]
+    assert s.show(slots[1] + s.duration) == "2026-03-08T04:00-04:00"
+    free = s.free_slots(taken, after=datetime(2026, 3, 1, tzinfo=UTC), first_day=date(2026, 3, 8), days=1, limit=10)
+    assert [s.show(t) for t in free] == ["2026-03-08T00:00-05:00", "2026-03-08T04:30-04:00"]
+
+
+def test_a_slot_that_would_run_past_closing_in_real_time_is_no_slot():
+    # open 00:00-03:00 local is two real hours that day: 01:30 EST + 90 min is 04:00 EDT, after closing
+    s = schedule({"sun": ["00:00", "03:00"]}, minutes=90, zone="America/New_York")
+    assert shown(s, date(2026, 3, 8)) == ["2026-03-08T00:00-05:00"]
+    assert shown(s, date(2026, 3, 15)) == ["2026-03-15T00:00-04:00", "2026-03-15T01:30-04:00"]
+    # the day the clocks go back has an hour more: 01:30 EDT + 90 min is 02:00 EST, closing time
+    assert shown(s, date(2026, 11, 1)) == ["2026-11-01T00:00-04:00", "2026-11-01T01:30-04:00"]
+
+
+def test_a_slot_in_the_repeated_hour_is_its_first_occurrence_and_lasts_its_duration():
+    s = schedule({"sun": ["00:00", "06:00"]}, minutes=30, zone="America/New_York")
+    slots = s.slots_on(date(2026, 11, 1))
+    assert "2026-11-01T01:30-04:00" in [s.show(t) for t in slots]
+    assert "2026-11-01T01:30-05:00" not in [s.show(t) for t in slots]
+    assert s.is_slot_start(datetime(2026, 11, 1, 5, 30, tzinfo=UTC))  # 01:30 EDT
+    assert not s.is_slot_start(datetime(2026, 11, 1, 6, 30, tzinfo=UTC))  # 01:30 EST, the second one
+    assert all(b - a >= s.duration for a, b in itertools.pairwise(slots))
+
+
+def test_a_local_start_that_does_not_exist_is_refused_naming_the_field():
+    with pytest.raises(InvalidArguments, match=r"'start' 2026-03-08T02:30 does not exist in America/New_York: the "
+                                               r"clocks skip that hour for daylight saving") as caught:
+        parse_start("2026-03-08T02:30", NEW_YORK)
+    assert "pick another time" in caught.value.advice
+    with pytest.raises(InvalidArguments, match=r"'day' 2026-03-08T02:00 does not exist"):
+        parse_start("2026-03-08T02:00", NEW_YORK, "day")
+
+
+@pytest.mark.parametrize(("raw", "instant"), [
+    ("2026-11-01T01:30", datetime(2026, 11, 1, 5, 30, tzinfo=UTC)),  # occurs twice: the first (EDT)
+    ("2026-11-01T01:30-05:00", datetime(2026, 11, 1, 6, 30, tzinfo=UTC)),  # an offset picks the second
+    ("2026-03-08T01:30", datetime(2026, 3, 8, 6, 30, tzinfo=UTC)),
+    ("2026-03-08T03:00", datetime(2026, 3, 8, 7, 0, tzinfo=UTC)),
+])
+def test_a_local_start_resolves_to_one_instant(raw, instant):
+    assert parse_start(raw, NEW_YORK) == instant

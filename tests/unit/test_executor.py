@@ -673,6 +673,32 @@ async def test_idempotency_keys_of_two_sessions_or_tenants_differ_when_their_mes
     assert len(set(keys)) == 3 and all(k.startswith("1:") for k in keys)
 
 
+async def test_a_definition_names_the_arguments_that_make_a_call_the_same_call() -> None:
+    # A re-run turn's model may word free text differently: a handoff is one per message, a form
+    # submission one per form and message, whatever the reason or answers say this time.
+    escalate, submit = FakeHandler("escalate"), FakeHandler("submit")
+    executor = Executor()
+    catalog = make_catalog(python_tool("escalate", idempotency_arguments=()),
+                           python_tool("submit", mutability="write", idempotency_arguments=("form",)),
+                           handlers=(escalate, submit))
+
+    async def key(c: ToolCall, ctx: TrustedContext = CTX) -> str:
+        await executor.execute(plan_for(executor, catalog, c), ctx, approved=True)
+        handler = escalate if c.name == "escalate" else submit
+        return handler.calls[-1][1].idempotency_key
+
+    handoff = await key(call("escalate", "toolu_1", reason="wants a refund"))
+    assert re.fullmatch(r"msg-1:[0-9a-f]{24}", handoff)
+    assert await key(call("escalate", "toolu_2", reason="the customer asks for a refund")) == handoff
+    assert await key(call("escalate", reason="x"), TrustedContext(tenant_id="tenant-a", session_id="sess-1",
+                                                                   message_id="msg-2")) != handoff
+    assert await key(call("escalate", reason="x"), TrustedContext(tenant_id="tenant-a", session_id="sess-2",
+                                                                   message_id="msg-1")) != handoff
+    quote = await key(call("submit", form="quote", data={"email": "a@b.test"}))
+    assert await key(call("submit", "toolu_9", form="quote", data={"email": "A@b.test", "note": "hi"})) == quote
+    assert await key(call("submit", form="contact", data={"email": "a@b.test"})) not in (quote, handoff)
+
+
 async def test_a_tools_concurrency_slots_are_per_tenant_not_shared_across_the_host() -> None:
     # One executor (and limiter) serves every tenant of a host: tenant A's eight slow calls of its
     # `check_order` must not queue tenant B's unrelated `check_order` out of its deadline.
