@@ -10,7 +10,14 @@ start and follow it on NOTIFY, hosts read it when they start. `rescale(n)` chang
 traffic flows, in two steps every host acknowledges: pending (a moving session has no owner; its
 old host flushes and drops it) then commit (its new host may activate it, under a new lease
 epoch). A host refuses a turn for a session it does not own (SessionMoved, nothing run) with its
-state attached, so a gateway that routed by an older count routes again and retries.
+state attached, so a gateway that routed by an older count routes again and retries. A rescale
+that fails or is cancelled after the pending step still commits a count (the old one unless every
+host let go of what moves), retried with backoff; one whose process died between the steps is
+settled by the hosts (actors/ray_host.py) or by the next `rescale`.
+
+Dedicated actors exit once their session has been idle for `idle_seconds`: the gateway keeps the
+handles of the DEDICATED_HANDLES sessions it routed most recently within that time, and finds the
+live actors by name (`actor_stats`, `shutdown_hosts`) rather than by what it ever routed.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -82,6 +90,13 @@ MISSING_HOST_GRACE_S = 10.0
 #: a host whose lane could not be connected to gets its turns through Ray for this long (a
 #: network that lets Ray's ports through but not the lane's: turns still flow, a little slower)
 LANE_RETRY_S = 30.0
+#: a rescale that stopped after its pending step commits a count this many times at most, waiting
+#: COMMIT_BACKOFF_S, then twice that, ... between attempts (0.5 + 1 + 2 + 4 s: a Postgres restart)
+COMMIT_ATTEMPTS = 5
+COMMIT_BACKOFF_S = 0.5
+#: dedicated placement: the session actors' handles a gateway keeps, most recently used first. A
+#: handle unused for `idle_seconds` is dropped anyway (its actor has exited, or is about to).
+DEDICATED_HANDLES = 4096
 
 RemoteHost = ray.remote(SessionHostActor)
 
@@ -99,12 +114,18 @@ class ShardStore(Protocol):
 
     async def ensure(self, host_group: str, shards: int) -> ShardState: ...
     async def begin(self, host_group: str, target: int) -> ShardState: ...
-    async def commit(self, host_group: str, target: int) -> ShardState: ...
+    async def commit(self, host_group: str, target: int, *, generation: int | None = None) -> ShardState: ...
     def exclusive(self, host_group: str) -> AbstractAsyncContextManager[None]: ...
 
 
 class RescaleFailed(ChatEngineError):
-    """A host did not acknowledge a new shard state; the old count was put back in force."""
+    """A rescale did not complete: session host `host` did not acknowledge the pending state (the
+    old count was put back in force), or the commit could not be written (the message says what
+    is stored then)."""
+
+    def __init__(self, message: str, *, host: str | None = None) -> None:
+        super().__init__(message)
+        self.host = host
 
 
 class RescaleReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,7 +150,9 @@ class Placement:
         self._state = ShardState(shards=shards or settings.shards, host_group=prefix)
         # the count goes with the settings: a host with no stored state falls back to it
         self._encoded = msgspec.json.encode(msgspec.structs.replace(settings, shards=self._state.shards))
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, Any] = {}  # shard host name -> handle
+        # dedicated: session actor name -> (handle, when last routed to), least recently first
+        self._sessions: OrderedDict[str, tuple[Any, float]] = OrderedDict()
         self._missing: dict[str, float] = {}  # shard host name -> when a turn first found it missing
         # Turns go to a shard host over its lane (actors/lane.py) when it has one: name -> client,
         # None for a host without a lane; the lookups under way, so that a burst asks once.
@@ -174,19 +197,42 @@ class Placement:
         return self._prefix + host_name(route(self._state, tenant_id, session_id))
 
     def _handle(self, name: str, settings: bytes | None = None) -> Any:
+        if self._mode == "dedicated":
+            return self._session_handle(name)
         handle = self._handles.get(name)
         if handle is None:
-            sharded = self._mode == "sharded"
-            handle = RemoteHost.options(
-                name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=HOST_CPUS if sharded else 0, max_restarts=-1, max_task_retries=0,
-                max_concurrency=10_000, scheduling_strategy="SPREAD" if sharded else "DEFAULT",
-            ).remote(name, settings or self._encoded, self._mode == "dedicated")
-            self._handles[name] = handle
+            handle = self._handles[name] = self._create(name, settings or self._encoded)
         return handle
+
+    def _create(self, name: str, settings: bytes) -> Any:
+        """The handle of actor `name`, created if it does not exist (get_if_exists)."""
+        sharded = self._mode == "sharded"
+        return RemoteHost.options(
+            name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+            num_cpus=HOST_CPUS if sharded else 0, max_restarts=-1, max_task_retries=0,
+            max_concurrency=10_000, scheduling_strategy="SPREAD" if sharded else "DEFAULT",
+        ).remote(name, settings, not sharded)
+
+    def _session_handle(self, name: str) -> Any:
+        """A dedicated session actor's handle. Kept while it is used: its actor exits only once
+        the session has been idle for `idle_seconds`, so a handle unused that long is looked up
+        again (get_if_exists: the live actor, or a new one) instead of being tried and failing
+        (a failed call and 0.2 s). At most DEDICATED_HANDLES are kept: a gateway routes for
+        sessions without end, and their actors come and go."""
+        now = time.monotonic()
+        ttl = self._settings.idle_seconds
+        cached = self._sessions.pop(name, None)
+        handle = cached[0] if cached is not None and now - cached[1] < ttl else self._create(name, self._encoded)
+        self._sessions[name] = (handle, now)
+        while True:  # least recently used first: drop what is too old, or one too many
+            oldest, (_, used) = next(iter(self._sessions.items()))
+            if len(self._sessions) <= DEDICATED_HANDLES and now - used < ttl:
+                return handle
+            del self._sessions[oldest]
 
     def _forget(self, name: str) -> None:
         self._handles.pop(name, None)
+        self._sessions.pop(name, None)
         self._drop_lane(name)
 
     def _drop_lane(self, name: str) -> None:
@@ -418,7 +464,10 @@ class Placement:
     async def passivate(self, tenant_id: str, session_id: str) -> bool:
         if self._absent(tenant_id, session_id):
             return True  # nothing live to passivate
-        return await self._call(tenant_id, session_id, "passivate", tenant_id, session_id)
+        done = await self._call(tenant_id, session_id, "passivate", tenant_id, session_id)
+        if done and self._mode == "dedicated":
+            self._forget(self.actor_name(tenant_id, session_id))  # its actor exits at its next idle check
+        return done
 
     def host_handles(self, shards: int | None = None) -> list[Any]:
         """Handles of the shard hosts that exist (named lookups; missing ones skipped)."""
@@ -435,30 +484,50 @@ class Placement:
         results = await asyncio.gather(*(h.stats.remote() for h in handles), return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
+    def session_handles(self) -> list[Any]:
+        """Handles of the dedicated session actors of this placement's group alive in Ray now,
+        found by name (one GCS listing): not only the ones this gateway routed to lately."""
+        handles = []
+        for name in self._named_actors():
+            if name.startswith(self._prefix + SESSION_PREFIX):
+                with contextlib.suppress(ValueError):  # exited since it was listed
+                    handles.append(ray.get_actor(name, namespace=NAMESPACE))
+        return handles
+
+    def _group_handles(self, shards: int | None = None) -> list[Any]:
+        return self.host_handles(shards) if self._mode == "sharded" else self.session_handles()
+
     async def actor_stats(self) -> list[dict[str, Any]]:
-        """Stats of every actor this placement has a handle to (dedicated ones included)."""
-        handles = list(self._handles.values())
+        """Stats of every actor of this placement's group alive now: its shard hosts, or its
+        dedicated session actors (what the benchmark measures; one call per actor)."""
+        handles = self._group_handles()
         results = await asyncio.gather(*(h.stats.remote() for h in handles), return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
     async def shutdown_hosts(self, shards: int | None = None) -> None:
-        """Flush and stop every host this placement knows of, then kill the actors."""
-        handles = self.host_handles(shards) if self._mode == "sharded" else []
-        handles += [h for n, h in self._handles.items() if n.startswith(self._prefix + SESSION_PREFIX)]
+        """Flush and stop every actor of this placement's group (its shard hosts, or its
+        dedicated session actors), then kill them."""
+        handles = self._group_handles(shards)
         await asyncio.gather(*(h.shutdown.remote() for h in handles), return_exceptions=True)
         for h in handles:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(h, no_restart=True)
         self._handles.clear()
+        self._sessions.clear()
         self.close_lanes()
 
 
     # -- rescaling (the operator's path: `chat-engine scale N`) ---------------------------------
 
+    @staticmethod
+    def _named_actors() -> list[str]:
+        """Names of the engine's named actors alive in Ray now (whatever this driver's namespace)."""
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+
     def existing_hosts(self) -> dict[int, str]:
         """Index -> actor name of every shard host of this placement's group alive in Ray now."""
         found: dict[int, str] = {}
-        for name in ray.util.list_named_actors():
+        for name in self._named_actors():
             parsed = parse_host_name(name)
             if parsed is not None and parsed[0] == self._prefix:
                 found[parsed[1]] = name
@@ -473,8 +542,14 @@ class Placement:
            host now, its turns are answered "moved" and the gateways retry; 3. commit: every host
            adopts (shards=target): the new owners activate moved sessions from Postgres under a
            new lease epoch; 4. hosts beyond `target` flush, stop and are killed.
-        If a host does not acknowledge step 2 within `ack_timeout_s`, the old count is committed
-        again and RescaleFailed raised (nothing moved); run it again once the host is back.
+        Between 2 and 3 a moving session has no owner, so whatever stops this rescale there (a
+        host that does not acknowledge step 2 within `ack_timeout_s`, the commit write failing,
+        this process cancelled) still commits a count, retried with backoff: the old one (nothing
+        moved yet) unless every host acknowledged step 2, the target then (a retry that gets
+        through completes the rescale). RescaleFailed is raised for a failure, and also when
+        Postgres took no commit at all: the state stays pending, and a host that refuses a turn
+        rolls it back once Postgres answers (ClusterRepo.settle_abandoned), as it does for a
+        rescale whose process died; the next rescale takes over such a state too.
         Raises Conflict when another rescale of this group is running.
         """
         if self._mode != "sharded":
@@ -485,6 +560,11 @@ class Placement:
         group = self._prefix
         async with store.exclusive(group):
             before = await store.ensure(group, self._state.shards)
+            if before.pending is not None:
+                # left by a rescale that stopped between its steps (we hold the lock: it is not
+                # running); this one's pending step, over the same count in force, replaces it
+                log.warning("abandoned_rescale_found", shards=before.shards, pending=before.pending,
+                            generation=before.generation)
             self.apply_shard_state(before)
             existing = self.existing_hosts()
             blob = await self._running_settings(existing)
@@ -494,16 +574,30 @@ class Placement:
             everyone = sorted({*existing.values(), *wanted.values()})
 
             pending = await store.begin(group, target)
+            settle_at = pending.shards  # what to commit should this stop: nothing has moved yet
+            released = 0
             try:
                 released = sum(await self._announce(everyone, pending, ack_timeout_s))
-            except RescaleFailed:
-                back = await store.commit(group, before.shards)  # nothing moved yet: undo
-                await self._announce(everyone, back, 5.0, best_effort=True)
-                self.apply_shard_state(back)
-                raise
-            committed = await store.commit(group, target)
-            await self._announce(everyone, committed, ack_timeout_s, best_effort=True)
-            self.apply_shard_state(committed)
+                settle_at = target  # every host let go of what moves: the target may be committed
+                committed = await store.commit(group, target, generation=pending.generation)
+            except BaseException as exc:
+                committed = await self._settle(store, pending, settle_at, everyone)
+                if not _stands(committed, settle_at):
+                    if not isinstance(exc, Exception):
+                        raise  # cancelled; the state is settled as far as it could be
+                    raise RescaleFailed(_unsettled(exc, committed, pending, settle_at)) from exc
+                if settle_at != target or not isinstance(exc, Exception):
+                    raise  # the old count is back in force (RescaleFailed says which host), or cancelled
+                log.warning("rescale_commit_retried", shards=target, error=type(exc).__name__)
+            else:
+                if not _stands(committed, target):
+                    # our lock went with a dropped connection and a host settled the state first
+                    if committed.pending is None:
+                        await self._announce(everyone, committed, 5.0, best_effort=True)
+                        self.apply_shard_state(committed)
+                    raise RescaleFailed(_unsettled(None, committed, pending, target))
+                await self._announce(everyone, committed, ack_timeout_s, best_effort=True)
+                self.apply_shard_state(committed)
 
             retired = [n for i, n in sorted(existing.items()) if i >= target]
             await self._drain(retired)
@@ -514,6 +608,28 @@ class Placement:
         )
         log.info("rescaled", **msgspec.to_builtins(report))
         return report
+
+    async def _settle(self, store: ShardStore, pending: ShardState, count: int, names: list[str]) -> ShardState | None:
+        """Commit `count` over this rescale's `pending` state, retried with backoff (a commit whose
+        answer was lost is found written), then push the stored state to the hosts if it is
+        committed (best effort: a host that missed it catches up on the first turn it refuses).
+        Returns the stored state, or None when Postgres took no commit."""
+        delay = COMMIT_BACKOFF_S
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                state = await store.commit(self._prefix, count, generation=pending.generation)
+            except Exception as exc:  # noqa: BLE001 - Postgres away for a moment: try again
+                log.warning("rescale_commit_failed", shards=count, attempt=attempt, error=type(exc).__name__)
+                if attempt == COMMIT_ATTEMPTS:
+                    return None
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            if state.pending is None:  # committed: by this rescale, or settled by a host first
+                await self._announce(names, state, 5.0, best_effort=True)
+                self.apply_shard_state(state)
+            return state
+        raise AssertionError("unreachable")
 
     async def restart_hosts(self, *, timeout_s: float = 60.0) -> list[str]:
         """Re-create every shard host, one at a time, from this placement's settings.
@@ -536,7 +652,8 @@ class Placement:
                 except ValueError:
                     break
                 if time.monotonic() > deadline:
-                    raise RescaleFailed(f"session host {name} did not stop within {timeout_s:.0f} s; run it again")
+                    raise RescaleFailed(f"session host {name} did not stop within {timeout_s:.0f} s; run it again",
+                                        host=name)
                 await asyncio.sleep(0.1)
             await asyncio.wait_for(self._handle(name).ready.remote(), timeout_s)
             restarted.append(name)
@@ -574,7 +691,8 @@ class Placement:
                         raise RescaleFailed(
                             f"session host {name} did not acknowledge shard state generation "
                             f"{state.generation} within {timeout_s:.0f} s ({type(exc).__name__}); the previous "
-                            "count stays in force: check the host (ray list actors), then run the scale again"
+                            "count stays in force: check the host (ray list actors), then run the scale again",
+                            host=name,
                         ) from exc
                     await asyncio.sleep(0.5)
 
@@ -615,6 +733,30 @@ async def _plain(ref: Any) -> Any:
         if isinstance(exc.cause, ChatEngineError):
             raise exc.cause from exc
         raise
+
+
+def _stands(state: ShardState | None, count: int) -> bool:
+    """Whether `state` has `count` shards committed (no rescale pending)."""
+    return state is not None and state.pending is None and state.shards == count
+
+
+def _unsettled(exc: BaseException | None, stored: ShardState | None, pending: ShardState, count: int) -> str:
+    """What a rescale that could not commit `count` over `pending` says happened, and what to do."""
+    if exc is None:
+        cause = ""
+    elif isinstance(exc, RescaleFailed) and exc.host is not None:
+        cause = f" after session host {exc.host} did not acknowledge the pending state"
+    else:
+        cause = f" after {type(exc).__name__}: {exc}"
+    if stored is None:
+        return (f"the shard count could not be committed{cause}: Postgres refused {COMMIT_ATTEMPTS} attempts, so "
+                f"the state is left pending ({pending.shards} -> {pending.pending}) and the sessions that move "
+                "have no host; once Postgres answers, a host rolls it back on the first turn it refuses, or run "
+                "the scale again")
+    return (f"the shard state changed under this rescale{cause} (now {stored.shards} shards"
+            f"{'' if stored.pending is None else f', {stored.pending} pending'}, generation {stored.generation}): "
+            "its lock went with a dropped Postgres connection and the state was settled elsewhere; run the "
+            "scale again")
 
 
 def _refusal(event: StreamEvent) -> str | None:

@@ -4,6 +4,10 @@ Every Ray API call of the engine lives in `actors/` (this module, `placement`, `
 actor builds its own runtime (pool, LLM client, webhook client) from the Settings it is given, on
 first use, inside its event loop. Replies cross Ray as msgspec-encoded bytes: cheaper than
 pickling structs, and errors travel as data (`HostError`) rather than as pickled exceptions.
+
+A shard host reads the shard state in force from Postgres when it starts, adopts each one a
+rescale pushes, and reads it again when it refuses a turn as "moved": a rescale that stopped
+between its steps is settled there (see `SessionHostActor._moved`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import gc
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import ray
@@ -55,6 +59,17 @@ LANE_METHODS = frozenset({"send", "decide"})
 #: gateway passes it only to a host that lists it, so gateways may be rolled before hosts
 NEW_ID = "new_id"
 LANE_FEATURES = (NEW_ID,)
+
+#: a shard host that refuses a turn as "moved" reads the stored shard state again, at most this often
+SHARD_REFRESH_S = 1.0
+
+
+class ShardSource(Protocol):
+    """Where a shard host reads the shard state in force (storage.repos.cluster.ClusterRepo)."""
+
+    async def get(self, host_group: str) -> ShardState | None: ...
+    async def settle_abandoned(self, host_group: str) -> ShardState | None: ...
+
 
 result_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(HostResult)
@@ -115,6 +130,9 @@ class SessionHostActor:
         parsed = None if dedicated else parse_host_name(name)
         self._group, self._index = parsed if parsed is not None else ("", -1)
         self._shard_state: ShardState | None = None
+        self._cluster: ShardSource | None = None  # a shard host's, once started
+        self._refresh: asyncio.Task | None = None  # the re-read of the stored state a refusal began
+        self._refreshed_at = float("-inf")
         self._stopping = False  # shutdown() began: never build a new SessionHost in this process again
         self._last_call = time.monotonic()  # of a turn (send, decide, stream): how long it has been idle
         self._lane: LaneServer | None = None
@@ -157,6 +175,7 @@ class SessionHostActor:
                 gc.freeze()
                 tune_collector()  # a turn's short-lived objects die by refcount: far fewer collections (services.heap)
                 if not self._dedicated and self._index >= 0:
+                    self._cluster = ClusterRepo(self._runtime.pool)
                     self._shard_state = await self._stored_shard_state()
                     host.set_ownership(self._owns)
                 self._host = host
@@ -183,7 +202,8 @@ class SessionHostActor:
     # -- shard ownership ------------------------------------------------------------------------
 
     async def _stored_shard_state(self) -> ShardState:
-        stored = await ClusterRepo(self._runtime.pool).get(self._group)
+        assert self._cluster is not None
+        stored = await self._cluster.get(self._group)
         # None: no gateway stored a count yet; the count this host was created for is in force.
         return stored or ShardState(shards=self._settings.shards, generation=0, host_group=self._group)
 
@@ -194,7 +214,9 @@ class SessionHostActor:
     async def set_shard_state(self, raw: bytes) -> int:
         """Adopt a newer shard state (an older one is ignored), then flush and drop every session
         this host no longer owns. Returns how many it dropped. Idempotent: a rescale may retry."""
-        state = msgspec.json.decode(raw, type=ShardState)
+        return await self._adopt(msgspec.json.decode(raw, type=ShardState))
+
+    async def _adopt(self, state: ShardState) -> int:
         host = await self._ensure()
         current = self._shard_state
         if current is not None and state.generation >= current.generation:
@@ -204,6 +226,35 @@ class SessionHostActor:
             log.info("sessions_released_on_rescale", host=self._name, released=released,
                      shards=state.shards, pending=state.pending)
         return released
+
+    def _moved(self) -> None:
+        """A turn was refused: not this host's session under its shard state. Most often a rescale
+        is between its steps, or the gateway is behind. But if that rescale stopped there (its
+        process killed, Postgres away through all its commit retries), a moving session has no
+        host until a count is committed, and if it died after its commit, this host may have
+        missed the commit: so re-read the stored state (at most every SHARD_REFRESH_S), rolling
+        back a pending state that no rescale holds the lock for (ClusterRepo.settle_abandoned:
+        race-free against a live rescale), and adopt it if it is newer."""
+        if self._cluster is None or (self._refresh is not None and not self._refresh.done()):
+            return
+        now = time.monotonic()
+        if now - self._refreshed_at < SHARD_REFRESH_S:
+            return
+        self._refreshed_at = now
+        self._refresh = asyncio.ensure_future(self._refresh_shard_state())
+
+    async def _refresh_shard_state(self) -> None:
+        assert self._cluster is not None
+        try:
+            stored = await self._cluster.settle_abandoned(self._group)
+            current = self._shard_state
+            if stored is None or current is None or stored.generation <= current.generation:
+                return
+            log.warning("shard_state_caught_up", host=self._name, shards=stored.shards, pending=stored.pending,
+                        generation=stored.generation, was_shards=current.shards, was_pending=current.pending)
+            await self._adopt(stored)
+        except Exception as exc:  # noqa: BLE001 - Postgres away: the next refused turn tries again
+            log.warning("shard_state_refresh_failed", host=self._name, error=type(exc).__name__)
 
     async def shard_state(self) -> bytes:
         """The shard state this host routes by (encoded ShardState), after starting if needed."""
@@ -265,6 +316,7 @@ class SessionHostActor:
                 if isinstance(exc, SessionMoved):
                     # nothing ran: the gateway routes again by this host's shard state and retries
                     err = msgspec.structs.replace(err, shard_state=self._shard_state)
+                    self._moved()
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
 
     async def view(self, tenant_id: str, session_id: str) -> bytes | None:
@@ -302,6 +354,8 @@ class SessionHostActor:
     async def shutdown(self) -> bool:
         """Drain and flush; the caller kills the actor afterwards."""
         self._stopping = True
+        if self._refresh is not None:
+            self._refresh.cancel()
         if self._host is not None:
             await self._host.stop()
             if self._lane is not None:  # after stop(): every admitted turn has its reply written
@@ -317,6 +371,7 @@ class SessionHostActor:
         err = to_host_error(exc)
         if isinstance(exc, SessionMoved):
             err = msgspec.structs.replace(err, shard_state=self._shard_state)
+            self._moved()
         if err.kind == "internal":
             log.error("host_call_failed", host=self._name, error=type(exc).__name__, exc_info=exc)
         return result_encoder.encode(HostResult(error=err))

@@ -5,7 +5,10 @@ A gateway reads it at start (`ensure` inserts CE_SHARDS the first time) and foll
 back with the count in force, not the one it was created with. A rescale (`chat-engine scale N`)
 moves it in two steps under an advisory lock: `begin` (pending = N: sessions that move have no
 owner while their old host flushes them) then `commit` (shards = N). Each step bumps
-`generation` and sends `NOTIFY ce_cluster, '<host_group>'` in the same transaction.
+`generation` and sends `NOTIFY ce_cluster, '<host_group>'` in the same transaction. A rescale
+commits over the pending state it began (compare-and-set on `generation`), and a pending state
+that no rescale holds the lock for any more is rolled back by `settle_abandoned`: whichever of the
+two commits first stands, the other writes nothing.
 """
 
 from __future__ import annotations
@@ -74,21 +77,56 @@ class ClusterRepo:
             f"WHERE host_group = $1 RETURNING {_COLUMNS}", target,
         )
 
-    async def commit(self, host_group: str, target: int) -> ShardState:
-        """Step 2 of a rescale (or a rollback to the old count): `shards = target`, no pending."""
+    async def commit(self, host_group: str, target: int, *, generation: int | None = None) -> ShardState:
+        """Step 2 of a rescale (or a rollback to the old count): `shards = target`, no pending.
+
+        With `generation` (that of the pending state the caller began or found), nothing is
+        written unless the stored state is still that one. Returns the stored state either way:
+        the caller sees whether its commit stands (`pending` None, `shards` its count), also
+        when an earlier attempt was written but its answer lost.
+        """
         return await self._change(
             host_group, "UPDATE ce_cluster SET shards = $2, pending = NULL, generation = generation + 1, "
-            f"updated_at = now() WHERE host_group = $1 RETURNING {_COLUMNS}", target,
+            "updated_at = now() WHERE host_group = $1 AND ($3::bigint IS NULL OR generation = $3) "
+            f"RETURNING {_COLUMNS}", target, generation,
         )
 
-    async def _change(self, host_group: str, sql: str, target: int) -> ShardState:
+    async def settle_abandoned(self, host_group: str = "") -> ShardState | None:
+        """The group's shard state, after rolling back a rescale that stopped between its steps.
+
+        A state left `pending` while no rescale holds the group's lock was left by a rescale that
+        no longer runs (`chat-engine scale` killed, or Postgres away through all its commit
+        retries): a session that moves is owned by no host until a count is committed, so the
+        count in force (`shards`) is committed again, over that pending state only (see
+        `commit`; a rescale whose lock went with its connection may still be committing, and
+        only one of the two commits is written). While a rescale holds the lock, the state is
+        returned as it is: that rescale commits it. Returns None when the group has no stored
+        state; raises StorageUnavailable/StorageError when Postgres fails.
+        """
+        state = await self.get(host_group)
+        if state is None or state.pending is None:
+            return state
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                await held.enter_async_context(self.exclusive(host_group))
+            except Conflict:
+                return state  # a rescale holds the lock: it is alive, and commits its own state
+            state = await self.get(host_group)  # that rescale may have finished meanwhile
+            if state is not None and state.pending is not None:
+                state = await self.commit(host_group, state.shards, generation=state.generation)
+        return state
+
+    async def _change(self, host_group: str, sql: str, *args: Any) -> ShardState:
         with translate("changing the shard count"):
             async with self._pool.acquire() as conn, conn.transaction():
-                row = await conn.fetchrow(sql, host_group, target)
-                if row is None:
-                    raise Conflict(f"no shard count is stored for host group {host_group!r}; start a gateway first")
-                await conn.execute(_NOTIFY, host_group)
-        return _state(row)
+                row = await conn.fetchrow(sql, host_group, *args)
+                if row is not None:
+                    await conn.execute(_NOTIFY, host_group)
+                    return _state(row)
+                row = await conn.fetchrow(f"SELECT {_COLUMNS} FROM ce_cluster WHERE host_group = $1", host_group)
+        if row is None:
+            raise Conflict(f"no shard count is stored for host group {host_group!r}; start a gateway first")
+        return _state(row)  # a compare-and-set that found another generation: nothing written
 
     @contextlib.asynccontextmanager
     async def exclusive(self, host_group: str = "") -> AsyncIterator[None]:

@@ -86,3 +86,38 @@ async def test_a_rescale_lock_whose_unlock_is_lost_goes_with_the_connection(pool
     held = await pool.fetchval(  # by any connection: the lock is re-entrant for the one holding it
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::bigint::oid", _RESCALE_LOCK)
     assert held == 0
+
+
+async def test_a_commit_over_a_pending_state_that_moved_on_writes_nothing(pool, group):
+    repo = ClusterRepo(pool)
+    await repo.ensure(group, 2)
+    pending = await repo.begin(group, 4)
+    settled = await repo.commit(group, 2, generation=pending.generation)  # a host rolled it back first
+    assert (settled.shards, settled.pending, settled.generation) == (2, None, 3)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = await repo.listen(heard.put_nowait)
+    try:
+        # the rescale that began it, its lock lost with its connection: its commit must not
+        # overrule the rollback, and says what stands instead (nor is anything notified)
+        assert await repo.commit(group, 4, generation=pending.generation) == settled
+        # a commit retried after its answer was lost finds itself written, not written twice
+        assert await repo.commit(group, 2, generation=pending.generation) == settled
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(heard.get(), 0.3)
+    finally:
+        await listener.close()
+    assert await repo.get(group) == settled
+
+
+async def test_a_pending_state_is_rolled_back_only_once_no_rescale_holds_the_lock(pool, group):
+    repo = ClusterRepo(pool)
+    assert await repo.settle_abandoned(group) is None  # nothing stored
+    first = await repo.ensure(group, 2)
+    assert await repo.settle_abandoned(group) == first  # nothing pending: left as it is
+    pending = await repo.begin(group, 3)
+    async with repo.exclusive(group):  # the rescale that began it is running
+        assert await repo.settle_abandoned(group) == pending
+    assert await repo.get(group) == pending
+    settled = await repo.settle_abandoned(group)  # its process is gone, and its lock with it
+    assert (settled.shards, settled.pending, settled.generation) == (2, None, 3)
+    assert await repo.get(group) == settled
