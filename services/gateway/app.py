@@ -370,7 +370,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     # An id made here is new: the host need not look for a stored answer to it (`new_id`).
     message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
     new_id = body.message_id is None
-    request[MESSAGE_ID] = message_id
+    if message_id.isascii() and message_id.isprintable():  # a header carries no control character
+        request[MESSAGE_ID] = message_id
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):

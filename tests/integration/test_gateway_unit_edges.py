@@ -276,6 +276,11 @@ async def test_every_answer_to_a_message_names_its_message_id_and_request_id(gat
     assert r.headers["X-Request-Id"] == "req-sse"  # a stream too, though its headers leave before the middleware's turn
     r = await client.get("/v1/sessions/s1", headers=headers)
     assert "X-Message-Id" not in r.headers
+    # a client's id a header cannot carry (it knows its own id): no header, never a header injection
+    for odd in ("a\r\nSet-Cookie: x=1", "tab\tin", "é"):
+        r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi", "message_id": odd})
+        assert r.status == 200 and "X-Message-Id" not in r.headers and "Set-Cookie" not in r.headers
+        assert (await r.json())["message_id"] == odd
 
 
 async def test_an_unexpected_crash_is_500_with_the_request_id_and_no_internals(gateway):
