@@ -140,6 +140,9 @@ class SessionHost:
         self._closing = False
         self._on_flush = on_flush
         self._running = 0
+        #: turns admitted per tenant; one tenant may hold at most half the host's admission
+        self._tenant_running: dict[str, int] = {}
+        self._tenant_share = max(1, self._settings.max_inflight // 2)
         self._busy = 0  # turns running their session's code now (not queued, not at the gate)
         self._none_busy = asyncio.Event()  # set while _busy is 0: the group-commit window may end
         self._none_busy.set()
@@ -415,13 +418,28 @@ class SessionHost:
                 f"this session host is at capacity ({self._running} turns in progress); retry shortly",
                 retry_after=1.0, reason="host_busy",
             )
+        mine = self._tenant_running.get(tenant_id, 0)
+        if mine >= self._tenant_share:
+            # No tenant takes more than its share of a host: session ids are the tenant's to pick,
+            # so one tenant could aim every turn at one host and have every other tenant on it
+            # refused; past its share it is told to slow down (429), the others still get in.
+            raise Overloaded(
+                f"this tenant has {mine} turns in progress on this session host, the most one tenant "
+                "may have there; wait for replies, then retry", retry_after=1.0, reason="tenant_concurrency",
+            )
         started = time.perf_counter()
         self._running += 1
+        self._tenant_running[tenant_id] = mine + 1
         self._drained.clear()
         try:
             reply, gate_s = await self._admitted_turn(tenant_id, session_id, run)
         finally:
             self._running -= 1
+            left = self._tenant_running[tenant_id] - 1
+            if left:
+                self._tenant_running[tenant_id] = left
+            else:
+                del self._tenant_running[tenant_id]
             if not self._running:
                 self._drained.set()
         # A copy: the answer stored for a repeated message id stays as the session code made it.

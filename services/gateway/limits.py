@@ -21,6 +21,10 @@ class _Bucket:
         self.stamp = stamp
 
 
+#: tenants' buckets kept before the full ones (as good as none) are dropped
+MAX_BUCKETS = 4096
+
+
 class TenantLimiter:
     def __init__(
         self, *, rate: float, burst: float, concurrency: int, clock: Callable[[], float] = time.monotonic
@@ -38,7 +42,14 @@ class TenantLimiter:
     @contextmanager
     def admit(self, tenant_id: str) -> Iterator[None]:
         """Hold one of the tenant's turn slots for the block. Raises Overloaded (429) when the
-        tenant is over its rate or has too many turns in flight."""
+        tenant has too many turns in flight or is over its rate (checked in that order: a turn
+        refused for concurrency spends none of the rate)."""
+        current = self._inflight.get(tenant_id, 0)
+        if self._concurrency > 0 and current >= self._concurrency:
+            raise Overloaded(
+                f"this tenant has {current} turns in progress (the limit); wait for replies, then retry",
+                retry_after=1.0, reason="tenant_concurrency",
+            )
         if self._rate > 0:
             now = self._clock()
             bucket = self._buckets.get(tenant_id)
@@ -53,12 +64,8 @@ class TenantLimiter:
                     retry_after=wait, reason="tenant_rate",
                 )
             bucket.tokens -= 1.0
-        current = self._inflight.get(tenant_id, 0)
-        if self._concurrency > 0 and current >= self._concurrency:
-            raise Overloaded(
-                f"this tenant has {current} turns in progress (the limit); wait for replies, then retry",
-                retry_after=1.0, reason="tenant_concurrency",
-            )
+            if len(self._buckets) > MAX_BUCKETS:
+                self._drop_full(now)
         self._inflight[tenant_id] = current + 1
         try:
             yield
@@ -68,3 +75,9 @@ class TenantLimiter:
                 self._inflight[tenant_id] = left
             else:
                 del self._inflight[tenant_id]
+
+    def _drop_full(self, now: float) -> None:
+        """Forget the buckets that have refilled: a new one starts full, so nothing changes."""
+        full = [t for t, b in self._buckets.items() if b.tokens + (now - b.stamp) * self._rate >= self._burst]
+        for tenant_id in full:
+            del self._buckets[tenant_id]

@@ -49,3 +49,32 @@ def test_concurrency_caps_turns_in_flight_and_frees_the_slot_on_exit_even_on_err
 ])
 def test_overload_reasons_map_to_429_for_the_callers_excess_and_503_for_the_engines(reason, status):
     assert Overloaded("x", reason=reason).status == status
+
+
+def test_a_turn_refused_for_concurrency_spends_none_of_the_rate():
+    clock = Clock()
+    limiter = TenantLimiter(rate=1, burst=3, concurrency=1, clock=clock)
+    with limiter.admit("a"):
+        for _ in range(2):  # a client retrying on 429 while its one turn runs
+            with pytest.raises(Overloaded, match="turns in progress"), limiter.admit("a"):
+                pass
+    for _ in range(2):  # the two tokens left are still there
+        with limiter.admit("a"):
+            pass
+
+
+def test_buckets_that_refilled_are_forgotten_past_the_bound(monkeypatch):
+    from services.gateway import limits
+
+    monkeypatch.setattr(limits, "MAX_BUCKETS", 3)
+    clock = Clock()
+    limiter = TenantLimiter(rate=1, burst=2, concurrency=0, clock=clock)
+    for tenant in ("a", "b", "c"):
+        with limiter.admit(tenant):
+            pass
+    clock.now = 5.0  # a, b and c have refilled
+    with limiter.admit("d"):
+        pass
+    with limiter.admit("e"):  # past the bound: the full ones go, the fresh ones stay
+        pass
+    assert sorted(limiter._buckets) == ["d", "e"]

@@ -668,13 +668,32 @@ async def test_a_host_at_capacity_sheds_new_turns_with_503_and_admits_again_when
     model = world.model
     slow = model.hold("busy")
     host = await world.host(max_inflight=2)
-    running = [asyncio.create_task(host.send("t1", f"s{i}", "busy", f"m{i}")) for i in range(2)]
+    running = [asyncio.create_task(host.send(f"t{i}", f"s{i}", "busy", f"m{i}")) for i in range(2)]
     await asyncio.wait_for(model.entered("busy").wait(), T)
     with pytest.raises(Overloaded, match="at capacity") as info:
-        await host.send("t1", "s9", "hello", "m9")
+        await host.send("t3", "s9", "hello", "m9")
     assert info.value.status == 503 and info.value.retry_after > 0
     slow.set()
     await asyncio.wait_for(asyncio.gather(*running), T)
+    reply = await asyncio.wait_for(host.send("t3", "s9", "hello", "m9"), T)
+    assert reply.reply == "echo: hello"
+
+
+async def test_one_tenant_takes_at_most_half_a_host_and_the_others_still_get_in(world):
+    # session ids are the tenant's to pick: it could aim every turn at one host
+    model = world.model
+    slow = model.hold("busy")
+    host = await world.host(max_inflight=4)
+    running = [asyncio.create_task(host.send("t1", f"s{i}", "busy", f"m{i}")) for i in range(2)]
+    await eventually(lambda: len(model.requests) == 2)
+    with pytest.raises(Overloaded, match="the most one tenant may have there") as info:
+        await host.send("t1", "s9", "hello", "m9")
+    assert info.value.status == 429 and info.value.reason == "tenant_concurrency"
+    other = await asyncio.wait_for(host.send("t2", "s1", "hello", "m1"), T)  # another tenant is served
+    assert other.reply == "echo: hello"
+    slow.set()
+    await asyncio.wait_for(asyncio.gather(*running), T)
+    assert host._tenant_running == {}  # released, nothing kept per tenant
     reply = await asyncio.wait_for(host.send("t1", "s9", "hello", "m9"), T)
     assert reply.reply == "echo: hello"
 
