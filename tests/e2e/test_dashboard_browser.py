@@ -151,6 +151,8 @@ async def test_sign_in_create_webhook_tool_chat_until_it_is_called_and_see_it_in
     await page.locator("#f-webhook_url").fill(f"{stack.demo_store.url}/api/orders/{{order_id}}")
     await page.locator("#f-auth_header").fill("Bearer dash-store-secret")
     await expect(page.locator("#params-status")).to_contain_text("Valid schema · 1 parameter")
+    assert "dash-store-secret" not in await page.evaluate("() => JSON.stringify(sessionStorage)"), \
+        "a draft never keeps the write-only auth header"
     await tab.shot("new-tool-form")
     await page.get_by_role("button", name="Create tool").click()
     await expect(page.get_by_role("heading", name=f"Tool {tool}")).to_be_visible()

@@ -645,7 +645,9 @@ async function toolFormView(name) {
   let saving = false;
   form.addEventListener('input', (ev) => {
     if (saving) return;
-    S.set(draftKey, { values: current(), at: new Date().toISOString(), version: tool ? tool.version : null });
+    // the auth header is write-only: never kept in the tab's storage, typed again after a reload
+    const { auth_header: _secret, ...values } = current();
+    S.set(draftKey, { values, at: new Date().toISOString(), version: tool ? tool.version : null });
     form.querySelector('#discard-draft').hidden = false;
     form.querySelector('#draft-state').textContent = 'Draft kept in this tab until saved.';
     const target = ev.target && ev.target.name;
