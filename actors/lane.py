@@ -10,20 +10,28 @@ order). The host's reply body is the same encoded HostResult the Ray path return
 
 Only a gateway that got the host's address from the host itself (a Ray call) may use it: the
 address carries a random token, the connection's first frame must present it, and a connection
-that does not is closed before anything is read from it. The lane is no wider than Ray's own
-ports on the same node.
+that does not is closed before any call is read from it. A peer without the token gets little
+of the host: a first frame declared longer than MAX_HELLO is refused on its length prefix (the
+host never waits for its body), the hello must come within HELLO_TIMEOUT_S, and a connection
+beyond MAX_PENDING_HELLOS still waiting for theirs is closed at once. The lane is no wider than
+Ray's own ports on the same node.
 
 When no connection can be made (LaneUnreachable) nothing was sent and the caller uses Ray's path.
 When a connection fails, every call waiting on it raises LaneBroken: the caller does not know
 whether the turn ran, and retries it through Ray under the same message id (the host answers a
-repeated message id with its stored reply; a host that died is Ray's to report).
+repeated message id with its stored reply; a host that died is Ray's to report). A peer that
+vanishes without closing the connection (its node lost power, a partition: no FIN, no RST ever
+comes) is noticed by TCP on both ends, within about USER_TIMEOUT_S: keepalive probes while the
+connection is quiet, and a limit on how long sent data may go unacknowledged (`_keep_alive`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,8 +48,24 @@ MAX_FRAME = 16 * 1024 * 1024
 #: how long a gateway waits for a lane's TCP connection (a network that drops the packets, rather
 #: than refusing them, would otherwise hold the turn for the OS's connect timeout of minutes)
 CONNECT_TIMEOUT_S = 2.0
-#: how long a connection may take to present its token
-HELLO_TIMEOUT_S = 5.0
+#: how long a connection may take to present its token (a gateway sends it with the connection)
+HELLO_TIMEOUT_S = 2.0
+#: the largest first frame (the hello) the host reads: the token is 43 characters
+#: (`secrets.token_urlsafe(32)`), 45 bytes as msgpack; a longer length prefix is refused unread
+MAX_HELLO = 256
+#: connections a host holds that have not presented their token yet; past it a new one is closed
+#: at once (gateways present it as they connect, so only a flood of strangers waits here)
+MAX_PENDING_HELLOS = 64
+#: TCP keepalive on both ends of a lane: after KEEPALIVE_IDLE_S without a packet from the peer,
+#: a probe every KEEPALIVE_INTERVAL_S, and KEEPALIVE_PROBES unanswered ones drop the connection;
+#: data sent and not acknowledged for USER_TIMEOUT_S drops it too (Linux's TCP_USER_TIMEOUT,
+#: which also caps the probing). Without them a peer whose node vanished holds the connection,
+#: and every call waiting on it, until the OS gives up (~15 min of retransmissions) or for ever.
+#: A live peer's kernel answers the probes however long its turns run.
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 3
+USER_TIMEOUT_S = 15
 #: how long `LaneServer.close` waits for the replies of calls still running
 CLOSE_GRACE_S = 10.0
 
@@ -89,13 +113,32 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
     """One frame's payload. Raises IncompleteReadError at end of stream, ValueError when the
-    length prefix exceeds MAX_FRAME."""
+    length prefix exceeds `limit` (MAX_FRAME by default), before reading the payload."""
+    limit = MAX_FRAME if limit is None else limit
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"lane frame of {length} bytes exceeds {MAX_FRAME}")
+    if length > limit:
+        raise ValueError(f"lane frame of {length} bytes exceeds {limit}")
     return await reader.readexactly(length)
+
+
+def _keep_alive(sock: Any) -> None:
+    """Turn on TCP keepalive with the lane's timers, and TCP_USER_TIMEOUT, on a connection's
+    socket: each option where the platform has it (TCP_USER_TIMEOUT is Linux's; macOS names the
+    idle time TCP_KEEPALIVE), so a peer that vanished breaks the lane within about USER_TIMEOUT_S."""
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None)),
+         KEEPALIVE_IDLE_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), int(USER_TIMEOUT_S * 1000)),
+    ]
+    for level, option, value in options:
+        if sock is not None and option is not None:
+            with contextlib.suppress(OSError):  # a kernel without it: the others still hold
+                sock.setsockopt(level, option, value)
 
 
 Dispatch = Callable[[str, list[Any]], Awaitable[bytes]]
@@ -114,6 +157,8 @@ class LaneServer:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._running: set[asyncio.Task] = set()
+        self._awaiting_hello = 0  # connections that have not presented the token yet
+        self._turned_away = False  # a connection was closed for MAX_PENDING_HELLOS (logged once per flood)
         self.calls = 0  # calls run (for the host's stats)
 
     async def start(self, host: str, features: tuple[str, ...] = ()) -> LaneAddress:
@@ -135,17 +180,34 @@ class LaneServer:
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._awaiting_hello >= MAX_PENDING_HELLOS:
+            if not self._turned_away:
+                log.warning("lane_refused", peer=str(writer.get_extra_info("peername")),
+                            reason=f"{MAX_PENDING_HELLOS} connections are waiting for their hello")
+            self._turned_away = True
+            writer.close()  # nothing read
+            return
         self._writers.add(writer)
+        _keep_alive(writer.get_extra_info("socket"))
         try:
-            if not await self._admit(reader, writer):
-                return  # not a gateway: nothing was read beyond the hello
+            self._awaiting_hello += 1
+            try:
+                admitted = await self._admit(reader, writer)
+            finally:
+                self._awaiting_hello -= 1
+                if self._awaiting_hello == 0:
+                    self._turned_away = False
+            if not admitted:
+                return  # not a gateway: nothing was read beyond the hello (at most MAX_HELLO bytes)
             while True:
                 call = _call_decoder.decode(await read_frame(reader))
                 task = asyncio.create_task(self._run(call, writer))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the gateway went away; calls still running finish, their replies are dropped
+        except (asyncio.IncompleteReadError, OSError):
+            # the gateway went away, or vanished (keepalive: TimeoutError); calls still running
+            # finish, their replies are dropped
+            pass
         except (ValueError, msgspec.DecodeError) as exc:
             log.warning("lane_protocol_error", error=str(exc)[:200])
         finally:
@@ -154,8 +216,8 @@ class LaneServer:
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         try:
-            hello = _hello_decoder.decode(await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S))
-        except (asyncio.IncompleteReadError, TimeoutError, ValueError, msgspec.DecodeError, ConnectionError):
+            hello = _hello_decoder.decode(await asyncio.wait_for(read_frame(reader, MAX_HELLO), HELLO_TIMEOUT_S))
+        except (asyncio.IncompleteReadError, TimeoutError, ValueError, msgspec.DecodeError, OSError):
             return False
         if hmac.compare_digest(hello.encode(), self._token.encode()):
             return True
@@ -222,6 +284,7 @@ class LaneClient:
                 except (OSError, TimeoutError) as exc:
                     self.broken = True
                     raise LaneUnreachable(f"cannot connect to the host's lane: {str(exc) or type(exc).__name__}") from exc
+                _keep_alive(writer.get_extra_info("socket"))
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read(reader))
@@ -239,8 +302,10 @@ class LaneClient:
                     future.set_exception(LaneError(reply.error))
                 else:
                     future.set_result(reply.body)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        except asyncio.IncompleteReadError:
             pass
+        except OSError as exc:  # reset, or timed out: the host's node vanished (keepalive)
+            error = LaneBroken(f"the lane to the host failed: {str(exc) or type(exc).__name__}")
         except (ValueError, msgspec.DecodeError) as exc:
             error = LaneBroken(f"the host's lane sent a malformed reply: {exc}")
         finally:

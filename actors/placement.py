@@ -90,6 +90,9 @@ MISSING_HOST_GRACE_S = 10.0
 #: a host whose lane could not be connected to gets its turns through Ray for this long (a
 #: network that lets Ray's ports through but not the lane's: turns still flow, a little slower)
 LANE_RETRY_S = 30.0
+#: a host that could not say its lane's address (it raised: Postgres away while it starts, or it
+#: is shutting down) gets its turns through Ray, which answer cleanly, for this long, then is asked again
+LANE_LOOKUP_RETRY_S = 1.0
 #: a rescale that stopped after its pending step commits a count this many times at most, waiting
 #: COMMIT_BACKOFF_S, then twice that, ... between attempts (0.5 + 1 + 2 + 4 s: a Postgres restart)
 COMMIT_ATTEMPTS = 5
@@ -159,7 +162,9 @@ class Placement:
         self._use_lanes = settings.host_lane and self._mode == "sharded"
         self._lanes: dict[str, LaneClient | None] = {}
         self._lane_lookups: dict[str, asyncio.Future[LaneClient | None]] = {}
-        self._unreachable: dict[str, tuple[LaneAddress, float]] = {}  # name -> (address, retry after)
+        # name -> (address, retry after): a lane that could not be connected to, or (None, ...) a
+        # host that could not say its address; its turns go through Ray until then
+        self._unreachable: dict[str, tuple[LaneAddress | None, float]] = {}
 
     @property
     def mode(self) -> str:
@@ -230,15 +235,23 @@ class Placement:
                 return handle
             del self._sessions[oldest]
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, name: str, lane: LaneClient | None = None) -> None:
+        """Drop the handle of actor `name` (it is looked up again on its next call), and `lane`,
+        the lane that failed, if it is still this host's: never a lane opened since (a healthy
+        host's, whose turns would be cut and run again). Any other lane stays: a Ray call that
+        failed says nothing of a lane that works (a stale handle's error, say)."""
         self._handles.pop(name, None)
         self._sessions.pop(name, None)
-        self._drop_lane(name)
-
-    def _drop_lane(self, name: str) -> None:
-        lane = self._lanes.pop(name, None)
         if lane is not None:
-            lane.close()
+            self._drop_lane(name, lane)
+
+    def _drop_lane(self, name: str, lane: LaneClient | None = None) -> None:
+        """Close host `name`'s lane; only if it is `lane`, when given."""
+        if lane is not None and self._lanes.get(name) is not lane:
+            return
+        current = self._lanes.pop(name, None)
+        if current is not None:
+            current.close()
 
     def close_lanes(self) -> None:
         """Close every lane connection (turns still waiting on one raise LaneBroken)."""
@@ -262,11 +275,26 @@ class Placement:
         return await asyncio.shield(lookup)
 
     async def _lookup_lane(self, name: str, handle: Any) -> LaneClient | None:
+        """Ask host `name` for its lane's address. Raises what HOST_LOST names (the host is gone:
+        the caller's host-lost handling); any other failure means no lane for now (None)."""
         self._drop_lane(name)
         try:
-            raw = await handle.lane.remote()
+            lane_method = handle.lane
         except AttributeError:  # a host of an earlier version, without a lane: Ray's path only
             raw = None
+        else:
+            try:
+                raw = await _plain(lane_method.remote())
+            except HOST_LOST:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the host raised (restarting, shutting down)
+                # The turn goes through Ray, whose answer says what is wrong in the host's words;
+                # this error's text is not passed on (a RayTaskError's holds the host's traceback).
+                log.warning("session_host_lane_lookup_failed", host=name, error=type(exc).__name__,
+                            retry_in_s=LANE_LOOKUP_RETRY_S)
+                self._lanes[name] = None
+                self._unreachable[name] = (None, time.monotonic() + LANE_LOOKUP_RETRY_S)
+                return None
         address = None if raw is None else msgspec.json.decode(raw, type=LaneAddress)
         unreachable = self._unreachable.pop(name, None)
         if address is not None and unreachable is not None and unreachable[0] == address \
@@ -280,7 +308,8 @@ class Placement:
     def _lane_unreachable(self, name: str, lane: LaneClient, exc: LaneUnreachable) -> None:
         """Nothing was sent: this turn and the host's next ones for LANE_RETRY_S go through Ray
         (a host that died and came back listens elsewhere: its new address is used at once)."""
-        self._lanes.pop(name, None)
+        if self._lanes.get(name) is lane:  # not a lane looked up since
+            del self._lanes[name]
         self._unreachable[name] = (lane.address, time.monotonic() + LANE_RETRY_S)
         log.warning("session_host_lane_unreachable", host=name, error=str(exc), retry_in_s=LANE_RETRY_S)
 
@@ -322,24 +351,34 @@ class Placement:
     async def _call(self, tenant_id: str, session_id: str, method: str, *args: Any, new_id: bool = False) -> Any:
         """`new_id`: the turn's message id was made up for it (SessionHost.send); said to the
         host on the first attempt only, since a retry may repeat a turn that ran."""
+        turn = method in LANE_METHODS
         for attempt in (0, 1):
             # routed again on the retry: the host may have died because a rescale retired it
             name = self.actor_name(tenant_id, session_id)
             handle = self._routed_handle(name)
+            seen = self._lanes.get(name) if turn else None  # the host's lane as this call found it
+            failed: LaneClient | None = None  # the lane this call failed on
             try:
-                if self._use_lanes and method in LANE_METHODS:
+                if self._use_lanes and turn:
                     lane = await self._lane(name, handle)
                     if lane is not None:
                         try:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
+                        except LaneBroken:
+                            failed = lane
+                            raise
+                # A turn that Ray says was lost to its host's failure takes the lane this call
+                # found with it (the same host's, which failed too); a view's or a passivation's
+                # takes none (a stale handle's error, say, while the lane serves turns).
+                failed = seen
                 return await _plain(getattr(handle, method).remote(*args))  # no open lane: no new_id either
             except (*HOST_LOST, LaneBroken) as exc:
                 # A broken lane is a host that died, is restarting or was retired, as Ray's errors
                 # are. The turn may have run: the retry carries its message id (or approval id),
                 # and the host answers one it has answered (or decided) with the stored reply.
-                self._forget(name)
+                self._forget(name, failed)
                 if attempt:
                     raise _restarting() from exc
                 log.warning("session_host_unavailable", host=name, error=type(exc).__name__)
@@ -405,6 +444,7 @@ class Placement:
         exiting = False  # an earlier attempt was refused by a dedicated actor about to be killed
         while True:  # a refusal ran nothing: a message id new before is new still
             name = self.actor_name(tenant_id, session_id)
+            seen = self._lanes.get(name)  # a turn lost to its host's failure takes this lane with it (_call)
             refused: ShardState | bool | None = None  # None: no event yet; truthy: retry
             try:
                 gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
@@ -425,7 +465,7 @@ class Placement:
                         raise _host_exception(_host_error(event.data))
                     yield event
             except HOST_LOST as exc:
-                self._forget(name)
+                self._forget(name, seen)
                 if not (exiting and refused is None and time.monotonic() < deadline):
                     raise _restarting() from exc
                 # the exiting actor was killed as this call reached it: the next call creates a
@@ -721,6 +761,7 @@ class Placement:
                 log.warning("retired_host_shutdown_failed", host=name)
             ray.kill(handle, no_restart=True)
             self._forget(name)
+            self._drop_lane(name)
 
 
 async def _plain(ref: Any) -> Any:

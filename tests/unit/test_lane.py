@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import socket
+import struct
+import sys
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from actors.lane import (
     MAX_FRAME,
+    MAX_HELLO,
     LaneAddress,
     LaneBroken,
     LaneClient,
@@ -155,6 +161,129 @@ async def test_a_host_that_is_not_listening_is_lane_broken_at_once():
         await client.call("send", "x")
     with pytest.raises(LaneBroken):
         await client.call("send", "x")  # spent: the owner must fetch the address again
+
+
+async def test_an_oversized_hello_is_refused_from_its_length_without_its_body_being_read(lane, monkeypatch):
+    # a peer without the token declares a 16 MiB "hello": before, the host read (and held) it all
+    host, server, client = lane
+    monkeypatch.setattr("actors.lane.HELLO_TIMEOUT_S", 30.0)  # what closes it is the length, not the clock
+    reader, writer = await asyncio.open_connection(client.address.host, client.address.port)
+    writer.write(MAX_FRAME.to_bytes(4, "big") + b"\0" * 1000)
+    try:
+        rest = await asyncio.wait_for(reader.read(), 1.0)  # closed at once...
+    except ConnectionResetError:
+        rest = b""  # ...with our bytes unread, which the host's kernel answers with a reset
+    assert rest == b""
+    writer.close()
+
+    # what the host read of such a connection: the length prefix, nothing of the body
+    class Writer:
+        closed = False
+
+        def get_extra_info(self, _name):
+            return None
+
+        def close(self):
+            self.closed = True
+
+    fed = asyncio.StreamReader()
+    fed.feed_data((MAX_HELLO + 1).to_bytes(4, "big") + b"x" * 1000)
+    stranger = Writer()
+    await asyncio.wait_for(server._serve(fed, stranger), 1.0)  # no wait for the rest of the body
+    fed.feed_eof()
+    assert stranger.closed and len(await fed.read()) == 1000  # the body is still unread
+    assert host.calls == []
+    assert len(frame(msgspec.msgpack.encode(client.address.token))) - 4 <= MAX_HELLO  # a gateway's fits
+    assert msgspec.json.decode(await client.call("send", "after")) is not None
+
+
+async def test_past_the_pending_hello_cap_a_new_connection_is_closed_at_once(lane, monkeypatch):
+    host, _, client = lane
+    monkeypatch.setattr("actors.lane.MAX_PENDING_HELLOS", 3)
+    monkeypatch.setattr("actors.lane.HELLO_TIMEOUT_S", 30.0)
+    silent = [await asyncio.open_connection(client.address.host, client.address.port) for _ in range(3)]
+    await asyncio.sleep(0.1)  # each waits for its hello
+    reader, writer = await asyncio.open_connection(client.address.host, client.address.port)
+    assert await asyncio.wait_for(reader.read(), 1.0) == b""  # one too many: closed, nothing read
+    writer.close()
+    for r, _ in silent:  # the ones within the cap are held, until their hello times out
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(r.read(1), 0.1)
+    for _, w in silent:  # they go: a gateway gets in again
+        w.close()
+    await asyncio.sleep(0.1)
+    assert msgspec.json.decode(await client.call("send", "in"))["args"] == ["in"]
+    assert [args for _, args in host.calls] == [["in"]]
+
+
+def _tcp_options() -> list[tuple[int, int, int]]:
+    """(level, option, value) of what a lane's sockets must carry, where the platform has it."""
+    wanted = [(socket.SOL_SOCKET, "SO_KEEPALIVE", 1), (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 5),
+              (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 2), (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
+              (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", 15_000)]
+    return [(level, getattr(socket, name), value) for level, name, value in wanted if hasattr(socket, name)]
+
+
+async def test_both_ends_of_a_lane_carry_tcp_keepalive_and_a_user_timeout(lane):
+    # so a peer whose node vanished (no FIN, no RST) breaks the lane in ~15 s, not ~15 min or never
+    _, server, client = lane
+    await client.call("send", "x")
+    gateway_end = client._writer.get_extra_info("socket")
+    (host_end,) = [w.get_extra_info("socket") for w in server._writers]
+    assert gateway_end.getsockname() == host_end.getpeername()  # the two ends of one connection
+    if sys.platform == "linux":
+        assert len(_tcp_options()) == 5
+    for level, option, value in _tcp_options():
+        assert gateway_end.getsockopt(level, option) == value, option
+        assert host_end.getsockopt(level, option) == value, option
+
+
+def _drop_everything(sock) -> None:
+    """Make `sock` drop every packet that reaches it before TCP sees it (a socket filter: BPF_RET
+    0), so it neither acknowledges data nor answers a probe: to its peer, a node that vanished.
+    Nothing outside the test's own socket changes (no firewall rule, no privilege needed)."""
+    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # the kernel copies it
+    sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26),
+                    struct.pack("HL", 1, ctypes.addressof(program)))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="socket filters and TCP_USER_TIMEOUT are Linux's")
+async def test_a_host_whose_node_vanished_breaks_the_lane_and_the_turn_is_retried_where_it_restarted(monkeypatch):
+    # Before, nothing noticed: the turn waited for ever and the gateway handed the dead lane to
+    # every later turn of the host, though Ray had restarted it elsewhere.
+    from actors.placement import Placement
+    from services.settings import Settings
+
+    for name, value in (("KEEPALIVE_IDLE_S", 1), ("KEEPALIVE_INTERVAL_S", 1), ("KEEPALIVE_PROBES", 2),
+                        ("USER_TIMEOUT_S", 2)):
+        monkeypatch.setattr(f"actors.lane.{name}", value)
+    lost = Host()
+    lost.gates["t"] = asyncio.Event()  # the turn is running on the host when its node goes
+    lost_server = LaneServer(lost.dispatch, frozenset({"send"}))
+    fake = FakeHostHandle(await lost_server.start("127.0.0.1"))
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    turn = asyncio.create_task(p._call("t", "s", "send", "t", "s", "hello", "m1"))
+    await asyncio.sleep(0.2)
+    assert len(lost.calls) == 1
+    (host_end,) = [w.get_extra_info("socket") for w in lost_server._writers]
+    _drop_everything(host_end)  # the node is gone: not a packet in or out of it answers
+    restarted = Host()  # Ray restarts the host on another node: it listens at another address
+    server = LaneServer(restarted.dispatch, frozenset({"send"}))
+    fake.address = await server.start("127.0.0.1")
+
+    body = await asyncio.wait_for(turn, 10)  # the lane broke (~2 s here): retried with its message id
+    assert msgspec.json.decode(body)["args"] == ["t", "s", "hello", "m1"]
+    assert [args for _, args in restarted.calls] == [["t", "s", "hello", "m1"]]
+    assert fake.lookups == 2 and fake.ray_turns == []
+    await asyncio.sleep(0.5)
+    assert not lost_server._writers  # the host's end let go of the vanished gateway too
+    await p._call("t", "s", "send", "t", "s", "next", "m2")  # later turns: the new lane
+    assert len(restarted.calls) == 2 and len(lost.calls) == 1
+    lost.gates["t"].set()
+    p.close_lanes()
+    await server.close()
+    await lost_server.close()
 
 
 # -- the gateway's side: Placement._call with stand-ins for Ray's actor handles ----------------------
@@ -355,3 +484,204 @@ async def test_a_new_message_id_is_said_only_to_a_host_that_takes_it_and_never_o
     await p._call("t", "s", "send", "t", "s", "six", "m6", new_id=True)  # unreachable now: through Ray
     assert [args for _, args in newer.calls] == [["t", "s", "five", "m5", True]]
     assert fake.ray_turns == [("t", "s", "six", "m6")]
+
+
+def _ray_task_error(cause: Exception, method: str = "lane") -> Exception:
+    """What Ray raises for a host call whose code raised `cause`: an error of both classes, whose
+    text is the host's traceback, pid and node address."""
+    from ray.exceptions import RayTaskError
+
+    traceback = (f'Traceback (most recent call last):\n  File "/app/actors/ray_host.py", line 196, in {method}\n'
+                 f"{type(cause).__name__}: {cause}")
+    return RayTaskError(f"SessionHostActor.{method}", traceback, cause, proctitle=f"ray::SessionHostActor.{method}()",
+                        pid=4242, ip="10.0.3.7", actor_repr="SessionHostActor(ce-host-0)",
+                        actor_id="a1b2c3").as_instanceof_cause()
+
+
+@pytest.mark.parametrize("raised", ["storage_unavailable", "shutting_down", "a_bug"])
+async def test_a_host_that_cannot_say_its_lane_address_gets_the_turn_through_ray_and_no_traceback_leaks(
+        raised, monkeypatch):
+    # Before, the lookup's error went to the client as the 503's detail: the host's traceback,
+    # pid and node IP. Ray's path answers such a host's turn cleanly (HostResult's error).
+    from actors import placement as placement_module
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+    from storage.errors import StorageUnavailable
+
+    cause = {"storage_unavailable": StorageUnavailable("cannot connect to Postgres at db:5432/ce (refused)"),
+             "shutting_down": Overloaded("this session host is shutting down", reason="shutting_down"),
+             "a_bug": RuntimeError("a bug in lane()")}[raised]
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+
+    class Restarting(FakeHostHandle):  # Ray restarted it while Postgres is away: lane() raises
+        failing = True
+
+        async def _lane(self) -> bytes:
+            if self.failing:
+                self.lookups += 1
+                raise _ray_task_error(cause)
+            return await super()._lane()
+
+    fake = Restarting(await server.start("127.0.0.1"))
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    with capture_logs() as logs:
+        assert await p._call("t", "s", "send", "t", "s", "one", "m1") == b"via ray"
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"] == "session_host_lane_lookup_failed" and type(cause).__name__ in warning["error"]
+    assert "4242" not in str(logs) and "10.0.3.7" not in str(logs)
+    assert await p._call("t", "s", "send", "t", "s", "two", "m2") == b"via ray"  # not asked again at once
+    assert [t[3] for t in fake.ray_turns] == ["m1", "m2"] and fake.lookups == 1
+
+    fake.failing = False  # up again: after LANE_LOOKUP_RETRY_S the host is asked again, its lane used
+    monkeypatch.setattr(placement_module, "LANE_LOOKUP_RETRY_S", 0.0)
+    p._unreachable[p.actor_name("t", "s")] = (None, 0.0)  # the window has passed
+    body = await p._call("t", "s", "send", "t", "s", "three", "m3")
+    assert msgspec.json.decode(body)["args"][3] == "m3" and fake.lookups == 2 and len(fake.ray_turns) == 2
+    p.close_lanes()
+    await server.close()
+
+
+async def test_a_lane_lookup_lost_to_the_hosts_failure_is_the_host_lost():
+    from ray.exceptions import ActorDiedError
+
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    class Gone(FakeHostHandle):
+        async def _lane(self) -> bytes:
+            self.lookups += 1
+            raise ActorDiedError()
+
+    fake = Gone(LaneAddress(host="127.0.0.1", port=9, token="t"))
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake
+    with pytest.raises(Overloaded, match="restarting; retry with the same message_id"):
+        await p._call("t", "s", "send", "t", "s", "hi", "m1")
+    assert fake.lookups == 2 and fake.ray_turns == []  # retried once, as any host lost
+
+
+async def _healthy_lane_and_a_view_that_fails(view_failures: int):
+    """A turn held on a healthy host's lane, and a view of another session on the same host whose
+    Ray calls fail `view_failures` times with ActorDiedError (a stale handle's, say)."""
+    from ray.exceptions import ActorDiedError
+
+    from actors.placement import Placement
+    from services.settings import Settings
+
+    host = Host()
+    host.gates["t"] = asyncio.Event()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake = FakeHostHandle(await server.start("127.0.0.1"))
+    failures = [view_failures]
+
+    async def view(*_args):
+        await asyncio.sleep(0.1)  # Ray takes a moment to say the (old) actor died
+        if failures[0]:
+            failures[0] -= 1
+            raise ActorDiedError()
+
+    fake.view = _Method(view)
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    turn = asyncio.create_task(p._call("t", "s", "send", "t", "s", "hello", "m1"))
+    await asyncio.sleep(0.1)
+    return host, server, fake, p, turn
+
+
+async def test_a_ray_failure_of_a_view_leaves_the_hosts_lane_and_its_running_turn_alone():
+    # Before, the view's error closed the lane: the running turn broke and was sent again (one
+    # error), or came back 503 "restarting" though it ran on a healthy host (two).
+    from services.errors import Overloaded
+
+    host, server, fake, p, turn = await _healthy_lane_and_a_view_that_fails(1)
+    lane = p._lanes[p.actor_name("t", "s")]
+    assert await p._call("t", "other", "view", "t", "other") is None  # retried once, answered
+    await asyncio.sleep(0.2)
+    assert p._lanes[p.actor_name("t", "s")] is lane and not lane.broken
+    host.gates["t"].set()
+    assert msgspec.json.decode(await asyncio.wait_for(turn, 5))["args"][3] == "m1"
+    assert [args[3] for _, args in host.calls] == ["m1"]  # sent once
+    p.close_lanes()
+    await server.close()
+
+    host, server, fake, p, turn = await _healthy_lane_and_a_view_that_fails(2)
+    with pytest.raises(Overloaded, match="restarting"):  # the view's own answer
+        await p._call("t", "other", "view", "t", "other")
+    await asyncio.sleep(0.2)
+    assert not turn.done()  # still running on the host: not a 503
+    host.gates["t"].set()
+    assert msgspec.json.decode(await asyncio.wait_for(turn, 5))["args"][3] == "m1"
+    assert [args[3] for _, args in host.calls] == ["m1"] and fake.lookups == 1
+    p.close_lanes()
+    await server.close()
+
+
+class _FailingStream:
+    """A host's `stream` through Ray that fails with ActorDiedError once `gate` is set."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    def options(self, **_kwargs) -> _FailingStream:
+        return self
+
+    def remote(self, *_args):
+        return self._events()
+
+    async def _events(self):
+        from ray.exceptions import ActorDiedError
+
+        await self.gate.wait()
+        raise ActorDiedError()
+        yield  # an async generator, as Ray's streaming call is
+
+
+async def test_a_turn_lost_to_its_hosts_failure_takes_that_lane_but_never_a_newer_one(monkeypatch):
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake = FakeHostHandle(await server.start("127.0.0.1"))
+    fake.stream = _FailingStream()
+    p = Placement(Settings(shards=1))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    name = p.actor_name("t", "s")
+
+    async def stream() -> None:
+        async for _ in p.stream("t", "s", "hi", "m-stream"):
+            pass
+
+    await p._call("t", "s", "send", "t", "s", "one", "m1")
+    first = p._lanes[name]
+    fake.stream.gate.set()  # an SSE turn to the same host, lost to the host's failure
+    with pytest.raises(Overloaded, match="restarting"):
+        await stream()
+    assert first.broken and name not in p._lanes  # the host failed: so did its lane
+
+    await p._call("t", "s", "send", "t", "s", "two", "m2")
+    second = p._lanes[name]
+    fake.stream = _FailingStream()
+    running = asyncio.create_task(stream())  # found `second`...
+    await asyncio.sleep(0.05)
+    await server.close()  # ...which breaks: the host restarted, and listens elsewhere
+    server = LaneServer(host.dispatch, frozenset({"send"}))
+    fake.address = await server.start("127.0.0.1")
+    await asyncio.sleep(0.05)
+    await p._call("t", "s", "send", "t", "s", "three", "m3")
+    third = p._lanes[name]
+    assert third is not second and second.broken
+    fake.stream.gate.set()  # Ray reports the old process's death late
+    with pytest.raises(Overloaded, match="restarting"):
+        await asyncio.wait_for(running, 5)
+    assert p._lanes[name] is third and not third.broken  # the newer lane is not closed
+    await p._call("t", "s", "send", "t", "s", "four", "m4")
+    assert [args[3] for _, args in host.calls] == ["m1", "m2", "m3", "m4"] and fake.lookups == 3
+    p.close_lanes()
+    await server.close()
