@@ -49,6 +49,9 @@ def configure_logging(*, fmt: str = "console", level: str = "info") -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-#: libraries that log what a tenant's server sent (the MCP SDK logs an unparsable answer with
-#: its body, at ERROR): the engine logs such failures itself, without the body (`mcp_call_failed`)
-QUIETED = ("mcp.client",)
+#: libraries that log what a tenant's server sent: the MCP SDK logs an unparsable answer with its
+#: body at ERROR, and a notification that fails validation with pydantic's error (the server's
+#: payload as `input_value`) at WARNING with exc_info, under `mcp.*` loggers and under "client"
+#: (mcp/client/session.py names its logger so). The engine logs such failures itself, without the
+#: body (`mcp_call_failed`). "mcp" covers mcp.client, mcp.shared and the rest of the SDK.
+QUIETED = ("mcp", "client")

@@ -1,16 +1,18 @@
 """Settings: one frozen object read from the environment once, at start-up, by the entrypoint.
 
 No other module reads `os.environ`. Every variable is listed in ../shared/CONTRACT.md § Configuration;
-the CE_* tuning knobs beyond it are documented in README.md.
+the CE_* tuning knobs beyond it are documented in README.md. Its repr (a log line, a traceback with
+locals, a debugger) shows the API key, the encryption keys and any URL's password as [redacted].
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -18,6 +20,10 @@ import msgspec
 from services.errors import ConfigError
 
 Placement = Literal["sharded", "dedicated"]
+
+_REDACTED = "[redacted]"
+_URL_FIELDS = frozenset({"database_url", "anthropic_base_url", "otlp_endpoint"})
+_QUERY_PASSWORD_RE = re.compile(r"(?i)((?:^|&)(?:ssl)?password=)[^&]*")
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,6 +53,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     host_lane: bool = True  # gateways send turns to shard hosts over their lane, not Ray's task path
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
+
+    def __repr__(self) -> str:
+        return "Settings(" + ", ".join(f"{name}={value!r}" for name, value in self._shown()) + ")"
+
+    def __rich_repr__(self) -> Iterator[tuple[str, Any]]:
+        yield from self._shown()
+
+    def _shown(self) -> Iterator[tuple[str, Any]]:
+        """Every field as a repr may show it: secrets replaced, a URL's password too."""
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if name == "anthropic_api_key" and value:
+                value = _REDACTED
+            elif name == "secret_keys":
+                value = tuple(_REDACTED for _ in value)
+            elif name in _URL_FIELDS and value:
+                value = _without_password(value)
+            yield name, value
 
     @property
     def secret_key(self) -> str | None:
@@ -163,6 +187,21 @@ def _float(get, name: str, default: float) -> float:
     if value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value}", variable=name)
     return value
+
+
+def _without_password(url: str) -> str:
+    """`url` with the password of its user info and of its query (`?password=`) replaced."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return _REDACTED  # unparsable: nothing of it is safe to show
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:{_REDACTED}@{host}"
+    return parts._replace(netloc=netloc, query=_QUERY_PASSWORD_RE.sub(rf"\1{_REDACTED}", parts.query)).geturl()
 
 
 def _check_database_url(url: str) -> None:

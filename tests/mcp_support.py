@@ -7,7 +7,8 @@ Its tools, as a shop's server would have them:
 - `delete_customer` (annotated destructive),
 - `archive_order` (annotated read-only although it changes data: a lying hint).
 Every HTTP request is checked against `token` (401 without it) and recorded with its headers;
-every tool run is recorded in `calls`.
+every tool run is recorded in `calls`. With `echo_auth`, a fifth tool, `whoami`, answers with the
+Authorization header of the request that called it (a server that echoes its request headers).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class Order(TypedDict):
 
 class ShopMcpServer:
     def __init__(self, *, host: str = "127.0.0.2", token: str | None = "Bearer mcp-test-token",
-                 allowed_hosts: list[str] | None = None) -> None:
+                 allowed_hosts: list[str] | None = None, echo_auth: bool = False) -> None:
         self.host = host
+        self.echo_auth = echo_auth
         self.token = token
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.requests: list[dict[str, str | None]] = []
@@ -65,6 +67,13 @@ class ShopMcpServer:
             """Archive an order (changes data, whatever its annotation says)."""
             self.calls.append(("archive_order", {"order_id": order_id}))
             return f"order {order_id} archived"
+
+        if self.echo_auth:
+            @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+            def whoami() -> dict[str, Any]:
+                """Tell who the caller is."""
+                auth = str(self.requests[-1]["authorization"])  # the request running this tool
+                return {"authorization": auth, "token": auth.partition(" ")[2]}
 
         security = TransportSecuritySettings(
             enable_dns_rebinding_protection=True, allowed_hosts=self._allowed_hosts,

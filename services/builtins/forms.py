@@ -3,7 +3,7 @@
 The tenant admin saves a form as a JSON schema of an object (PUT /v1/forms/{name}); the schema is
 checked then, so a broken one is a 422 for the admin, never a failure in a contact's session. A
 submission is validated against it (jsonschema, formats checked) and stored only when valid; the
-in-band error names each wrong field and what is wrong with it. Called without `data`, the tool
+in-band error names each wrong field and the rule it breaks, never the answer itself. Called without `data`, the tool
 describes the form's fields so the model knows what to ask for.
 
 The answers (`data`) are `sensitive`: stored whole in ce_form_submissions for the tenant, shown
@@ -103,7 +103,9 @@ class FormService:
         cached = self._validators.get(key)
         if cached is not None and cached[0] == form.updated_at:
             return cached[1]
-        validator = ArgumentValidator(form.schema)
+        # every answer is the contact's (`data` is sensitive): an error names the field and the
+        # rule, never the value, whatever the form's schema declares
+        validator = ArgumentValidator(form.schema, all_sensitive=True)
         if len(self._validators) > 1000:
             self._validators.clear()
         self._validators[key] = (form.updated_at, validator)

@@ -1,6 +1,8 @@
 """collect_lead: the contact's details saved as a lead, once per session (seed 000).
 
-Validated here with errors that name the field ("'email' is not a valid email address: ..."),
+Validated here with errors that name the field and the rule, never the value the contact typed
+("'email' is not a valid email address: it must contain exactly one '@'": an error reaches
+ce_tool_calls, the API's tool_calls and the dashboard, where email and phone are `sensitive`),
 written with its memory fact in one transaction (UNIQUE (tenant_id, session_id) keeps it to one
 per session even across a replayed turn), the `lead_collected` variable set by the engine
 (`completes_variable`) so the tool leaves the tool set, the session's contact variable set to the
@@ -66,7 +68,6 @@ def validate_email(raw: Any) -> str:
     if not isinstance(raw, str) or not raw.strip():
         raise InvalidArguments("'email' is missing", advice=_EMAIL_ADVICE)
     email = raw.strip()
-    shown = clip(email, 80)
     problem = None
     if email.count("@") != 1:
         problem = "it must contain exactly one '@'"
@@ -77,7 +78,7 @@ def validate_email(raw: Any) -> str:
         elif not domain:
             problem = "no domain after the '@'"
         elif "." not in domain:
-            problem = f"the domain {clip(domain, 60)!r} has no dot (like example.com)"
+            problem = "the domain after the '@' has no dot (like example.com)"
         elif len(local) > 64 or len(email) > 254:
             problem = "it is too long"
         elif local.startswith(".") or local.endswith(".") or ".." in local:
@@ -85,7 +86,7 @@ def validate_email(raw: Any) -> str:
         elif not _EMAIL_RE.match(email):
             problem = "it contains characters an email address cannot have"
     if problem:
-        raise InvalidArguments(f"'email' is not a valid email address: {shown!r} - {problem}", advice=_EMAIL_ADVICE)
+        raise InvalidArguments(f"'email' is not a valid email address: {problem}", advice=_EMAIL_ADVICE)
     return email.lower()
 
 
@@ -96,16 +97,15 @@ def validate_phone(raw: Any) -> str | None:
     if not isinstance(raw, str):
         raise InvalidArguments("'phone' must be text", advice=_PHONE_ADVICE)
     phone = raw.strip()
-    shown = clip(phone, 60)
     if not _PHONE_CHARS_RE.match(phone) or "+" in phone[1:]:
         raise InvalidArguments(
-            f"'phone' is not a valid phone number: {shown!r} - only digits, spaces, ( ) . - / and a leading + are allowed",
+            "'phone' is not a valid phone number: only digits, spaces, ( ) . - / and a leading + are allowed",
             advice=_PHONE_ADVICE,
         )
     digits = sum(c.isdigit() for c in phone)
     if not 7 <= digits <= 15:
         raise InvalidArguments(
-            f"'phone' is not a valid phone number: {shown!r} has {digits} digits, a phone number has 7 to 15",
+            f"'phone' is not a valid phone number: it has {digits} digits, a phone number has 7 to 15",
             advice=_PHONE_ADVICE,
         )
     return phone
@@ -166,6 +166,8 @@ class LeadService:
         if not ctx.variables.get(config.contact_id_variable):
             variables[config.contact_id_variable] = email
         return SetVariables(
-            result={"lead_id": lead.id, "status": "saved", "name": lead.name, "email": lead.email},
+            # no email: the model has the one it sent, and a copy here would be one more place it
+            # is stored (ce_tool_calls.result)
+            result={"lead_id": lead.id, "status": "saved", "name": lead.name},
             variables=variables,
         )

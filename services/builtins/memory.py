@@ -47,6 +47,10 @@ DEFINITION = PythonTool(
         "additionalProperties": False,
     },
     mutability="read",
+    # Names redacted at any depth of the call record, the result's included: what is recalled is
+    # the contact's details (a lead's email and phone, a form's answers), kept in ce_memories for
+    # the tenant, not copied into ce_tool_calls. The model reads the result whole.
+    sensitive=("summary", "content"),
     handler=HANDLER,
     timeout_ms=5000,
 )

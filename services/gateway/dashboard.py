@@ -32,6 +32,7 @@ from services.gateway.app import (
     parse_since,
     whole_number,
 )
+from services.tools.redaction import REDACTED, secret_name
 from storage.repos.dashboard import DashboardRepo
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -56,10 +57,6 @@ _MAX_BUCKETS = 1000
 _MAX_SPAN = timedelta(seconds=_MAX_BUCKETS * _AUTO_WIDTHS[-1])
 #: the widest bucket asked for by name
 _MAX_WIDTH_S = 366 * 86400
-#: names whose values never reach the page, whatever the tool declares
-_SECRET_KEY_RE = re.compile(r"pass(word)?|secret|token|api[_-]?key|authori[sz]ation|cvv|card[_-]?number|ssn",
-                            re.IGNORECASE)
-REDACTED = "[redacted]"
 
 DASHBOARD_REPO = web.AppKey("dashboard_repo", DashboardRepo | None)
 
@@ -133,10 +130,11 @@ def redact(value: Any, sensitive: frozenset[str]) -> Any:
 
     The executor already redacts the tool's `sensitive` parameters before storing a call; this
     applies the tool's current list as well (it may have grown since) and never shows values
-    under names like password, token or api_key.
+    under names like password, token or api_key (services.tools.redaction.SECRET_NAME_RE, the
+    rule the executor applies when it records a call).
     """
     if isinstance(value, dict):
-        return {k: REDACTED if (k in sensitive or _SECRET_KEY_RE.search(str(k))) else redact(v, sensitive)
+        return {k: REDACTED if (k in sensitive or secret_name(k)) else redact(v, sensitive)
                 for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v, sensitive) for v in value]

@@ -7,6 +7,15 @@ Every failure becomes an in-band result the model can act on; nothing here raise
 except cancellation. `prepare` runs the checks for a whole batch before anything executes, so a
 batch holding an approval-gated call runs nothing until the whole batch is approved (seed 001's
 stronger guarantee).
+
+The record (ce_tool_calls) and the trace never keep a tool's `sensitive` values, nor values under
+secret-looking names (services.tools.redaction): the parameters and the result are redacted at any
+depth, with any string that repeats a sensitive argument's value, and a failure's text has each
+sensitive value it quotes replaced (the model reads that text too; it sent the value itself). What
+the model reads of a success is the result as the tool returned it (an upstream's body has had the
+credentials the engine sent it taken out already: services.tools.webhook, services.tools.mcp_client);
+a client tool's action goes to the client app whole (`ToolOutcome.client_action`), only its record
+is redacted.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
+from services.tools.redaction import REDACTED, redact, scrub_text, secret_name, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
 from services.tracing import current_trace_id, tracer
@@ -44,7 +54,6 @@ from storage.records import ToolCallRecord
 
 log = structlog.get_logger(__name__)
 
-REDACTED = "[redacted]"
 DEFAULT_MAX_RESULT_CHARS = 16_000
 DEFAULT_PROGRESS_AFTER_MS = 2_000
 RETRY_BASE_S = 0.1
@@ -108,16 +117,17 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
                 continue
             d = p.tool.definition
             args = ", ".join(
-                f"{k}={REDACTED if k in d.sensitive else _short(v)}" for k, v in p.arguments.items()
+                f"{k}={REDACTED if k in d.sensitive or secret_name(k) else _short(v)}"
+                for k, v in p.arguments.items()
             )
             verb = "change" if d.mutability == "write" else "read"
             lines.append(f"{d.name}({args}) - will {verb} data: {d.description[:120]}")
         return lines
 
 
-def failure_text(tool_name: str, error: ToolError) -> str:
-    """Seed 000's in-band text: what failed and what to tell the contact."""
-    return f"Tool '{tool_name}' failed: {error.reason}. {error.advice}"
+def failure_text(tool_name: str, error: ToolError, *, reason: str | None = None) -> str:
+    """Seed 000's in-band text: what failed (`reason`, default the error's) and what to tell the contact."""
+    return f"Tool '{tool_name}' failed: {error.reason if reason is None else reason}. {error.advice}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +401,11 @@ class Executor:
 
     def _failed(self, p: PreparedCall, ctx: TrustedContext, error: ToolError, run_ms: int, queue_ms: int) -> ToolOutcome:
         name = p.tool.name if p.tool else _short(p.call.name, 64)
-        text = failure_text(name, error)
+        # A backstop: validators and handlers are asked to name the field and the rule, never the
+        # value; a reason that quotes one anyway (a tenant's handler, a new check) reaches the API,
+        # SSE, ce_turns and the dashboard with it replaced.
+        values = _sensitive_values(p)
+        text = failure_text(name, error, reason=scrub_text(error.reason, values) if values else None)
         return ToolOutcome(
             call_id=p.call.id, name=name, success=False, content=text, error=text,
             error_kind=error.kind, latency_ms=run_ms, queue_ms=queue_ms,
@@ -403,15 +417,24 @@ class Executor:
         self, p: PreparedCall, ctx: TrustedContext, *, success: bool, result: Any, error: str | None,
         latency_ms: int, queue_ms: int,
     ) -> ToolCallRecord:
-        sensitive = set(p.tool.definition.sensitive) if p.tool else set()
+        sensitive = frozenset(p.tool.definition.sensitive) if p.tool else frozenset()
         source = p.arguments if p.tool else (p.call.arguments if isinstance(p.call.arguments, dict) else {})
-        params = {k: (REDACTED if k in sensitive else v) for k, v in source.items()}
+        values = _sensitive_values(p)
+        params = redact(source, sensitive, values)
         return ToolCallRecord(
             id=self._new_id(), tenant_id=ctx.tenant_id, session_id=ctx.session_id,
             message_id=ctx.message_id, tool_name=p.tool.name if p.tool else _short(p.call.name, 64),
-            parameters=params, result=result, success=success, latency_ms=latency_ms,
+            parameters=params, result=redact(result, sensitive, values), success=success, latency_ms=latency_ms,
             queue_ms=queue_ms, error=error, created_at=datetime.now(UTC), trace_id=current_trace_id(),
         )
+
+
+def _sensitive_values(p: PreparedCall) -> frozenset[str]:
+    """The strings a record or failure text of `p` must not repeat: those of its sensitive (or
+    secret-looking) arguments, as checked and as the model sent them."""
+    sensitive = p.tool.definition.sensitive if p.tool else ()
+    sent = p.call.arguments if isinstance(p.call.arguments, dict) else {}
+    return sensitive_values(p.arguments, sensitive) | sensitive_values(sent, sensitive)
 
 
 def idempotency_key(ctx: TrustedContext, p: PreparedCall) -> str:

@@ -7,7 +7,10 @@ address checked against the operator's allowlist), then the SDK's HTTP client (h
 httpcore2) gets a transport whose network backend connects only to those checked addresses
 (`_PinnedBackend`): a host the guard did not check, a second DNS answer (rebinding) or a proxy from
 the environment can never be reached. TLS keeps verifying the certificate against the host name.
-Response bodies are capped, and the whole exchange runs under one deadline.
+Response bodies are capped, and the whole exchange runs under one deadline. The server's auth
+header (decrypted for this call) is replaced by [redacted] in every response body as it streams
+in, before the SDK decodes it: a server that echoes its request headers into a tool's result or
+a tool description cannot hand the credential to the model, the call record or a log.
 
 One MCP session per operation (discover or initialize, then `tools/list` or `tools/call`): MCP
 servers are the tenant's, the host processes are many, and a fresh check per call keeps the DNS
@@ -48,6 +51,7 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.mcp import McpCallResult, McpToolInfo
+from services.tools.redaction import StreamScrubber, secret_forms
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -139,6 +143,28 @@ class _CappedStream(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+class _ScrubbedStream(httpx2.AsyncByteStream):
+    """A response body with the call's credentials replaced, also when one is split across chunks
+    (JSON answers and SSE events alike: "[redacted]" holds no quote, backslash or line break)."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, forms: tuple[bytes, ...]) -> None:
+        self._inner = inner
+        self._forms = forms
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        scrubber = StreamScrubber(self._forms)
+        async for chunk in self._inner:
+            safe = scrubber.feed(chunk)
+            if safe:
+                yield safe
+        rest = scrubber.flush()
+        if rest:
+            yield rest
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 class _PinnedTransport(httpx2.AsyncHTTPTransport):
     """httpx2's transport with its connection pool rebuilt on a `_PinnedBackend`.
 
@@ -146,7 +172,8 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
     one that has ours (the same class with the same TLS context). No proxy, no environment.
     """
 
-    def __init__(self, backend: _PinnedBackend, *, ssl_context: ssl.SSLContext, max_body_bytes: int) -> None:
+    def __init__(self, backend: _PinnedBackend, *, ssl_context: ssl.SSLContext, max_body_bytes: int,
+                 secrets: tuple[bytes, ...] = ()) -> None:
         super().__init__(verify=ssl_context, trust_env=False, retries=0)
         if not hasattr(self, "_pool"):  # pragma: no cover - a changed httpx2 must fail loudly
             raise RuntimeError("httpx2.AsyncHTTPTransport has no _pool; the ssrf pinning needs updating")
@@ -154,6 +181,7 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
             ssl_context=ssl_context, max_connections=4, network_backend=backend
         )
         self._max_body_bytes = max_body_bytes
+        self._secrets = secrets  # secret_forms of the auth header: never passed on in a body
         #: the first HTTP error status seen: the SDK turns it into a JSON-RPC error without it
         self.error_status: int | None = None
 
@@ -179,7 +207,10 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
                 f"mcp server response is larger than {self._max_body_bytes} bytes",
                 advice="Tell the customer you cannot retrieve this right now; ask them to narrow the request.",
             )
-        response.stream = _CappedStream(response.stream, self._max_body_bytes)  # type: ignore[arg-type]
+        stream: httpx2.AsyncByteStream = _CappedStream(response.stream, self._max_body_bytes)  # type: ignore[arg-type]
+        if self._secrets:
+            stream = _ScrubbedStream(stream, self._secrets)
+        response.stream = stream
         return response
 
 
@@ -254,7 +285,8 @@ class McpHttpClient:
             headers["Idempotency-Key"] = idempotency_key
         if self._ssl_context is None:
             self._ssl_context = httpx2.create_ssl_context(trust_env=False)
-        transport = _PinnedTransport(backend, ssl_context=self._ssl_context, max_body_bytes=self._max_body_bytes)
+        transport = _PinnedTransport(backend, ssl_context=self._ssl_context, max_body_bytes=self._max_body_bytes,
+                                     secrets=secret_forms([auth_header] if auth_header else []))
         try:
             async with asyncio.timeout(timeout_s):
                 async with httpx2.AsyncClient(

@@ -31,7 +31,9 @@ class ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     requires_approval: bool | None = None  # None: approval required exactly for write tools
     intents: tuple[str, ...] = ()
     enabled: bool = True
-    sensitive: tuple[str, ...] = ()  # parameter names redacted in traces and ce_tool_calls
+    #: names whose values are redacted at any depth in traces and ce_tool_calls (parameters and
+    #: result; services.tools.redaction), and never quoted in a validation error
+    sensitive: tuple[str, ...] = ()
     protected: tuple[str, ...] = ()  # extra argument names stripped from model input
     timeout_ms: int = 5000
     #: session variable set on success; while set, the tool is not offered again (seed 000 dedup)

@@ -80,14 +80,17 @@ def _validator_class(schema: dict[str, Any]) -> type:
 
 class ArgumentValidator:
     """A compiled validator for one tool's parameter schema (or a form's, or a tool's output).
-    `sensitive` arguments are never repeated in its problems."""
+    `sensitive` arguments are never repeated in its problems, nor, while one is present, the
+    arguments as a whole; with `all_sensitive` no value is (a form's answers are all the contact's)."""
 
-    __slots__ = ("_sensitive", "_validator")
+    __slots__ = ("_all_sensitive", "_sensitive", "_validator")
 
-    def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset()) -> None:
+    def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset(),
+                 all_sensitive: bool = False) -> None:
         cls = _validator_class(schema)
         self._validator = cls(schema, registry=NO_RETRIEVAL, format_checker=cls.FORMAT_CHECKER)
         self._sensitive = frozenset(sensitive)
+        self._all_sensitive = all_sensitive
 
     def errors(self, arguments: dict[str, Any]) -> list[str]:
         """Readable problems with `arguments`, most useful first; empty when valid. A schema
@@ -100,7 +103,7 @@ class ArgumentValidator:
         except referencing.exceptions.Unresolvable as exc:
             ref = _shown(str(getattr(exc, "ref", "")))
             return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
-        return [_describe(error, self._sensitive) for error in found]
+        return [_describe(error, self._sensitive, self._all_sensitive) for error in found]
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None:
@@ -185,19 +188,66 @@ def _error_rank(error: jsonschema.ValidationError) -> tuple[int, str]:
     return (order.get(error.validator, 3), error.json_path)
 
 
-def _describe(error: jsonschema.ValidationError, sensitive: frozenset[str] = frozenset()) -> str:
-    field = ".".join(str(p) for p in error.absolute_path)
-    if error.absolute_path and error.absolute_path[0] in sensitive:
-        # the message would repeat the value ("'4111…' does not match …"): say what is wrong only
-        if error.validator == "pattern":
-            return f"'{field}': the value does not match its pattern {error.validator_value!r}"
-        if error.validator not in ("required", "additionalProperties"):
-            return f"'{field}': the value is not valid ({error.validator})"
+def _describe(error: jsonschema.ValidationError, sensitive: frozenset[str] = frozenset(),
+              all_sensitive: bool = False) -> str:
+    path = error.absolute_path
+    field = ".".join(str(p) for p in path)
     if error.validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"'{missing}' is required"
-    if error.validator == "additionalProperties":
+    if error.validator == "additionalProperties":  # names the unexpected keys, never their values
         return error.message.replace("Additional properties are not allowed", "unknown argument")
+    if path and (all_sensitive or path[0] in sensitive):
+        # the message would repeat the value ("'4111…' does not match …"): say what is wrong only
+        return f"'{field}': {_rule_broken(error)}"
+    if not path and (all_sensitive or (isinstance(error.instance, dict) and not sensitive.isdisjoint(error.instance))):
+        # a rule on the arguments as a whole (anyOf, oneOf, not, const, maxProperties...): its
+        # message quotes the whole object, sensitive values with it
+        return _root_rule_broken(error, sensitive, all_sensitive)
     if field:
         return f"'{field}': {error.message}"
     return error.message
+
+
+def _rule_broken(error: jsonschema.ValidationError) -> str:
+    """What is wrong with a value, in words that never repeat it (the schema's own values may)."""
+    rule, limit = error.validator, error.validator_value
+    said = {
+        "pattern": f"the value does not match its pattern {limit!r}",
+        "type": f"the value is not of type {limit!r}",
+        "format": f"the value is not a valid {limit!r}",
+        "enum": f"the value is not one of {_shown(limit, 200)}",
+        "const": "the value is not the one allowed",
+        "minLength": f"the value is shorter than {limit} characters",
+        "maxLength": f"the value is longer than {limit} characters",
+        "minimum": f"the value is less than the minimum of {limit}",
+        "maximum": f"the value is more than the maximum of {limit}",
+        "exclusiveMinimum": f"the value must be more than {limit}",
+        "exclusiveMaximum": f"the value must be less than {limit}",
+        "multipleOf": f"the value is not a multiple of {limit}",
+        "minItems": f"the list has fewer than {limit} items",
+        "maxItems": f"the list has more than {limit} items",
+        "uniqueItems": "the list has repeated items",
+    }
+    return said.get(rule, f"the value is not valid ({rule})")
+
+
+def _root_rule_broken(error: jsonschema.ValidationError, sensitive: frozenset[str], all_sensitive: bool) -> str:
+    """A rule on the whole arguments object described without quoting it: the rule, and for
+    anyOf/oneOf what the closest alternative lacks (described with the same care)."""
+    rule, limit = error.validator, error.validator_value
+    if rule == "maxProperties":
+        return f"the arguments have more than {limit} properties"
+    if rule == "minProperties":
+        return f"the arguments have fewer than {limit} properties"
+    if rule == "dependentRequired":  # "'b' is a dependency of 'a'": names only
+        return error.message
+    said = f"the arguments do not satisfy the schema's '{rule}' rule"
+    if rule in ("anyOf", "oneOf") and error.context:
+        inner = []
+        for sub in sorted(error.context, key=_error_rank):
+            text = _describe(sub, sensitive, all_sensitive)
+            if text not in inner:
+                inner.append(text)
+        return f"{said}: " + "; or ".join(inner[:2])
+    return said

@@ -11,7 +11,10 @@ Owns
   (`services.tools.ssrf.check_destination`: host resolved once, every address checked), then
   connects only to the checked addresses through `_CheckedAddressResolver`; redirects are not
   followed; the response body is capped and the whole call (resolution, connect, headers, body)
-  runs under one deadline, so a server that drips bytes cannot hold the call open.
+  runs under one deadline, so a server that drips bytes cannot hold the call open. A 2xx body has
+  every credential the call sent (the decrypted `Authorization`, any header with a secret-looking
+  name) replaced by [redacted] before it is decoded: an upstream that echoes its request headers
+  cannot hand the credential to the model, the call record or a log.
 
 Every failure is a `services.tools.errors.ToolError` with a lower-case reason for the model. No
 reason or log line carries a header value (the decrypted auth header above all), a query value or
@@ -50,6 +53,7 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.model import BackendBindingTool, WebhookTool
+from services.tools.redaction import scrub_bytes, secret_forms, secret_name
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -413,6 +417,8 @@ class WebhookClient:
         request_headers = self._request_headers(
             headers, idempotency_key, has_body=body_bytes is not None
         )
+        # what the body must not echo back: the credentials this call sends (not Accept & co.)
+        secrets = secret_forms(v for v in request_headers.values() if isinstance(v, _Redacted))
 
         log = structlog.get_logger(__name__)
         started = time.monotonic()
@@ -431,6 +437,7 @@ class WebhookClient:
                         body_bytes,
                         timeout_s,
                         started,
+                        secrets,
                     )
             except TimeoutError:
                 raise UpstreamTimeout("upstream timeout", advice=_TIMEOUT_ADVICE) from None
@@ -558,7 +565,8 @@ class WebhookClient:
                     f"header {name.lower()!r} has an invalid value (a line break or control character)",
                     advice=_CREDENTIALS_ADVICE,
                 )
-            out[name] = _Redacted(value) if name.lower() == "authorization" else value
+            secret = name.lower() == "authorization" or secret_name(name)
+            out[name] = _Redacted(value) if secret else value
         if idempotency_key is not None:
             if _HEADER_VALUE_BAD_RE.search(idempotency_key) or not idempotency_key:
                 raise ToolError("idempotency key is invalid")
@@ -576,6 +584,7 @@ class WebhookClient:
         body: bytes | None,
         timeout_s: float,
         started: float,
+        secrets: tuple[bytes, ...] = (),
     ) -> WebhookResponse:
         token = _checked_destination.set(destination)
         try:
@@ -591,7 +600,7 @@ class WebhookClient:
                 if not 200 <= status < 300:
                     response.close()  # do not drain an error body we will not read
                     raise _status_error(status)
-                raw = await self._read_capped(response)
+                raw = scrub_bytes(await self._read_capped(response), secrets)
                 content_type = response.headers.get("Content-Type", "")
             return WebhookResponse(
                 status=status, json=_decode_json(raw, content_type), elapsed_ms=_elapsed_ms(started)

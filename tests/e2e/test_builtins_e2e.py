@@ -73,9 +73,9 @@ async def test_lead_booking_and_form_in_one_conversation_with_signed_notificatio
         booked = await api.call("POST", f"/v1/sessions/{session}/approvals/{pending['approval_id']}", {"approve": True})
         assert [(c["name"], c["success"]) for c in booked["tool_calls"]] == [("book_appointment", True)], booked
 
-        # 3. a form: a wrong answer names the field; a right one is stored
+        # 3. a form: a wrong answer names the field and the rule, never the answer; a right one is stored
         wrong = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 0, "service": "painting"}}')
-        assert "'rooms': 0 is less than the minimum of 1" in wrong["tool_calls"][0]["error"]
+        assert "'rooms': the value is less than the minimum of 1" in wrong["tool_calls"][0]["error"]
         submitted = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 3, "service": "painting"}}')
         assert submitted["tool_calls"][0]["success"], submitted
 

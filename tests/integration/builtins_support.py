@@ -1,5 +1,6 @@
 """Shared pieces of the built-in tool integration tests: a tenant-config fake, a trusted-context
-factory, the services wired to the real Postgres, and a notification receiver on loopback."""
+factory, the services wired to the real Postgres, a notification receiver on loopback, and one
+call run as the engine runs it (`through_executor`: checked, executed, recorded)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from typing import Any
 from aiohttp import web
 
 from services.botconfig import BotConfig
+from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
 from services.builtins import BuiltinServices
 from services.builtins.notify import Notifier
 from services.tools.context import TrustedContext
+from services.tools.executor import Executor, ToolCall, ToolOutcome
+from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.ssrf import policy_from_entries
+from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient
 from storage.repos.builtins import BuiltinRepos
 from storage.repos.notifications import NotificationRepo
@@ -115,3 +120,16 @@ async def services(pool, *, now: datetime | None = None, allow: tuple[str, ...] 
             yield svc, configs
         finally:
             await notifier.close(timeout_s=close_timeout_s)
+
+
+async def through_executor(svc: BuiltinServices, ctx: TrustedContext, tool: str, args: dict[str, Any],
+                           call_id: str = "toolu_1") -> ToolOutcome:
+    """One call of a built-in tool as the engine runs it: checked, executed and recorded."""
+    registry = HandlerRegistry()
+    svc.register(registry)
+    catalog = build_catalog(BUILTIN_DEFINITIONS, [], registry=registry, backend=None)
+    executor = Executor()
+    plan = executor.prepare([ToolCall(id=call_id, name=tool, arguments=args)], catalog=catalog,
+                            config=BotConfig(), session=SessionToolState(), scope={})
+    (outcome,) = await executor.execute(plan, ctx, approved=True)
+    return outcome

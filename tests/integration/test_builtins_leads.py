@@ -15,26 +15,33 @@ from structlog.testing import capture_logs
 
 from services.builtins.notify import sign, verify
 from services.tools.errors import InvalidArguments, PolicyDenied
+from services.tools.executor import REDACTED
 from services.tools.registry import SetVariables
-from tests.integration.builtins_support import SECRET, ctx, receiver, services
+from tests.integration.builtins_support import SECRET, ctx, receiver, services, through_executor
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ({"name": "Jane", "email": "jane.example.com"}, r"'email' is not a valid email address: 'jane.example.com' - it must contain exactly one '@'"),
-    ({"name": "Jane", "email": "jane@"}, r"'email' is not a valid email address: .* no domain after the '@'"),
-    ({"name": "Jane", "email": "jane@localhost"}, r"'email' .* has no dot"),
+    ({"name": "Jane", "email": "jane.example.com"}, r"^'email' is not a valid email address: it must contain exactly one '@'$"),
+    ({"name": "Jane", "email": "jane@"}, r"^'email' is not a valid email address: no domain after the '@'$"),
+    ({"name": "Jane", "email": "jane@localhost"}, r"^'email' is not a valid email address: the domain after the '@' has no dot"),
     ({"name": "Jane", "email": "ja ne@example.com"}, r"'email' .* characters an email address cannot have"),
-    ({"name": "Jane", "email": "jane@example.com", "phone": "12ab34"}, r"'phone' is not a valid phone number: '12ab34' - only digits"),
-    ({"name": "Jane", "email": "jane@example.com", "phone": "+1 234"}, r"'phone' is not a valid phone number: '\+1 234' has 4 digits"),
+    ({"name": "Jane", "email": "jane@example.com", "phone": "12ab34"}, r"^'phone' is not a valid phone number: only digits"),
+    ({"name": "Jane", "email": "jane@example.com", "phone": "+1 234"}, r"^'phone' is not a valid phone number: it has 4 digits"),
     ({"name": "Jane", "email": "jane@example.com", "phone": "12+345678"}, r"'phone' is not a valid phone number"),
     ({"name": "  ", "email": "jane@example.com"}, r"'name' is missing"),
 ])
-async def test_malformed_fields_are_refused_in_band_naming_the_field(pool, make_tenant, args, message):
+async def test_malformed_fields_are_refused_in_band_naming_the_field_and_rule_never_the_value(
+        pool, make_tenant, args, message):
+    # the reason reaches ce_tool_calls.error, the API's tool_calls[].error, SSE and the dashboard;
+    # email and phone are sensitive (before, "'email' is not a valid email address: 'jane.example.com' - ...")
     tenant, _ = await make_tenant("lead")
     async with services(pool) as (svc, _configs):
         with pytest.raises(InvalidArguments, match=message) as caught:
             await svc.leads.collect(args, ctx(tenant.id))
         assert "Ask the customer" in caught.value.advice
+        typed = [args[k] for k in ("email", "phone") if k in args and args[k] != "jane@example.com"]
+        assert not any(value in caught.value.reason for value in typed), caught.value.reason
+        assert "localhost" not in caught.value.reason
         assert await svc.repos.leads.list(tenant.id) == []
 
 
@@ -46,7 +53,8 @@ async def test_a_lead_is_saved_once_per_session_with_a_fact_and_the_contact_vari
                                        "notes": "wants a yoga membership"}, c)
         assert isinstance(out, SetVariables)
         assert out.variables == {"contact_id": "jane@example.com"}
-        assert out.result["status"] == "saved" and out.result["email"] == "jane@example.com"
+        assert out.result["status"] == "saved" and out.result["name"] == "Jane Doe"
+        assert "email" not in out.result  # the model sent it; ce_tool_calls.result need not keep a copy
 
         # the same lead again (a replayed turn): the stored row, no second one
         again = await svc.leads.collect({"name": "Jane Doe", "email": "jane@example.com"}, c)
@@ -63,6 +71,27 @@ async def test_a_lead_is_saved_once_per_session_with_a_fact_and_the_contact_vari
         assert len(facts) == 1
         assert facts[0]["contact_id"] == "jane@example.com" and facts[0]["session_id"] == c.session_id
         assert "yoga membership" in facts[0]["content"]
+
+
+async def test_the_call_record_keeps_no_contact_details_of_a_saved_or_a_refused_lead(pool, make_tenant):
+    # ce_tool_calls: before, the result kept the email ("email" in collect_lead's result) and a
+    # refused call's error quoted what was typed
+    tenant, _ = await make_tenant("lead")
+    email, phone = "jane.doe.private@example.com", "+44 20 7946 0958"
+    async with services(pool) as (svc, _configs):
+        saved = await through_executor(svc, ctx(tenant.id), "collect_lead",
+                                       {"name": "Jane Doe", "email": email, "phone": phone,
+                                        "notes": f"call me on {phone}"})
+        refused = await through_executor(svc, ctx(tenant.id), "collect_lead",
+                                         {"name": "Jane Doe", "email": "jane.doe.private@examplecom",
+                                          "phone": "+44 20 7946 0958 0958 0958"})
+    assert saved.success, saved.content
+    assert saved.record.parameters == {"name": "Jane Doe", "email": REDACTED, "phone": REDACTED, "notes": REDACTED}
+    assert saved.record.result == {"lead_id": saved.record.result["lead_id"], "status": "saved", "name": "Jane Doe"}
+    assert not refused.success and refused.error_kind == "invalid_arguments"
+    assert "'email' is not a valid email address" in refused.record.error
+    for text in (msgspec.json.encode(saved.record).decode(), refused.record.error, refused.content):
+        assert "private" not in text and "7946" not in text, text
 
 
 @pytest.mark.parametrize(("args", "stored"), [

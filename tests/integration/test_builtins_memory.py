@@ -8,9 +8,10 @@ import secrets
 import pytest
 
 from services.tools.errors import InvalidArguments
+from services.tools.executor import REDACTED
 from storage.records import MessageRecord, SessionDelta, SessionSnapshot
 from storage.repos import SessionRepo
-from tests.integration.builtins_support import ctx, services
+from tests.integration.builtins_support import ctx, services, through_executor
 
 
 async def store_conversation(pool, tenant_id: str, session_id: str, texts: list[tuple[str, str]],
@@ -144,3 +145,18 @@ async def test_a_query_that_matches_nothing_returns_the_latest_facts(pool, make_
 
         with pytest.raises(InvalidArguments, match="'query' is empty"):
             await svc.memory.recall({"query": "   "}, c)
+
+
+async def test_recalled_facts_reach_the_model_but_not_the_call_record(pool, make_tenant):
+    # a lead's fact holds the contact's email and phone: before, ce_tool_calls.result kept a copy
+    tenant, _ = await make_tenant("mem")
+    c = ctx(tenant.id)
+    async with services(pool) as (svc, _configs):
+        await svc.leads.collect({"name": "Jane", "email": "jane.recall@example.com", "phone": "+44 20 7946 0958"}, c)
+        out = await through_executor(svc, c, "recall_memory", {"query": "lead details"})
+    assert out.success and "jane.recall@example.com" in out.content  # what the model reads is whole
+    record = out.record.result
+    assert record["found"] == 1 and record["summary"] == REDACTED
+    assert [m["content"] for m in record["memories"]] == [REDACTED]
+    assert record["memories"][0]["from"] == "saved fact"  # the rest of the result stays readable
+    assert out.record.parameters == {"query": "lead details"}

@@ -72,6 +72,22 @@ async def test_a_failing_tool_is_an_error_result_not_an_exception(shop) -> None:
         result_value(result)
 
 
+async def test_a_server_echoing_the_auth_header_hands_back_only_redacted(shop) -> None:
+    # before, the decrypted header came back in the tool's result: the model's context, the record
+    try:
+        echo = ShopMcpServer(echo_auth=True).start()
+    except OSError:
+        pytest.skip("127.0.0.2 cannot be bound here")
+    try:
+        client = McpHttpClient(policy=LOOPBACK_TWO)
+        result = await client.call_tool(echo.url, "whoami", {}, auth_header=TOKEN, timeout_s=5)
+    finally:
+        echo.stop()
+    assert echo.requests[-1]["authorization"] == TOKEN  # sent as configured
+    assert result_value(result) == {"authorization": "[redacted]", "token": "[redacted]"}
+    assert "mcp-test-token" not in repr(result)
+
+
 async def test_wrong_credentials_are_an_unreachable_tool_error_without_the_header(shop) -> None:
     client = McpHttpClient(policy=LOOPBACK_TWO)
     with pytest.raises(UpstreamUnreachable, match=r"refused the credentials \(401\)") as exc:

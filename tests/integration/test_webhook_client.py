@@ -86,6 +86,7 @@ class Upstream:
         app = web.Application(middlewares=[record])
         app.router.add_route("*", "/orders/{order_id}", self._order)
         app.router.add_route("*", "/echo", self._echo)
+        app.router.add_route("*", "/echo-headers", self._echo_headers)
         app.router.add_route("*", "/example/catalog", self._echo)
         app.router.add_route("*", "/listings", self._echo)
         app.router.add_get("/slow", self._slow)
@@ -117,6 +118,12 @@ class Upstream:
 
     async def _echo(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
+
+    async def _echo_headers(self, request: web.Request) -> web.Response:
+        # a debugging endpoint, or a hostile one: the request's headers back in a 2xx body, the
+        # credential after its scheme alone too
+        auth = request.headers.get("Authorization", "")
+        return web.json_response({"you_sent": dict(request.headers), "token": auth.partition(" ")[2]})
 
     async def _slow(self, request: web.Request) -> web.Response:
         await asyncio.sleep(10)
@@ -726,6 +733,48 @@ async def test_binding_goes_through_the_same_guard(make_client, upstream) -> Non
     with pytest.raises(DestinationBlocked):
         await client.call_binding(upstream.base_for("api.test"), tool, {}, {}, {})
     assert upstream.requests == []
+
+
+async def test_a_body_echoing_the_credentials_reaches_the_model_and_the_record_redacted(client, upstream) -> None:
+    # before, the decrypted header went into the tool result the model reads and ce_tool_calls
+    from services.botconfig import BotConfig
+    from services.tools.executor import Executor, ToolCall
+    from services.tools.registry import HandlerRegistry, build_catalog
+    from services.tools.toolset import SessionToolState
+
+    box = SecretBox([generate_key()])
+    secret = 'Token realm="shop", key=sk-live-SUPERSECRET-42'  # JSON escapes its quotes: both forms go
+    tool = WebhookTool(name="lookup", description="look up", parameters={"type": "object", "properties": {}},
+                       webhook_url=upstream.base_for("api.test") + "/echo-headers", auth_header_enc=box.encrypt(secret))
+    catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(),
+                            backend=WebhookToolBackend(client, secret_box=box))
+    executor = Executor()
+    plan = executor.prepare([ToolCall(id="c1", name="lookup", arguments={})], catalog=catalog, config=BotConfig(),
+                            session=SessionToolState(), scope={})
+    [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t1", session_id="s1", message_id="m1"))
+    assert upstream.requests[-1]["headers"]["Authorization"] == secret  # sent as configured
+    assert outcome.success, outcome.content
+    echoed = json.loads(outcome.content)
+    assert echoed["you_sent"]["Authorization"] == "[redacted]"
+    assert echoed["token"] == "[redacted]"  # the credential alone ('realm="shop", key=...')
+    assert echoed["you_sent"]["Accept"] == "application/json"  # headers that are no secret stay
+    assert outcome.record.result == echoed
+    assert "SUPERSECRET" not in outcome.content and "SUPERSECRET" not in json.dumps(outcome.record.result)
+
+
+async def test_a_body_echoing_a_bindings_backend_credentials_is_redacted(client, upstream) -> None:
+    backend = WebhookToolBackend(
+        client, secret_box=None, binding_base_url=upstream.base_for("api.test"),
+        binding_headers={"Authorization": "Bearer backend-SUPERSECRET-7", "X-Api-Key": "apikey-SUPERSECRET-8",
+                         "X-Shop": "berlin-store"},
+    )
+    binding = BackendBindingTool(name="b", description="d", parameters={}, path="/echo-headers")
+    result = await backend.call_binding(binding, {}, ctx=TrustedContext(tenant_id="t1", session_id="s1"),
+                                        timeout_s=2.0, idempotency_key=None)
+    sent = result["you_sent"]
+    assert (sent["Authorization"], sent["X-Api-Key"], result["token"]) == ("[redacted]",) * 3
+    assert sent["X-Shop"] == "berlin-store"  # a header with an ordinary name is no secret
+    assert "SUPERSECRET" not in json.dumps(result)
 
 
 # --------------------------------------------------------------------------- the registry's port

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
-from services.tools.errors import DEFAULT_ADVICE, UpstreamStatus, UpstreamTimeout
+from services.tools.errors import DEFAULT_ADVICE, InvalidArguments, UpstreamStatus, UpstreamTimeout
 from services.tools.executor import (
     REDACTED,
     BatchPlan,
@@ -563,6 +563,73 @@ async def test_sensitive_parameters_are_redacted_in_the_record_of_a_failed_call(
     outcome = await run_one(catalog, call("pay", card="4111111111111111", extra=1))
     assert outcome.success is False
     assert outcome.record.parameters["card"] == REDACTED
+
+
+async def test_a_results_sensitive_values_stay_out_of_the_record_but_reach_the_model() -> None:
+    # before, ce_tool_calls.result kept what the handler echoed (collect_lead returned the email)
+    email = "ana.private@example.com"
+    handler = FakeHandler("collect_lead", result={
+        "lead": {"email": email, "id": "L1"}, "echo": email, "note": f"confirmation sent to {email}",
+        "contacts": [{"phone": "+351 900 000 000"}], "status": "saved",
+    })
+    schema = {"type": "object", "properties": {"email": {"type": "string"}, "phone": {"type": "string"}}}
+    catalog = make_catalog(python_tool("collect_lead", parameters=schema, sensitive=("email", "phone")),
+                           handlers=(handler,))
+    outcome = await run_one(catalog, call("collect_lead", email=email))
+    assert outcome.record.result == {
+        "lead": {"email": REDACTED, "id": "L1"}, "echo": REDACTED, "note": f"confirmation sent to {REDACTED}",
+        "contacts": [{"phone": REDACTED}], "status": "saved",
+    }
+    assert email in outcome.content and "+351 900 000 000" in outcome.content  # the model reads it whole
+
+
+async def test_a_client_tools_record_redacts_its_sensitive_arguments_the_client_gets_them_whole() -> None:
+    schema = {"type": "object", "properties": {"card": {"type": "string"}, "q": {"type": "string"}}}
+    catalog = make_catalog(client_tool("show_card", parameters=schema, sensitive=("card",)))
+    outcome = await run_one(catalog, call("show_card", card="4111111111111111", q="visa"))
+    assert outcome.record.result == {"name": "show_card", "arguments": {"card": REDACTED, "q": "visa"}}
+    # the turn's client_actions go to the client app, which needs the value to show it
+    assert outcome.client_action == ClientAction(name="show_card", arguments={"card": "4111111111111111", "q": "visa"})
+
+
+@pytest.mark.parametrize("name", ["password", "api_key", "apiKey", "X-Api-Key", "access_token", "client_secret",
+                                  "cvv", "card_number", "pin", "card_pin", "Authorization"])
+async def test_values_under_secret_looking_names_are_redacted_in_the_record_whatever_the_tool_declares(name) -> None:
+    # the dashboard already hid them on display (services.tools.redaction.SECRET_NAME_RE, one rule)
+    handler = FakeHandler("login", result={"session": {name: "s3cr3t-out"}, "user": "ana"})
+    catalog = make_catalog(python_tool("login"), handlers=(handler,))
+    outcome = await run_one(catalog, call("login", **{name: "s3cr3t-in", "q": "ana"}))
+    assert outcome.record.parameters == {name: REDACTED, "q": "ana"}
+    assert outcome.record.result == {"session": {name: REDACTED}, "user": "ana"}
+    assert handler.calls[0][0][name] == "s3cr3t-in"
+
+
+@pytest.mark.parametrize("name", ["shipping", "spinner", "description", "quantity"])
+async def test_ordinary_names_are_kept_in_the_record(name) -> None:
+    catalog = make_catalog(python_tool("lookup"))
+    outcome = await run_one(catalog, call("lookup", **{name: "value"}))
+    assert outcome.record.parameters == {name: "value"}
+
+
+async def test_a_failure_text_quoting_a_sensitive_value_has_it_replaced_everywhere_it_goes() -> None:
+    # a handler (or a check) that quotes the value: the text is the model's tool_result, the API's
+    # tool_calls[].error, SSE, ce_turns and ce_tool_calls.error
+    card = "4111 1111 1111 1111"
+    form = {"iban": "DE89370400440532013000", "city": "Lisbon"}
+    handler = FakeHandler("pay", result=InvalidArguments(f"card {card!r} declined for {form['iban']}; ok"))
+    schema = {"type": "object", "properties": {"card": {"type": "string"}, "form": {"type": "object"}}}
+    catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card", "form")), handlers=(handler,))
+    outcome = await run_one(catalog, call("pay", card=card, form=form))
+    assert outcome.content == (
+        f"Tool 'pay' failed: card '{REDACTED}' declined for {REDACTED}; ok. {DEFAULT_ADVICE}"
+    )
+    assert outcome.error == outcome.record.error == outcome.content
+
+
+async def test_the_plan_summary_hides_secret_looking_arguments_too() -> None:
+    catalog = make_catalog(python_tool("login", mutability="write", description="Sign in."))
+    plan = plan_for(Executor(), catalog, call("login", password="hunter22", q="ana"))
+    assert plan.summary() == [f"login(password={REDACTED}, q=ana) - will change data: Sign in."]
 
 
 async def test_record_fields_of_a_successful_call() -> None:

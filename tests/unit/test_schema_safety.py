@@ -116,6 +116,66 @@ def test_sensitive_arguments_are_not_repeated_in_validation_errors():
     assert "'note': 'long' is too long" in problems  # not sensitive: said as before
 
 
+CARD = "4111111111111111"
+
+
+@pytest.mark.parametrize(("rule", "said"), [
+    ({"anyOf": [{"required": ["amount"]}, {"required": ["token_ref"]}]},
+     "the arguments do not satisfy the schema's 'anyOf' rule: 'amount' is required; or 'token_ref' is required"),
+    ({"oneOf": [{"required": ["card"]}, {"required": ["note"]}]},
+     "the arguments do not satisfy the schema's 'oneOf' rule"),  # matches both: no alternative to name
+    ({"not": {"required": ["card"]}}, "the arguments do not satisfy the schema's 'not' rule"),
+    ({"maxProperties": 1}, "the arguments have more than 1 properties"),
+    ({"const": {"card": "0000"}}, "the arguments do not satisfy the schema's 'const' rule"),
+    ({"dependentRequired": {"card": ["amount"]}}, "'amount' is a dependency of 'card'"),
+])
+def test_a_rule_on_the_whole_arguments_never_quotes_them_while_a_sensitive_one_is_present(rule, said):
+    # the path is empty, and jsonschema's message quotes the whole arguments object: before,
+    # "{'card': '4111…', 'note': 'x'} is not valid under any of the given schemas"
+    schema = {**obj(card={"type": "string"}, note={"type": "string"}, amount={"type": "integer"}), **rule}
+    problems = ArgumentValidator(schema, sensitive=frozenset({"card"})).errors({"card": CARD, "note": "x"})
+    assert problems == [said]
+
+
+def test_a_rule_on_the_whole_arguments_is_said_as_before_without_sensitive_ones():
+    schema = {**obj(note={"type": "string"}), "maxProperties": 1}
+    assert ArgumentValidator(schema, sensitive=frozenset({"card"})).errors({"note": "x", "b": 1}) == [
+        "{'note': 'x', 'b': 1} has too many properties"]
+
+
+@pytest.mark.parametrize(("prop", "value", "said"), [
+    ({"type": "integer", "minimum": 1}, 0, "'f': the value is less than the minimum of 1"),
+    ({"type": "integer"}, "three", "'f': the value is not of type 'integer'"),
+    ({"type": "string", "format": "email"}, "jane-at-x", "'f': the value is not a valid 'email'"),
+    ({"enum": ["a", "b"]}, "zz-secret", "'f': the value is not one of ['a', 'b']"),
+    ({"type": "string", "maxLength": 3}, "long-secret", "'f': the value is longer than 3 characters"),
+    ({"type": "string", "pattern": "^[0-9]{5}$"}, "ABC-secret", "'f': the value does not match its pattern '^[0-9]{5}$'"),
+    ({"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]$"}}}, {"zip": "Z-secret"},
+     "'f.zip': the value does not match its pattern '^[0-9]$'"),
+])
+def test_with_every_value_sensitive_a_problem_names_the_field_and_rule_never_the_value(prop, value, said):
+    # a form's answers are all the contact's (submit_form's `data`)
+    problems = ArgumentValidator(obj(f=prop), all_sensitive=True).errors({"f": value})
+    assert problems == [said]
+
+
+async def test_a_root_rule_error_keeps_a_sensitive_value_out_of_the_model_and_the_record():
+    from services.botconfig import BotConfig
+    from services.tools.context import TrustedContext
+    from services.tools.executor import Executor, ToolCall
+    from services.tools.toolset import SessionToolState
+    from tests.unit.fakes import make_catalog, python_tool
+
+    schema = {**obj(card={"type": "string"}, amount={"type": "integer"}), "anyOf": [{"required": ["amount"]}]}
+    catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
+    executor = Executor()
+    plan = executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": CARD})],
+                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t", session_id="s", message_id="m"))
+    assert "'anyOf' rule: 'amount' is required" in outcome.content
+    assert CARD not in outcome.content and CARD not in (outcome.record.error or "")
+
+
 async def test_a_tools_sensitive_arguments_stay_out_of_its_in_band_error_and_record():
     # through the executor: the error is what the model reads and what ce_tool_calls keeps
     from services.botconfig import BotConfig

@@ -70,3 +70,22 @@ def test_the_output_gate_is_on_unless_switched_off():
     assert Settings.from_env({"CE_OUTPUT_GATE": "no"}).output_gate is False
     assert Settings.from_env({"CE_OUTPUT_GATE": "yes"}).output_gate is True
     assert Settings.from_env({"CE_PORT": "65535"}).port == 65535
+
+
+def test_the_repr_redacts_the_api_key_the_encryption_keys_and_url_passwords():
+    # a log line, a traceback with locals or a debugger shows the repr: before, every secret in full
+    s = Settings.from_env({
+        "DATABASE_URL": "postgresql://ce:db-pw-9f2@db.internal:5432/chat?sslmode=require&password=q-pw-77",
+        "ANTHROPIC_API_KEY": "sk-ant-api03-abcdef", "CE_SECRET_KEY": "key-one-aaaa,key-two-bbbb",
+        "CE_OTLP_ENDPOINT": "https://otel:otlp-pw-33@collector:4318", "CE_SHARDS": "8",
+    })
+    shown = repr(s)
+    for secret in ("db-pw-9f2", "q-pw-77", "sk-ant-api03-abcdef", "key-one-aaaa", "key-two-bbbb", "otlp-pw-33"):
+        assert secret not in shown and secret not in str(s) and secret not in repr([s]), secret
+    assert "database_url='postgresql://ce:[redacted]@db.internal:5432/chat?sslmode=require&password=[redacted]'" in shown
+    assert "anthropic_api_key='[redacted]'" in shown and "secret_keys=('[redacted]', '[redacted]')" in shown
+    assert "shards=8" in shown and "otlp_endpoint='https://otel:[redacted]@collector:4318'" in shown
+    assert dict(s.__rich_repr__())["anthropic_api_key"] == "[redacted]"
+    # the values themselves are untouched
+    assert s.anthropic_api_key == "sk-ant-api03-abcdef" and s.secret_key == "key-one-aaaa"
+    assert repr(Settings()).startswith("Settings(database_url=None, ray_address=None, anthropic_api_key=None,")

@@ -56,6 +56,24 @@ async def test_a_turn_is_one_trace_of_rounds_and_tool_calls_with_redacted_argume
     assert record.trace_id == format(turn.context.trace_id, "032x")
 
 
+async def test_a_tool_spans_arguments_hide_secret_looking_names_the_tool_did_not_declare(spans):
+    registry = HandlerRegistry()
+
+    @registry.register("login")
+    async def login(args, ctx):
+        return {"ok": True}
+
+    tool = PythonTool(name="login", description="login", handler="login",
+                      parameters={"type": "object", "properties": {"user": {"type": "string"},
+                                                                   "password": {"type": "string"}}})
+    catalog = build_catalog([], [(tool, 1)], registry=registry, backend=None)
+    env = TurnEnv(llm=ScriptedLLM([[("login", {"user": "ana", "password": "hunter2-long"})], "in"]),
+                  executor=Executor(), catalog=catalog, config=BotConfig(), main_model="main", cheap_model="cheap")
+    await handle_message(new_state("t1", "s1"), "sign me in", "m1", env)
+    (tool_span,) = [s for s in spans.get_finished_spans() if s.name == "tool_call"]
+    assert tool_span.attributes["ce.arguments"] == '{"user":"ana","password":"[redacted]"}'
+
+
 def test_the_mcp_sdk_cannot_log_a_tenant_servers_answer():
     # it logs an unparsable answer with its body at ERROR; the engine logs the failure without it
     # (in a process of its own: configure_logging sets process-wide state)
@@ -65,4 +83,27 @@ def test_the_mcp_sdk_cannot_log_a_tenant_servers_answer():
     check = ("import logging; from services.logging import configure_logging; configure_logging(); "
              "sdk = logging.getLogger('mcp.client.streamable_http'); "
              "assert not sdk.isEnabledFor(logging.ERROR) and sdk.isEnabledFor(logging.CRITICAL)")
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
+
+
+def test_no_mcp_sdk_logger_can_log_a_servers_payload_after_configure_logging():
+    # mcp/client/session.py logs under "client" (a notification that fails validation: WARNING,
+    # exc_info, pydantic's input_value from the server's payload) and mcp.shared.* log handler
+    # errors with exc_info; before, only "mcp.client" was quieted. Every logger the SDK's modules
+    # hold, found by walking them (a renamed logger is caught), in a process of its own.
+    import subprocess
+    import sys
+
+    check = """
+import logging, sys
+import services.tools.mcp_client, mcp.client.session, mcp.shared.jsonrpc_dispatcher, mcp.shared.dispatcher
+from services.logging import configure_logging
+configure_logging()
+held = {m.logger.name for name, m in list(sys.modules.items())
+        if name.split(".")[0] == "mcp" and isinstance(getattr(m, "logger", None), logging.Logger)}
+assert {"client", "mcp.shared.jsonrpc_dispatcher", "mcp.shared.dispatcher"} <= held, held
+loud = sorted(n for n in held if logging.getLogger(n).isEnabledFor(logging.WARNING))
+assert not loud, loud
+assert logging.getLogger("services.tools.mcp_client").isEnabledFor(logging.WARNING)  # the engine's own
+"""
     subprocess.run([sys.executable, "-c", check], check=True, timeout=60)

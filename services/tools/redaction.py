@@ -1,0 +1,151 @@
+"""What a tool call's record, its trace, an error text and the dashboard never show. Pure: no I/O.
+
+Owns
+- `SECRET_NAME_RE`, the one definition of a secret-looking name (`password`, `api_key`, `token`,
+  `cvv`, ...): whatever a tool declares, values under such names are `[redacted]` in the call
+  record, its trace (the executor) and on the dashboard (services.gateway.dashboard);
+- `redact`: a value (a call's parameters or result) with the values under a tool's `sensitive`
+  names or secret-looking names replaced at any depth, and every string that repeats a sensitive
+  argument's value replaced too (a handler that echoes the email it saved, a client tool's action
+  that carries its arguments);
+- `scrub_text`: a text (an in-band error) with each sensitive value it quotes replaced;
+- `secret_forms` / `scrub_bytes` / `StreamScrubber`: a response body with a credential the engine
+  sent (a decrypted auth header) replaced before it is decoded, so an upstream that echoes its
+  request headers cannot hand the credential to the model, the call record or the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+REDACTED = "[redacted]"
+_REDACTED_BYTES = REDACTED.encode()
+
+#: names whose values are never stored or shown, whatever the tool declares. `pin` only as a word
+#: of its own (`pin`, `card_pin`, `pin-code`): as a substring it is in `shipping` and `spinner`.
+SECRET_NAME_RE = re.compile(
+    r"pass(?:word|wd|phrase)?(?![a-z])|secret|token|api[_-]?key|private[_-]?key|authori[sz]ation|credential|cvv|cvc"
+    r"|card[_-]?number|ssn|(?:^|[_\-.\s])pin(?:$|[_\-.\s]|code)",
+    re.IGNORECASE,
+)
+#: shorter sensitive values are not searched for inside longer texts: "no" or "12" would take
+#: pieces out of every sentence (a value equal to a whole string is still replaced)
+MIN_SCRUB_CHARS = 3
+#: credentials shorter than this are not searched for in a body: "k" or "123" would be found in
+#: every key and number, and the body would no longer decode (nor are they worth much as secrets)
+MIN_SECRET_CHARS = 8
+
+
+def secret_name(name: Any) -> bool:
+    """True when `name` looks like it holds a credential or card data (see SECRET_NAME_RE)."""
+    return SECRET_NAME_RE.search(str(name)) is not None
+
+
+def sensitive_values(arguments: Mapping[str, Any], sensitive: Iterable[str]) -> frozenset[str]:
+    """Every non-empty string held (at any depth) under one of the `sensitive` argument names:
+    the values a record or an error text must not repeat (a form's `data` holds several)."""
+    found: set[str] = set()
+    names = frozenset(sensitive)
+    for key, value in arguments.items():
+        if key in names or secret_name(key):
+            _strings(value, found)
+    return frozenset(found)
+
+
+def _strings(value: Any, into: set[str]) -> None:
+    if isinstance(value, str):
+        if value.strip():
+            into.add(value)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _strings(item, into)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _strings(item, into)
+
+
+def redact(value: Any, names: frozenset[str] = frozenset(), values: frozenset[str] = frozenset()) -> Any:
+    """`value` with what is under a name in `names` or a secret-looking name replaced by
+    [redacted] at any depth, and each string in `values` replaced wherever it appears (a whole
+    string equal to one, or quoted inside a longer text; see `scrub_text`). Returns a copy."""
+    if isinstance(value, Mapping):
+        return {k: REDACTED if (k in names or secret_name(k)) else redact(v, names, values) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v, names, values) for v in value]
+    if isinstance(value, str) and values:
+        return REDACTED if value in values else scrub_text(value, values)
+    return value
+
+
+def scrub_text(text: str, values: Iterable[str]) -> str:
+    """`text` with every occurrence of each value of at least MIN_SCRUB_CHARS characters (as
+    given, or as Python's repr or JSON would escape it) replaced by [redacted], longest first."""
+    forms: set[str] = set()
+    for value in values:
+        if len(value.strip()) >= MIN_SCRUB_CHARS:
+            forms.update(f for f in _text_forms(value) if f)
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, REDACTED)
+    return text
+
+
+def _text_forms(value: str) -> tuple[str, ...]:
+    return (value, value.strip(), repr(value)[1:-1], json.dumps(value)[1:-1],
+            json.dumps(value, ensure_ascii=False)[1:-1])
+
+
+def secret_forms(secrets: Iterable[str]) -> tuple[bytes, ...]:
+    """The byte strings a body may carry each secret as: the value itself, the credential after
+    its scheme ("Bearer <token>": the token alone), each also as JSON escapes it; longest first.
+    Texts shorter than MIN_SECRET_CHARS are left out."""
+    forms: set[bytes] = set()
+    for secret in secrets:
+        _scheme, space, credential = secret.strip().partition(" ")
+        texts = [secret, credential.strip()] if space else [secret]
+        for text in (t for t in texts if len(t) >= MIN_SECRET_CHARS):
+            forms.update(f.encode() for f in (text, json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1]))
+    return tuple(sorted((f for f in forms if f), key=len, reverse=True))
+
+
+def scrub_bytes(raw: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """`raw` with every occurrence of each form replaced by [redacted] (forms longest first, as
+    `secret_forms` returns them)."""
+    for form in forms:
+        raw = raw.replace(form, _REDACTED_BYTES)
+    return raw
+
+
+class StreamScrubber:
+    """`scrub_bytes` over a body that arrives in chunks: a secret split across two chunks is still
+    found. `feed` returns what is safe to pass on now: all but the longest tail that could be the
+    start of a form (never more), so an event that ends a chunk is passed on at once; `flush`
+    returns the rest when the body ends."""
+
+    __slots__ = ("_forms", "_tail")
+
+    def __init__(self, forms: tuple[bytes, ...]) -> None:
+        self._forms = forms
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buffer = scrub_bytes(self._tail + chunk, self._forms)
+        hold = self._partial(buffer)
+        self._tail = buffer[len(buffer) - hold:] if hold else b""
+        return buffer[: len(buffer) - hold]
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _partial(self, buffer: bytes) -> int:
+        """The length of the longest end of `buffer` that a form starts with (0: none)."""
+        longest = 0
+        for form in self._forms:
+            for size in range(min(len(form) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(form[:size]):
+                    longest = size
+                    break
+        return longest

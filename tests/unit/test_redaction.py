@@ -1,0 +1,91 @@
+"""services.tools.redaction: the one secret-looking-name rule (shared by the executor's record and
+the dashboard), value redaction at any depth, and credentials scrubbed from response bodies, also
+when a body arrives in chunks that split one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.dashboard import redact as dashboard_redact
+from services.tools.redaction import (
+    REDACTED,
+    StreamScrubber,
+    redact,
+    scrub_bytes,
+    scrub_text,
+    secret_forms,
+    secret_name,
+    sensitive_values,
+)
+
+SECRET = "Bearer sk_live_TOPSECRET42"
+
+
+@pytest.mark.parametrize("name", ["password", "passwd", "passphrase", "db_pass", "client_secret", "access_token", "api_key",
+                                  "apiKey", "X-Api-Key", "private_key", "Authorization", "credentials", "cvv",
+                                  "cvc", "card_number", "ssn", "pin", "card_pin", "pin_code", "pincode"])
+def test_secret_looking_names(name):
+    assert secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["email", "shipping", "spinner", "opinion", "description", "order_id", "passengers",
+                                  "Idempotency-Key", "Content-Type", "query"])
+def test_ordinary_names(name):
+    assert not secret_name(name)
+
+
+def test_the_dashboard_uses_the_same_rule():
+    # one definition: the dashboard hides on display what the executor keeps out of the record
+    shown = dashboard_redact({"card_pin": "1234", "nested": [{"api_key": "k"}], "q": "x"}, frozenset())
+    assert shown == {"card_pin": REDACTED, "nested": [{"api_key": REDACTED}], "q": "x"}  # `pin`: the shared rule's
+
+
+def test_redact_replaces_named_values_and_repeated_sensitive_strings_at_any_depth():
+    values = sensitive_values({"email": "ana@example.com", "form": {"iban": "DE89", "n": 3}, "q": "x"},
+                              ("email", "form"))
+    assert values == {"ana@example.com", "DE89"}
+    out = redact({"email": "ana@example.com", "list": ["ana@example.com", {"token": 1}], "note": "mail ana@example.com",
+                  "code": "DE89", "count": 3}, frozenset({"email"}), values)
+    assert out == {"email": REDACTED, "list": [REDACTED, {"token": REDACTED}], "note": f"mail {REDACTED}",
+                   "code": REDACTED, "count": 3}
+
+
+def test_scrub_text_replaces_values_as_given_as_repr_or_json_shows_them_but_not_tiny_ones():
+    values = ["Ana\tSmith-Brown", "ok"]
+    text = f"name {values[0]!r} / {json.dumps(values[0])} / ok"
+    assert scrub_text(text, values) == f"name '{REDACTED}' / \"{REDACTED}\" / ok"
+
+
+def test_secret_forms_cover_the_value_the_credential_alone_and_its_json_escapes():
+    forms = secret_forms(['Bearer tok"en/é-1234', ""])
+    assert b'Bearer tok"en/\xc3\xa9-1234' in forms and b'tok"en/\xc3\xa9-1234' in forms
+    assert b'tok\\"en/\\u00e9-1234' in forms  # as json.dumps (ASCII) writes it
+    assert list(forms) == sorted(forms, key=len, reverse=True)  # the whole header before the token
+    body = b'{"a": "Bearer tok\\"en/\\u00e9-1234", "b": "tok\\"en/\\u00e9-1234"}'
+    assert json.loads(scrub_bytes(body, forms)) == {"a": REDACTED, "b": REDACTED}
+
+
+def test_a_short_credential_is_not_searched_for_it_would_break_every_body():
+    # "k" or "123" would be found in every key and number: the body would no longer decode
+    assert secret_forms(["Basic abc"]) == (b"Basic abc",)
+    assert secret_forms(["k", "1234567", ""]) == ()
+    assert scrub_bytes(b'{"ok": 1234567}', secret_forms(["k", "1234567"])) == b'{"ok": 1234567}'
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 64])
+def test_the_stream_scrubber_finds_a_secret_split_across_any_chunks(size):
+    body = f'data: {{"echo": "{SECRET}", "again": "{SECRET}"}}\n\n'.encode()
+    scrubber = StreamScrubber(secret_forms([SECRET]))
+    out = b"".join(scrubber.feed(body[i:i + size]) for i in range(0, len(body), size)) + scrubber.flush()
+    assert out == f'data: {{"echo": "{REDACTED}", "again": "{REDACTED}"}}\n\n'.encode()
+
+
+def test_the_stream_scrubber_holds_back_only_what_could_start_a_secret():
+    scrubber = StreamScrubber(secret_forms([SECRET]))
+    # an SSE event that ends a chunk is passed on at once: nothing waits for the next chunk
+    assert scrubber.feed(b'data: {"ok": 1}\n\n') == b'data: {"ok": 1}\n\n'
+    assert scrubber.feed(b'data: "Bear') == b'data: "'
+    assert scrubber.feed(b"ded\n") == b"Bearded\n"
+    assert scrubber.flush() == b""
