@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from actors.host import HostSettings, LeaseLost, SessionHost
-from services.errors import Overloaded
+from services.errors import ChatEngineError, Overloaded
 from services.llm.port import ToolResultBlock, ToolUseBlock
 from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
@@ -941,22 +941,29 @@ async def test_a_stream_abandoned_after_its_first_event_still_completes_and_is_s
     assert store.seqs(KEY) == [0, 1, 2, 3]
 
 
-async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_replies(world):
-    from actors.host import TurnNotSaved
-    from services.errors import ChatEngineError
+class DataRefused(ChatEngineError):
+    """Postgres refusing a value for good (not a lost connection)."""
 
-    class DataRefused(ChatEngineError):
-        retryable = False
+    retryable = False
 
-    store = world.store
+
+def refuse_flushes(store: FakeSessionStore, refused: Callable[[object], bool]) -> None:
+    """Make `store` refuse for good every flush holding a delta `refused` picks."""
     real_flush = store.flush
 
     async def flush(deltas):
-        if any(d.session_id == "bad" for d in deltas):
+        if any(refused(d) for d in deltas):
             raise DataRefused("postgres refused a value")
         return await real_flush(deltas)
 
     store.flush = flush
+
+
+async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_replies(world):
+    from actors.host import TurnNotSaved
+
+    store = world.store
+    refuse_flushes(store, lambda d: d.session_id == "bad")
     host = await world.host()
     results = await asyncio.wait_for(asyncio.gather(
         *(host.send("t1", f"s{i}", "hello", f"m{i}") for i in range(5)),
@@ -972,20 +979,9 @@ async def test_a_good_turn_is_kept_when_a_later_turn_of_its_session_is_unsavable
     # two went back as one delta: both were dropped, m1 answered "not saved" though its tool ran
     # (sent again, it would run twice). Turn by turn, m1 is written and answered; m2 is not.
     from actors.host import TurnNotSaved
-    from services.errors import ChatEngineError
-
-    class DataRefused(ChatEngineError):
-        retryable = False
 
     store = world.store
-    real_flush = store.flush
-
-    async def flush(deltas):
-        if any("POISON" in str(m.content) for d in deltas for m in d.messages):
-            raise DataRefused("postgres refused a value")
-        return await real_flush(deltas)
-
-    store.flush = flush
+    refuse_flushes(store, lambda d: any("POISON" in str(m.content) for m in d.messages))
     host = await world.host()
     store.fail_next = 1
     first = asyncio.create_task(host.send("t1", "s1", "use lookup good", "m1"))
