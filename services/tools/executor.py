@@ -410,16 +410,18 @@ class Executor:
             call_id=p.call.id, name=name, success=False, content=text, error=text,
             error_kind=error.kind, latency_ms=run_ms, queue_ms=queue_ms,
             counts_for_breaker=error.counts_for_breaker and p.tool is not None,
-            record=self._record(p, ctx, success=False, result=None, error=text, latency_ms=run_ms, queue_ms=queue_ms),
+            record=self._record(p, ctx, success=False, result=None, error=text, latency_ms=run_ms, queue_ms=queue_ms,
+                                values=values),
         )
 
     def _record(
         self, p: PreparedCall, ctx: TrustedContext, *, success: bool, result: Any, error: str | None,
-        latency_ms: int, queue_ms: int,
+        latency_ms: int, queue_ms: int, values: frozenset[str] | None = None,
     ) -> ToolCallRecord:
+        """The call's ce_tool_calls row, redacted; `values`: `_sensitive_values(p)` if known."""
         sensitive = frozenset(p.tool.definition.sensitive) if p.tool else frozenset()
         source = p.arguments if p.tool else (p.call.arguments if isinstance(p.call.arguments, dict) else {})
-        values = _sensitive_values(p)
+        values = _sensitive_values(p) if values is None else values
         params = redact(source, sensitive, values)
         return ToolCallRecord(
             id=self._new_id(), tenant_id=ctx.tenant_id, session_id=ctx.session_id,
