@@ -55,6 +55,15 @@ class World:
         self.hosts.append(host)
         return host
 
+    async def turn_at_the_gate(self, text: str = "hello") -> tuple[SessionHost, asyncio.Task]:
+        """A gated host and a turn of session s1 (message m1) whose flush is in flight and held
+        until `store.hold` is set."""
+        self.store.hold = asyncio.Event()
+        host = await self.host(output_gate=True)
+        turn = asyncio.create_task(host.send("t1", "s1", text, "m1"))
+        await asyncio.wait_for(self.store.flush_entered.wait(), T)
+        return host, turn
+
     def calls(self, session_id: str = "s1") -> list[tuple[str, str]]:
         return [(tool, q) for sid, tool, q in self.tenants.handler_calls if sid == session_id]
 
@@ -105,10 +114,7 @@ async def test_with_the_output_gate_a_reply_waits_for_the_flush_that_holds_its_s
 
 async def test_the_reply_says_how_long_its_turn_took_and_how_much_of_it_was_the_gate(world):
     store = world.store
-    store.hold = asyncio.Event()
-    host = await world.host(output_gate=True)
-    task = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
-    await asyncio.wait_for(store.flush_entered.wait(), T)
+    _host, task = await world.turn_at_the_gate()
     await asyncio.sleep(0.2)  # the flush holding this turn's state takes 200 ms
     store.hold.set()
     timing = (await asyncio.wait_for(task, T)).timing
@@ -154,10 +160,7 @@ async def test_with_the_output_gate_the_session_view_waits_for_what_it_shows_to_
     # flight. The view waits with it (before, it showed the variable at once, and a host dying
     # then would have shown the client state that vanished).
     store = world.store
-    store.hold = asyncio.Event()
-    host = await world.host(output_gate=True)
-    turn = asyncio.create_task(host.send("t1", "s1", "use collect_lead ada", "m1"))
-    await asyncio.wait_for(store.flush_entered.wait(), T)
+    host, turn = await world.turn_at_the_gate("use collect_lead ada")
     view = asyncio.create_task(host.view("t1", "s1"))
     await spin()
     assert not view.done(), "the view showed state whose flush had not committed"
