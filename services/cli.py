@@ -1,4 +1,7 @@
-"""`chat-engine`: run | serve | scale N | restart-hosts | migrate | tenant create NAME | chat | contract.
+"""`chat-engine`: run | serve | scale N | restart-hosts | migrate | tenant ... | chat | contract.
+
+`tenant` is create NAME | keys NAME | add-key NAME | revoke-key NAME KEY_ID: API keys are shown
+once, when made; afterwards only by id and dates.
 
 The entrypoint reads Settings from the environment once and configures logging once. Bad
 configuration ends with one sentence saying what to set or install, and exit status 2.
@@ -11,14 +14,22 @@ import asyncio
 import signal
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.errors import ChatEngineError
+from services.errors import ChatEngineError, Conflict, NotFound
 from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
+
+if TYPE_CHECKING:
+    from storage.records import Tenant
+    from storage.repos import TenantRepo
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     tsub = p_tenant.add_subparsers(dest="tenant_command", required=True)
     p_create = tsub.add_parser("create", help="create a tenant and print its API key once")
     p_create.add_argument("name")
+    p_keys = tsub.add_parser("keys", help="list a tenant's API keys: ids and dates, never the keys")
+    p_keys.add_argument("name", help="the tenant's name")
+    p_add_key = tsub.add_parser("add-key", help="make another API key for a tenant and print it once")
+    p_add_key.add_argument("name", help="the tenant's name")
+    p_revoke = tsub.add_parser("revoke-key", help="revoke one of a tenant's API keys (ids: 'tenant keys NAME')")
+    p_revoke.add_argument("name", help="the tenant's name")
+    p_revoke.add_argument("key_id", help="the key's id, as 'chat-engine tenant keys NAME' lists it")
     p_chat = sub.add_parser("chat", help="interactive terminal client of the gateway")
     p_chat.add_argument("--session", default=None)
     p_chat.add_argument("--url", default=None, help="gateway URL (default: CE_URL from .data/demo.env)")
@@ -69,7 +87,14 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "migrate":
             asyncio.run(_migrate(settings))
         elif args.command == "tenant":
-            asyncio.run(_tenant_create(settings, args.name))
+            if args.tenant_command == "create":
+                asyncio.run(_tenant_create(settings, args.name))
+            elif args.tenant_command == "keys":
+                asyncio.run(_tenant_keys(settings, args.name))
+            elif args.tenant_command == "add-key":
+                asyncio.run(_tenant_add_key(settings, args.name))
+            elif args.tenant_command == "revoke-key":
+                asyncio.run(_tenant_revoke_key(settings, args.name, args.key_id))
         elif args.command == "chat":
             from services.chat_client import chat
 
@@ -201,20 +226,103 @@ async def _migrate(settings: Settings) -> None:
             pg.stop()
 
 
-async def _tenant_create(settings: Settings, name: str) -> None:
+@asynccontextmanager
+async def _tenant_repo(settings: Settings) -> AsyncIterator[TenantRepo]:
+    """A TenantRepo on a migrated database (DATABASE_URL, else the embedded Postgres under
+    CE_DATA_DIR), closed on the way out."""
     from storage.migrate import migrate
     from storage.repos import TenantRepo
 
     pg, pool = await _open_pool(settings)
     try:
         await migrate(pool)
-        tenant, key = await TenantRepo(pool).create_tenant(name)
-        print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "api_key": key.api_key}).decode())
-        print("keep the api_key: it is shown only this once", file=sys.stderr)
+        yield TenantRepo(pool)
     finally:
         await pool.close()
         if pg is not None and pg.started:  # never the Postgres of a running `chat-engine run`
             pg.stop()
+
+
+async def _tenant_create(settings: Settings, name: str) -> None:
+    async with _tenant_repo(settings) as tenants:
+        tenant, key = await tenants.create_tenant(name)
+        print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "api_key": key.api_key}).decode())
+        print("keep the api_key: it is shown only this once", file=sys.stderr)
+
+
+def _stamp(moment: datetime) -> str:
+    """A timestamp as the key commands print it: UTC to the second, one fixed-width word."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _tenant_named(tenants: TenantRepo, name: str) -> Tenant:
+    """The tenant called `name` (stripped, as `tenant create` stores it). Raises NotFound."""
+    name = name.strip()
+    tenant = await tenants.get_by_name(name)
+    if tenant is None:
+        raise NotFound(f"there is no tenant named {name!r}; check the name (it is case-sensitive) or "
+                       f"create the tenant with 'chat-engine tenant create NAME'", kind="tenant", key=name)
+    return tenant
+
+
+async def _tenant_keys(settings: Settings, name: str) -> None:
+    """Print the tenant's keys, oldest first: id, created, revoked time or `active`."""
+    async with _tenant_repo(settings) as tenants:
+        tenant = await _tenant_named(tenants, name)
+        keys = await tenants.list_keys(tenant.id)
+    width = max(len("key_id"), *(len(k.key_id) for k in keys)) + 2
+    lines = [f"{'key_id':<{width}}{'created_at':<22}revoked_at"]
+    for k in keys:
+        revoked = "active" if k.revoked_at is None else _stamp(k.revoked_at)
+        lines.append(f"{k.key_id:<{width}}{_stamp(k.created_at):<22}{revoked}")
+    print("\n".join(lines))
+    if all(k.revoked_at is not None for k in keys):
+        print(f"tenant {tenant.name!r} has no active key: make one with 'chat-engine tenant add-key {tenant.name}'",
+              file=sys.stderr)
+
+
+async def _tenant_add_key(settings: Settings, name: str) -> None:
+    """Make another key for the tenant (its other keys stay valid) and print it once."""
+    async with _tenant_repo(settings) as tenants:
+        tenant = await _tenant_named(tenants, name)
+        key = await tenants.issue_key(tenant.id)
+        print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "key_id": key.key_id,
+                                   "api_key": key.api_key}).decode())
+        print("keep the api_key: it is shown only this once. Once every client uses it, revoke the old key "
+              f"with 'chat-engine tenant revoke-key {tenant.name} KEY_ID' (ids: 'chat-engine tenant keys "
+              f"{tenant.name}')", file=sys.stderr)
+
+
+async def _tenant_revoke_key(settings: Settings, name: str, key_id: str) -> None:
+    """Revoke one of the tenant's keys. Raises NotFound (no such tenant, no such key, another
+    tenant's key) or Conflict (already revoked), each saying what to do."""
+    from services.gateway.app import KEY_CACHE_TTL_S
+
+    async with _tenant_repo(settings) as tenants:
+        tenant = await _tenant_named(tenants, name)
+        try:
+            revoked_at = await tenants.revoke_key(tenant.id, key_id)
+        except NotFound:
+            # the tenant-scoped answer is one NotFound; an operator may see every tenant, so say which
+            key = await tenants.get_key(key_id)
+            if key is None:
+                raise NotFound(f"tenant {tenant.name!r} has no api key {key_id!r}; run 'chat-engine tenant keys "
+                               f"{tenant.name}' to see its key ids", kind="api_key", key=key_id) from None
+            if key.tenant_id != tenant.id:
+                raise NotFound(f"api key {key_id!r} belongs to another tenant, not {tenant.name!r}; nothing was "
+                               f"revoked. Check the id with 'chat-engine tenant keys {tenant.name}'",
+                               kind="api_key", key=key_id) from None
+            if key.revoked_at is not None:
+                raise Conflict(f"api key {key_id!r} of tenant {tenant.name!r} was already revoked at "
+                               f"{_stamp(key.revoked_at)}; nothing to do") from None
+            raise
+        live = [k for k in await tenants.list_keys(tenant.id) if k.revoked_at is None]
+    print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "key_id": key_id,
+                               "revoked_at": _stamp(revoked_at)}).decode())
+    print(f"revoked: gateways refuse this key within {KEY_CACHE_TTL_S:g} s (their key cache)", file=sys.stderr)
+    if not live:
+        print(f"tenant {tenant.name!r} has no active key left: its clients are locked out until you run "
+              f"'chat-engine tenant add-key {tenant.name}'", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

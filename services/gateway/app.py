@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import structlog
 from aiohttp import web
+from cachetools import TTLCache
 
 from services.botconfig import Backend, BotConfig, Intent, check_approval_ttl
 from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
@@ -58,7 +59,15 @@ log = structlog.get_logger(__name__)
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_TEXT = 16_000
 MAX_BODY = 256 * 1024
+#: how long a gateway trusts a key it found in Postgres: a revoked key is refused within this
 KEY_CACHE_TTL_S = 30.0
+KEY_CACHE_MAX = 10_000
+#: how long a gateway remembers that a key digest is unknown, so that the same bogus key sent again
+#: costs no Postgres lookup. Keys are random, so a digest unknown now becomes known only if that
+#: very key is issued later (never in practice); a newly issued key has a digest of its own and
+#: works at once. Bounded: under a flood of distinct bogus keys the least recently seen go first.
+UNKNOWN_KEY_TTL_S = 30.0
+UNKNOWN_KEY_CACHE_MAX = 4096
 #: the largest tool version (ce_tool_versions.version is a Postgres INTEGER)
 MAX_TOOL_VERSION = 2**31 - 1
 RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
@@ -115,7 +124,12 @@ class GatewayDeps:
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    key_cache: dict[str, tuple[str, float]] = field(default_factory=dict)  # sha256(key) -> tenant
+    #: sha256(key) -> tenant id, for keys found in Postgres
+    #: (an entry lives its TTL from when it was put, however often it is read; least recently used out)
+    key_cache: TTLCache = field(default_factory=lambda: TTLCache(maxsize=KEY_CACHE_MAX, ttl=KEY_CACHE_TTL_S))
+    #: sha256(key) of keys Postgres did not know (apart from key_cache: bogus keys cannot push out good ones)
+    unknown_keys: TTLCache = field(
+        default_factory=lambda: TTLCache(maxsize=UNKNOWN_KEY_CACHE_MAX, ttl=UNKNOWN_KEY_TTL_S))
     #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
     webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
 
@@ -252,19 +266,18 @@ async def auth_middleware(request: web.Request, handler):
     # keys are printable ASCII: anything else cannot match (nor be hashed or sent to Postgres as is)
     printable = key.isascii() and key.isprintable()
     digest = hashlib.sha256(key.encode()).hexdigest() if printable else ""  # no raw key kept in memory
-    cached = deps.key_cache.get(digest)
-    now = time.monotonic()
-    if cached is not None and cached[1] > now:
-        tenant_id = cached[0]
-    else:
-        tenant = await deps.tenants.tenant_for_key(key) if printable else None
+    tenant_id = deps.key_cache.get(digest) if printable else None
+    if tenant_id is None:
+        tenant = None
+        if printable and not deps.unknown_keys.get(digest):
+            tenant = await deps.tenants.tenant_for_key(key)
+            if tenant is None:  # only a definite "unknown": a failed lookup raised and is not cached
+                deps.unknown_keys[digest] = True
         if tenant is None:
-            return problem(401, "Unauthorized", "this API key is unknown or revoked; create one with "
-                           "'chat-engine tenant create NAME'", headers={"WWW-Authenticate": "Bearer"})
+            return problem(401, "Unauthorized", "this API key is unknown or revoked; ask the tenant's operator "
+                           "for a key ('chat-engine tenant add-key NAME')", headers={"WWW-Authenticate": "Bearer"})
         tenant_id = tenant.id
-        if len(deps.key_cache) > 10_000:
-            deps.key_cache.clear()
-        deps.key_cache[digest] = (tenant_id, now + KEY_CACHE_TTL_S)
+        deps.key_cache[digest] = tenant_id
     request[TENANT] = tenant_id
     structlog.contextvars.bind_contextvars(tenant_id=tenant_id)
     return await handler(request)

@@ -4,14 +4,19 @@ A key is `ce_` + 32 random bytes (token_urlsafe). Only its sha256 hex is stored.
 unsalted hash is the right tool here, unlike for passwords: with 256 bits of entropy a key cannot
 be guessed or brute-forced from its hash, and a deterministic hash lets the gateway find the
 tenant with one indexed lookup per request instead of a slow KDF per key.
+
+Rotation: `issue_key` adds a key beside the live ones, `revoke_key` retires one; `list_keys` shows
+keys by id and dates only, since a key's plaintext exists once, in the IssuedKey that made it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from datetime import datetime
 
 import asyncpg
+import msgspec
 
 from services.errors import InvalidInput, NotFound
 from storage.errors import translate
@@ -30,8 +35,22 @@ def new_api_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One of a tenant's API keys as an operator may see it: never the key, nor its hash."""
+
+    key_id: str
+    tenant_id: str
+    created_at: datetime
+    revoked_at: datetime | None = None  # None: the key is live
+
+
 def _tenant(row: asyncpg.Record) -> Tenant:
     return Tenant(id=row["id"], name=row["name"], created_at=row["created_at"])
+
+
+def _key(row: asyncpg.Record) -> ApiKeyRecord:
+    return ApiKeyRecord(key_id=row["id"], tenant_id=row["tenant_id"], created_at=row["created_at"],
+                        revoked_at=row["revoked_at"])
 
 
 class TenantRepo:
@@ -72,16 +91,44 @@ class TenantRepo:
                     raise NotFound(f"tenant {tenant_id!r} does not exist", kind="tenant", key=tenant_id)
                 return await self._insert_key(conn, tenant_id)
 
-    async def revoke_key(self, tenant_id: str, key_id: str) -> None:
-        """Revoke one of the tenant's keys. Raises NotFound if the tenant has no such live key."""
+    async def revoke_key(self, tenant_id: str, key_id: str) -> datetime:
+        """Revoke one of the tenant's keys; returns when. Gateways that cached the key accept it
+        until their cache entry expires (services.gateway.app.KEY_CACHE_TTL_S).
+
+        Raises NotFound if the tenant has no such live key (unknown, another tenant's or already
+        revoked: one answer, as for every tenant-scoped lookup; `get_key` tells them apart).
+        """
         with translate("revoking an api key"):
-            done = await self._pool.fetchval(
+            revoked_at = await self._pool.fetchval(
                 "UPDATE ce_api_keys SET revoked_at = now() "
-                "WHERE tenant_id = $1 AND id = $2 AND revoked_at IS NULL RETURNING true",
+                "WHERE tenant_id = $1 AND id = $2 AND revoked_at IS NULL RETURNING revoked_at",
                 tenant_id, key_id,
             )
-        if not done:
+        if revoked_at is None:
             raise NotFound(f"api key {key_id!r} is not a live key of this tenant", kind="api_key", key=key_id)
+        return revoked_at
+
+    async def list_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        """Every key of the tenant, live and revoked, oldest first. Raises NotFound for no tenant."""
+        with translate("listing api keys"):
+            rows = await self._pool.fetch(
+                "SELECT k.id, t.id AS tenant_id, k.created_at, k.revoked_at FROM ce_tenants t "
+                "LEFT JOIN ce_api_keys k ON k.tenant_id = t.id WHERE t.id = $1 "
+                "ORDER BY k.created_at, k.id",
+                tenant_id,
+            )
+        if not rows:
+            raise NotFound(f"tenant {tenant_id!r} does not exist", kind="tenant", key=tenant_id)
+        return [_key(row) for row in rows if row["id"] is not None]  # NULL id: a tenant with no keys
+
+    async def get_key(self, key_id: str) -> ApiKeyRecord | None:
+        """The key with this id, whichever tenant owns it, or None. For operators (the CLI), who
+        may see every tenant: unlike the methods above it is not scoped by a tenant id."""
+        with translate("reading an api key"):
+            row = await self._pool.fetchrow(
+                "SELECT id, tenant_id, created_at, revoked_at FROM ce_api_keys WHERE id = $1", key_id
+            )
+        return None if row is None else _key(row)
 
     async def tenant_for_key(self, api_key: str) -> Tenant | None:
         """The tenant owning this (unrevoked) key, or None."""

@@ -65,3 +65,34 @@ async def test_unknown_tenants(tenants):
         await tenants.issue_key("tn_missing")
     with pytest.raises(NotFound):
         await tenants.get("tn_missing")
+
+
+async def test_list_keys_shows_every_key_of_the_tenant_oldest_first_without_its_secret(tenants, make_tenant):
+    tenant, first = await make_tenant("lister")
+    second = await tenants.issue_key(tenant.id)
+    _other, other_key = await make_tenant("lister-other")
+    revoked_at = await tenants.revoke_key(tenant.id, first.key_id)
+    keys = await tenants.list_keys(tenant.id)
+    assert [k.key_id for k in keys] == [first.key_id, second.key_id]  # never another tenant's
+    assert all(k.tenant_id == tenant.id for k in keys)
+    assert keys[0].revoked_at == revoked_at and keys[0].revoked_at >= keys[0].created_at
+    assert keys[1].revoked_at is None
+    assert keys[0].created_at <= keys[1].created_at
+    # the record has no field that could carry the key or its hash
+    assert set(type(keys[0]).__struct_fields__) == {"key_id", "tenant_id", "created_at", "revoked_at"}
+    assert other_key.key_id not in {k.key_id for k in keys}
+
+
+async def test_list_keys_of_an_unknown_tenant_is_not_found(tenants):
+    with pytest.raises(NotFound, match="tenant 'tn_missing' does not exist") as info:
+        await tenants.list_keys("tn_missing")
+    assert info.value.kind == "tenant"
+
+
+async def test_get_key_finds_any_tenants_key_by_id_for_operators(tenants, make_tenant):
+    tenant, key = await make_tenant("getkey")
+    found = await tenants.get_key(key.key_id)
+    assert found is not None and found.tenant_id == tenant.id and found.revoked_at is None
+    await tenants.revoke_key(tenant.id, key.key_id)
+    assert (await tenants.get_key(key.key_id)).revoked_at is not None
+    assert await tenants.get_key("key_0000000000000000") is None
