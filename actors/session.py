@@ -38,7 +38,7 @@ from services.llm.port import (
     final_response,
 )
 from services.tools.context import TrustedContext
-from services.tools.executor import REDACTED, BatchPlan, Executor, ToolCall, ToolOutcome
+from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
 from services.tools.toolset import (
     SessionToolState,
     breaker_open,
@@ -746,9 +746,7 @@ async def _hold(
     approval = PendingApproval(
         approval_id=pending.approval_id, summary=pending.summary, tools=tools, expires_at=pending.expires_at,
         calls=[
-            PendingCall(id=p.call.id, name=p.tool.name, arguments={
-                k: (REDACTED if k in p.tool.definition.sensitive else v) for k, v in p.arguments.items()
-            })
+            PendingCall(id=p.call.id, name=p.tool.name, arguments=p.shown_arguments())
             for p in plan.calls if p.tool is not None and p.error is None
         ],
     )

@@ -218,9 +218,16 @@ def patched_body(current: dict[str, Any], patch: ToolPatch) -> tuple[ToolCreate,
     return msgspec.convert(base, ToolCreate), kept_auth
 
 
+#: fields of a definition no tool body can set (the engine's own, for built-ins): a view shows
+#: them only when set. Every field a tenant can set is shown, null when unset.
+ENGINE_ONLY_FIELDS = frozenset({"idempotency_arguments"})
+
+
 def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A definition as the API shows it: everything but the auth header, plus auth_header_set."""
-    view = {k: v for k, v in definition.items() if k != "auth_header_enc"}
+    """A definition as the API shows it: everything but the auth header and unset engine-only
+    fields (ENGINE_ONLY_FIELDS), plus auth_header_set."""
+    view = {k: v for k, v in definition.items()
+            if k != "auth_header_enc" and not (k in ENGINE_ONLY_FIELDS and v is None)}
     view["auth_header_set"] = bool(definition.get("auth_header_enc"))
     if version is not None:
         view["version"] = version

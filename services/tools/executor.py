@@ -15,7 +15,9 @@ sensitive value it quotes replaced (the model reads that text too; it sent the v
 the model reads of a success is the result as the tool returned it (an upstream's body has had the
 credentials the engine sent it taken out already: services.tools.webhook, services.tools.mcp_client);
 a client tool's action goes to the client app whole (`ToolOutcome.client_action`), only its record
-is redacted.
+is redacted. An approver sees a held call's arguments redacted as its record would be
+(`PreparedCall.shown_arguments`; the call runs with them whole), and an output-contract failure
+never quotes what the result holds under a sensitive or secret-looking name.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
-from services.tools.redaction import REDACTED, redact, scrub_text, secret_name, sensitive_values
+from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
 from services.tracing import current_trace_id, tracer
@@ -101,6 +103,13 @@ class PreparedCall(msgspec.Struct, frozen=True, kw_only=True):
     def mutability(self) -> str:
         return self.tool.definition.mutability if self.tool else "read"
 
+    def shown_arguments(self) -> dict[str, Any]:
+        """The arguments as an approver sees them: redacted as the call's record is (sensitive and
+        secret-looking names at any depth, and their values wherever another string repeats one).
+        A copy: the call itself runs with `arguments`."""
+        sensitive = frozenset(self.tool.definition.sensitive) if self.tool else frozenset()
+        return redact(self.arguments, sensitive, _sensitive_values(self))
+
 
 class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
     calls: list[PreparedCall]
@@ -116,10 +125,7 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
             if p.error is not None or p.tool is None:
                 continue
             d = p.tool.definition
-            args = ", ".join(
-                f"{k}={REDACTED if k in d.sensitive or secret_name(k) else _short(v)}"
-                for k, v in p.arguments.items()
-            )
+            args = ", ".join(f"{k}={_short(v)}" for k, v in p.shown_arguments().items())
             verb = "change" if d.mutability == "write" else "read"
             lines.append(f"{d.name}({args}) - will {verb} data: {d.description[:120]}")
         return lines
@@ -473,15 +479,19 @@ def _limit_error(tool: CompiledTool, session: SessionToolState, earlier_in_batch
 
 
 def _check_output(tool: CompiledTool, value: Any) -> None:
-    """A declared output schema is a contract: a result that breaks it is a failure, in-band."""
+    """A declared output schema is a contract: a result that breaks it is a failure, in-band.
+    The problems never quote a value of the result under a sensitive or secret-looking name (the
+    validator describes those by their rule; a string that still appears, in a sibling field or
+    a rule on the whole result, is scrubbed as a failure text's argument values are in `_failed`)."""
     validator = tool.output_validator
     if validator is None or isinstance(value, (ClientAction, JobStarted)):
         return
-    result = value.result if isinstance(value, SetVariables) else value
-    problems = validator.errors(msgspec.to_builtins(result))
+    result = msgspec.to_builtins(value.result if isinstance(value, SetVariables) else value)
+    problems = validator.errors(result)
     if problems:
+        values = sensitive_values(result, tool.definition.sensitive)
         raise OutputContractBroken(
-            "result does not match its declared output schema: " + "; ".join(problems[:3]),
+            scrub_text("result does not match its declared output schema: " + "; ".join(problems[:3]), values),
             advice="Do not rely on this result; tell the customer you cannot confirm this right now.",
         )
 

@@ -2,8 +2,10 @@
 
 Owns
 - `SECRET_NAME_RE`, the one definition of a secret-looking name (`password`, `api_key`, `token`,
-  `cvv`, ...): whatever a tool declares, values under such names are `[redacted]` in the call
-  record, its trace (the executor) and on the dashboard (services.gateway.dashboard);
+  `cvv`, ...; not a count such as `max_tokens`): whatever a tool declares, values under such names
+  are `[redacted]` in the call record, its trace, the approver's copy of a held call (the
+  executor), an output-contract error (services.tools.validation) and on the dashboard
+  (services.gateway.dashboard);
 - `redact`: a value (a call's parameters or result) with the values under a tool's `sensitive`
   names or secret-looking names replaced at any depth, and every string that repeats a sensitive
   argument's value replaced too (a handler that echoes the email it saved, a client tool's action
@@ -24,11 +26,17 @@ from typing import Any
 REDACTED = "[redacted]"
 _REDACTED_BYTES = REDACTED.encode()
 
-#: names whose values are never stored or shown, whatever the tool declares. `pin` only as a word
-#: of its own (`pin`, `card_pin`, `pin-code`): as a substring it is in `shipping` and `spinner`.
+#: names whose values are never stored or shown, whatever the tool declares. `pin` and `auth` only
+#: as words of their own (`pin`, `card_pin`, `pin-code`; `auth`, `basic_auth`, `x-auth`): as
+#: substrings they are in `shipping`, `spinner`, `author` and `oauth_provider`. `token` is a
+#: credential (`access_token`, `idToken`) but not when it counts (`max_tokens`, `input_tokens`,
+#: `token_count`: a call record keeps those numbers), so a plural `tokens` is a secret only after a
+#: credential's qualifier (`access_tokens`, `refreshTokens`).
 SECRET_NAME_RE = re.compile(
-    r"pass(?:word|wd|phrase)?(?![a-z])|secret|token|api[_-]?key|private[_-]?key|authori[sz]ation|credential|cvv|cvc"
-    r"|card[_-]?number|ssn|(?:^|[_\-.\s])pin(?:$|[_\-.\s]|code)",
+    r"pass(?:word|wd|phrase)?(?![a-z])|secret|api[_-]?key|private[_-]?key|authori[sz]ation|credential|cvv|cvc"
+    r"|token(?!s|[_\-.\s]?(?:count|limit|budget|usage|total|num)s?(?![a-z]))"
+    r"|(?:access|refresh|session|csrf|xsrf|bearer|auth|oauth|api|(?:^|[_\-.\s])id)[_\-.]?tokens"
+    r"|card[_-]?number|ssn|(?:^|[_\-.\s])(?:pin(?:$|[_\-.\s]|code)|auth(?:$|[_\-.\s]))",
     re.IGNORECASE,
 )
 #: shorter sensitive values are not searched for inside longer texts: "no" or "12" would take
@@ -44,15 +52,26 @@ def secret_name(name: Any) -> bool:
     return SECRET_NAME_RE.search(str(name)) is not None
 
 
-def sensitive_values(arguments: Mapping[str, Any], sensitive: Iterable[str]) -> frozenset[str]:
-    """Every non-empty string held (at any depth) under one of the `sensitive` argument names:
-    the values a record or an error text must not repeat (a form's `data` holds several)."""
+def sensitive_values(arguments: Any, sensitive: Iterable[str]) -> frozenset[str]:
+    """Every non-empty string held under one of the `sensitive` names or a secret-looking name,
+    that name at any depth as `redact` finds it (`{"session": {"token": ...}}`): the values a
+    record or an error text must not repeat (a form's `data` holds several). `arguments` may be a
+    call's arguments or its result (any JSON value)."""
     found: set[str] = set()
-    names = frozenset(sensitive)
-    for key, value in arguments.items():
-        if key in names or secret_name(key):
-            _strings(value, found)
+    _named_strings(arguments, frozenset(sensitive), found)
     return frozenset(found)
+
+
+def _named_strings(value: Any, names: frozenset[str], into: set[str]) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if key in names or secret_name(key):
+                _strings(item, into)
+            else:
+                _named_strings(item, names, into)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _named_strings(item, names, into)
 
 
 def _strings(value: Any, into: set[str]) -> None:

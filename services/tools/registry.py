@@ -135,7 +135,9 @@ class CompiledTool:
         self.runs = runs  # what really executes, for operators ("GET https://.../{order_id}")
         self.validator = ArgumentValidator(definition.parameters, sensitive=definition.sensitive)
         schema = definition.output_schema
-        self.output_validator = ArgumentValidator(schema) if schema else None
+        self.output_validator = (
+            ArgumentValidator(schema, sensitive=definition.sensitive, subject="result") if schema else None
+        )
         self.version = version
 
     @property

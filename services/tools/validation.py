@@ -18,6 +18,7 @@ import referencing.jsonschema
 from jsonschema.exceptions import SchemaError, ValidationError
 
 from services.errors import InvalidInput
+from services.tools.redaction import secret_name
 
 #: deeper than this a schema is refused when saved (and the checker's recursion never reached)
 MAX_SCHEMA_DEPTH = 64
@@ -80,17 +81,20 @@ def _validator_class(schema: dict[str, Any]) -> type:
 
 class ArgumentValidator:
     """A compiled validator for one tool's parameter schema (or a form's, or a tool's output).
-    `sensitive` arguments are never repeated in its problems, nor, while one is present, the
-    arguments as a whole; with `all_sensitive` no value is (a form's answers are all the contact's)."""
+    Values under `sensitive` or secret-looking names (services.tools.redaction, at any depth) are
+    never repeated in its problems, nor, while one is present, the object as a whole; with
+    `all_sensitive` no value is (a form's answers are all the contact's). `subject` names the
+    object in problems about it as a whole ("the result has more than 3 properties")."""
 
-    __slots__ = ("_all_sensitive", "_sensitive", "_validator")
+    __slots__ = ("_all_sensitive", "_sensitive", "_subject", "_validator")
 
     def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset(),
-                 all_sensitive: bool = False) -> None:
+                 all_sensitive: bool = False, subject: str = "arguments") -> None:
         cls = _validator_class(schema)
         self._validator = cls(schema, registry=NO_RETRIEVAL, format_checker=cls.FORMAT_CHECKER)
         self._sensitive = frozenset(sensitive)
         self._all_sensitive = all_sensitive
+        self._subject = subject
 
     def errors(self, arguments: dict[str, Any]) -> list[str]:
         """Readable problems with `arguments`, most useful first; empty when valid. A schema
@@ -103,7 +107,7 @@ class ArgumentValidator:
         except referencing.exceptions.Unresolvable as exc:
             ref = _shown(str(getattr(exc, "ref", "")))
             return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
-        return [_describe(error, self._sensitive, self._all_sensitive) for error in found]
+        return [_describe(error, self._sensitive, self._all_sensitive, self._subject) for error in found]
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None:
@@ -189,7 +193,7 @@ def _error_rank(error: jsonschema.ValidationError) -> tuple[int, str]:
 
 
 def _describe(error: jsonschema.ValidationError, sensitive: frozenset[str] = frozenset(),
-              all_sensitive: bool = False) -> str:
+              all_sensitive: bool = False, subject: str = "arguments") -> str:
     path = error.absolute_path
     field = ".".join(str(p) for p in path)
     if error.validator == "required":
@@ -197,16 +201,22 @@ def _describe(error: jsonschema.ValidationError, sensitive: frozenset[str] = fro
         return f"'{missing}' is required"
     if error.validator == "additionalProperties":  # names the unexpected keys, never their values
         return error.message.replace("Additional properties are not allowed", "unknown argument")
-    if path and (all_sensitive or path[0] in sensitive):
+    if path and (all_sensitive or any(_hidden(p, sensitive) for p in path)):
         # the message would repeat the value ("'4111…' does not match …"): say what is wrong only
         return f"'{field}': {_rule_broken(error)}"
-    if not path and (all_sensitive or (isinstance(error.instance, dict) and not sensitive.isdisjoint(error.instance))):
-        # a rule on the arguments as a whole (anyOf, oneOf, not, const, maxProperties...): its
+    if not path and (all_sensitive or (isinstance(error.instance, dict)
+                                       and any(_hidden(k, sensitive) for k in error.instance))):
+        # a rule on the object as a whole (anyOf, oneOf, not, const, maxProperties...): its
         # message quotes the whole object, sensitive values with it
-        return _root_rule_broken(error, sensitive, all_sensitive)
+        return _root_rule_broken(error, sensitive, all_sensitive, subject)
     if field:
         return f"'{field}': {error.message}"
     return error.message
+
+
+def _hidden(name: Any, sensitive: frozenset[str]) -> bool:
+    """True when a value under `name` (a key, or a step of an error's path) is never quoted."""
+    return isinstance(name, str) and (name in sensitive or secret_name(name))
 
 
 def _rule_broken(error: jsonschema.ValidationError) -> str:
@@ -232,21 +242,23 @@ def _rule_broken(error: jsonschema.ValidationError) -> str:
     return said.get(rule, f"the value is not valid ({rule})")
 
 
-def _root_rule_broken(error: jsonschema.ValidationError, sensitive: frozenset[str], all_sensitive: bool) -> str:
-    """A rule on the whole arguments object described without quoting it: the rule, and for
-    anyOf/oneOf what the closest alternative lacks (described with the same care)."""
+def _root_rule_broken(error: jsonschema.ValidationError, sensitive: frozenset[str], all_sensitive: bool,
+                      subject: str = "arguments") -> str:
+    """A rule on the whole object (`subject`: the arguments, the result) described without quoting
+    it: the rule, and for anyOf/oneOf what the closest alternative lacks (with the same care)."""
     rule, limit = error.validator, error.validator_value
+    have, do = ("have", "do") if subject.endswith("s") else ("has", "does")
     if rule == "maxProperties":
-        return f"the arguments have more than {limit} properties"
+        return f"the {subject} {have} more than {limit} properties"
     if rule == "minProperties":
-        return f"the arguments have fewer than {limit} properties"
+        return f"the {subject} {have} fewer than {limit} properties"
     if rule == "dependentRequired":  # "'b' is a dependency of 'a'": names only
         return error.message
-    said = f"the arguments do not satisfy the schema's '{rule}' rule"
+    said = f"the {subject} {do} not satisfy the schema's '{rule}' rule"
     if rule in ("anyOf", "oneOf") and error.context:
         inner = []
         for sub in sorted(error.context, key=_error_rank):
-            text = _describe(sub, sensitive, all_sensitive)
+            text = _describe(sub, sensitive, all_sensitive, subject)
             if text not in inner:
                 inner.append(text)
         return f"{said}: " + "; or ".join(inner[:2])

@@ -12,7 +12,8 @@ from services.builtins.forms import check_form
 from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
-from services.tools.executor import REDACTED, Executor, ToolCall, ToolOutcome
+from services.tools.executor import Executor, ToolCall, ToolOutcome
+from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import SessionToolState
 from tests.integration.builtins_support import SECRET, ctx, receiver, services, through_executor

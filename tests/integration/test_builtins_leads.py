@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from services.builtins.notify import sign, verify
 from services.tools.errors import InvalidArguments, PolicyDenied
-from services.tools.executor import REDACTED
+from services.tools.redaction import REDACTED
 from services.tools.registry import SetVariables
 from tests.integration.builtins_support import SECRET, ctx, receiver, services, through_executor
 

@@ -8,7 +8,7 @@ import secrets
 import pytest
 
 from services.tools.errors import InvalidArguments
-from services.tools.executor import REDACTED
+from services.tools.redaction import REDACTED
 from storage.records import MessageRecord, SessionDelta, SessionSnapshot
 from storage.repos import SessionRepo
 from tests.integration.builtins_support import ctx, services, through_executor

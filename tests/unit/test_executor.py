@@ -17,7 +17,6 @@ from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.errors import DEFAULT_ADVICE, InvalidArguments, UpstreamStatus, UpstreamTimeout
 from services.tools.executor import (
-    REDACTED,
     BatchPlan,
     Executor,
     ToolCall,
@@ -27,6 +26,7 @@ from services.tools.executor import (
 )
 from services.tools.limiter import ResourceLimiter
 from services.tools.model import PROTECTED_KEYS
+from services.tools.redaction import REDACTED
 from services.tools.registry import Catalog, ClientAction
 from services.tools.toolset import SessionToolState
 from tests.unit.fakes import (
@@ -624,6 +624,61 @@ async def test_a_failure_text_quoting_a_sensitive_value_has_it_replaced_everywhe
         f"Tool 'pay' failed: card '{REDACTED}' declined for {REDACTED}; ok. {DEFAULT_ADVICE}"
     )
     assert outcome.error == outcome.record.error == outcome.content
+
+
+EMAIL = "ana.private@example.com"
+
+
+async def test_an_output_contract_failure_on_the_whole_result_never_quotes_its_secrets() -> None:
+    # before, a rule on the result as a whole quoted all of it ("{'api_key': 'sk_live_…', …} has
+    # too many properties"): the text is the model's tool_result, tool_calls[].error, ce_tool_calls
+    result = {"api_key": "sk_live_RESULT99", "email": EMAIL, "pin": 4321, "session": {"access_token": "tok_abcdefgh1"},
+              "note": f"confirmation sent to {EMAIL}"}
+    handler = FakeHandler("login", result=result)
+    schema = {"type": "object", "properties": {"email": {"type": "string"}}}
+    catalog = make_catalog(python_tool("login", parameters=schema, sensitive=("email",), output_schema={
+        "type": "object", "required": ["status"], "maxProperties": 2}), handlers=(handler,))
+    outcome = await run_one(catalog, call("login", email="someone@example.com"))
+    assert (outcome.success, outcome.error_kind) == (False, "output_contract")
+    assert outcome.error == outcome.record.error == outcome.content
+    for secret in ("sk_live_RESULT99", EMAIL, "4321", "tok_abcdefgh1"):
+        assert secret not in outcome.content
+    # the problems still say what is wrong
+    assert outcome.content.startswith("Tool 'login' failed: result does not match its declared output schema: "
+                                      "'status' is required; the result has more than 2 properties. ")
+
+
+@pytest.mark.parametrize("result, rule, secret", [
+    ({"api_key": "sk_live_RESULT99"}, {"api_key": {"type": "integer"}}, "sk_live_RESULT99"),
+    ({"email": EMAIL}, {"email": {"pattern": "^x"}}, EMAIL),
+    ({"pin": 4321}, {"pin": {"type": "string"}}, "4321"),
+    ({"session": {"access_token": "tok_abcdefgh1"}}, {"session": {"properties": {"access_token": {"maxLength": 4}}}},
+     "tok_abcdefgh1"),
+    ({"email": EMAIL, "note": f"sent to {EMAIL}"}, {"note": {"maxLength": 4}}, EMAIL),
+])
+async def test_an_output_contract_problem_never_quotes_a_secret_or_sensitive_value_of_the_result(
+    result, rule, secret,
+) -> None:
+    handler = FakeHandler("login", result=result)
+    schema = {"type": "object", "properties": {"email": {"type": "string"}}}
+    catalog = make_catalog(python_tool("login", parameters=schema, sensitive=("email",), output_schema={
+        "type": "object", "properties": rule}), handlers=(handler,))
+    # the argument differs from the result's value: the result's own values must be found
+    outcome = await run_one(catalog, call("login", email="someone@example.com"))
+    assert outcome.error_kind == "output_contract"
+    assert secret not in outcome.content and secret not in outcome.record.error
+    [field] = rule
+    assert f"'{field}" in outcome.content  # the field is still named
+
+
+async def test_an_output_contract_problem_quoting_a_whole_list_result_leaves_its_secrets_out() -> None:
+    # a result that is not an object at all: the problem quotes it whole
+    handler = FakeHandler("login", result=[{"access_token": "tok_abcdefgh1", "user": "ana"}])
+    catalog = make_catalog(python_tool("login", output_schema={"type": "object"}), handlers=(handler,))
+    outcome = await run_one(catalog, call("login"))
+    assert outcome.error_kind == "output_contract"
+    assert "tok_abcdefgh1" not in outcome.content and "is not of type 'object'" in outcome.content
+    assert f"'access_token': '{REDACTED}'" in outcome.content  # the rest of the quote is kept
 
 
 async def test_the_plan_summary_hides_secret_looking_arguments_too() -> None:

@@ -36,6 +36,32 @@ def test_ordinary_names(name):
     assert not secret_name(name)
 
 
+#: caught: credentials by any common spelling, and every name the rule caught before it was
+#: narrowed but the counts (a plural `tokens` that names a credential, `tokenizer`, `token_type`)
+CAUGHT = ["token", "Token", "access_token", "refresh_token", "id_token", "session_token", "csrf_token", "auth_token",
+          "authToken", "accessToken", "bearer_token", "x-csrf-token", "token_type", "tokenizer", "access_tokens",
+          "refreshTokens", "api_key", "apikey", "x-api-key", "password", "passwd", "secret", "client_secret",
+          "authorization", "Proxy-Authorization", "auth", "Auth", "basic_auth", "x-auth", "auth_header",
+          "private_key", "credentials"]
+#: kept: counts and limits of (LLM) tokens, and ordinary words that hold `auth` or `token`
+KEPT = ["max_tokens", "maxTokens", "input_tokens", "output_tokens", "inputTokens", "total_tokens", "prompt_tokens",
+        "completion_tokens", "cache_read_input_tokens", "token_count", "tokenCount", "tokens", "num_tokens",
+        "token_counts", "token_limit", "token_budget", "token_usage", "max_output_tokens", "author", "authority", "oauth_provider"]
+
+
+@pytest.mark.parametrize("name", CAUGHT)
+def test_credential_names_are_caught(name):
+    assert secret_name(name)
+    assert redact({name: "sk_live_1"}) == {name: REDACTED}
+
+
+@pytest.mark.parametrize("name", KEPT)
+def test_token_counts_and_ordinary_words_are_kept(name):
+    # a call record's `max_tokens: 512` is a number the tenant needs, not a credential
+    assert not secret_name(name)
+    assert redact({name: 512}) == {name: 512}
+
+
 def test_the_dashboard_uses_the_same_rule():
     # one definition: the dashboard hides on display what the executor keeps out of the record
     shown = dashboard_redact({"card_pin": "1234", "nested": [{"api_key": "k"}], "q": "x"}, frozenset())
@@ -50,6 +76,14 @@ def test_redact_replaces_named_values_and_repeated_sensitive_strings_at_any_dept
                   "code": "DE89", "count": 3}, frozenset({"email"}), values)
     assert out == {"email": REDACTED, "list": [REDACTED, {"token": REDACTED}], "note": f"mail {REDACTED}",
                    "code": REDACTED, "count": 3}
+
+
+def test_sensitive_values_are_found_under_a_secret_or_sensitive_name_at_any_depth_as_redact_finds_them():
+    # a result (or an argument) that nests its credential: an error text quoting it must lose it
+    value = {"session": {"access_token": "tok_abc"}, "items": [{"password": "pw-1", "n": "kept"}],
+             "contact": {"email": "ana@example.com"}, "max_tokens": "512", "q": "x"}
+    assert sensitive_values(value, ("email",)) == {"tok_abc", "pw-1", "ana@example.com"}
+    assert sensitive_values([{"api_key": "k-123"}], ()) == {"k-123"}  # a result need not be an object
 
 
 def test_scrub_text_replaces_values_as_given_as_repr_or_json_shows_them_but_not_tiny_ones():

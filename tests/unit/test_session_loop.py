@@ -28,6 +28,7 @@ from services.llm.port import (
 )
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
+from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.wire import StreamEvent
 from tests.unit.fakes import StreamScriptedLLM
@@ -292,6 +293,45 @@ async def test_write_tool_holds_the_turn_until_approved_then_resumes(registry):
     assert registry.calls == ["lookup"] and done.reply == "booked" and done.pending_approval is None
     again = await handle_approval(state, held.pending_approval.approval_id, True, env)  # decided: replayed
     assert again.replay and again.reply == "booked" and registry.calls == ["lookup"]
+
+
+SECRET_ARGS = {"slot": "10:00", "api_key": "sk_live_APPROVE42", "note": "charge with sk_live_APPROVE42",
+               "login": {"user": "ana", "password": "hunter2-pw"}, "card": "4111111111111111"}
+SECRET_WRITE = PythonTool(
+    name="book_paid", description="book and charge", handler="echo_args", mutability="write", sensitive=("card",),
+    parameters={"type": "object", "properties": {
+        "slot": {"type": "string"}, "api_key": {"type": "string"}, "note": {"type": "string"},
+        "login": {"type": "object"}, "card": {"type": "string"}}},
+)
+
+
+async def test_an_approval_shows_secret_looking_arguments_redacted_and_runs_with_the_real_ones(registry):
+    ran: list[dict[str, Any]] = []
+
+    @registry.register("echo_args")
+    async def echo_args(args, ctx):
+        ran.append(args)
+        return {"ok": True}
+
+    state = new_state("t", "s")
+    env = make_env(ScriptedLLM([[("book_paid", SECRET_ARGS)], "booked"]), registry, [SECRET_WRITE])
+    events: list[StreamEvent] = []
+
+    async def emit(event: StreamEvent) -> None:
+        events.append(event)
+
+    held = await handle_message(state, "book and pay", "m1", env, emit)
+    [event] = [e for e in events if e.event == "approval_required"]
+    shown = {"slot": "10:00", "api_key": REDACTED, "note": f"charge with {REDACTED}",
+             "login": {"user": "ana", "password": REDACTED}, "card": REDACTED}
+    # the SSE event and the message answer's pending_approval body: the same displayed copy
+    assert event.data["calls"][0]["arguments"] == shown
+    assert held.pending_approval.calls[0].arguments == shown
+    body = msgspec.json.encode(held).decode() + msgspec.json.encode(event.data).decode()
+    assert "sk_live_APPROVE42" not in body and "hunter2-pw" not in body and "4111111111111111" not in body
+    done = await handle_approval(state, held.pending_approval.approval_id, True, env)
+    assert done.reply == "booked"
+    assert ran == [SECRET_ARGS]  # only the displayed copy is redacted: the call gets the real values
 
 
 async def test_denied_approval_goes_back_to_the_model_in_band(registry):
