@@ -121,6 +121,9 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCallSummary] = []
     client_actions: list[dict[str, Any]] = []
     deliveries: list[dict[str, Any]] = []  # finished jobs the held turn delivered (taken off the list)
+    #: the intent detected for the held turn's message: the rounds after the decision are offered
+    #: (and may call) only its tools. None: none detected, or a turn held before this was kept
+    intent: str | None = None
 
 
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -488,20 +491,55 @@ async def _handle_approval(
     expired = datetime.fromisoformat(pending.expires_at) <= now
     calls = pending.calls
     if edited_arguments:
-        calls = [
-            # Edits are merged over the model's arguments: an approver sends only what changes.
-            msgspec.structs.replace(c, arguments={**c.arguments, **edited_arguments[c.id]})
-            if c.id in edited_arguments else c
-            for c in calls
-        ]
-    plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn)
+        calls = _edited(calls, _prepare(state, env, calls, message_id=pending.message_id, turn=turn,
+                                        intent=pending.intent), edited_arguments)
+    plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn, intent=pending.intent)
     ctx = _context(state, env, pending.message_id)
     if approve and not expired:
         await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
     else:
         reason = "the approval expired before anyone decided" if expired else "the customer declined"
         await _absorb(state, turn, env.executor.deny(plan, ctx, reason=reason), emit, pending.message_id)
-    return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=None)
+    return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=pending.intent)
+
+
+def _edited(calls: list[ToolCall], shown: BatchPlan, edits: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """The held calls with an approver's edits merged over the model's arguments (an approver
+    sends only what changes, or the whole form back). An edited value equal to what the approver
+    was shown of it (`PreparedCall.shown_arguments`: "[redacted]" for a sensitive or
+    secret-looking value, a text that repeats one with it replaced) keeps the model's value: the
+    approver did not change it. The same holds inside objects and same-length lists, key by key
+    and item by item, so a nested secret sent back as shown stays whole while its siblings change.
+    A value that only contains "[redacted]" in a changed text, or under a key the call did not
+    have, runs as sent."""
+    out = []
+    for c, p in zip(calls, shown.calls, strict=True):
+        edit = edits.get(c.id)
+        if not edit:
+            out.append(c)
+            continue
+        seen = p.shown_arguments() if p.tool is not None else {}
+        out.append(msgspec.structs.replace(c, arguments={
+            **c.arguments, **{k: _unredacted(v, seen.get(k, _ABSENT), c.arguments.get(k, _ABSENT)) for k, v in edit.items()},
+        }))
+    return out
+
+
+_ABSENT = object()
+
+
+def _unredacted(edited: Any, shown: Any, original: Any) -> Any:
+    """`edited`, with each part equal to what was shown of it put back to the model's `original`."""
+    if original is _ABSENT or shown is _ABSENT:
+        return edited
+    if edited == shown:
+        return original
+    if isinstance(edited, dict) and isinstance(shown, dict) and isinstance(original, dict):
+        return {k: _unredacted(v, shown.get(k, _ABSENT), original.get(k, _ABSENT)) for k, v in edited.items()}
+    if isinstance(edited, list) and isinstance(shown, list) and isinstance(original, list) \
+            and len(edited) == len(shown) == len(original):
+        return [_unredacted(e, s, o) for e, s, o in zip(edited, shown, original, strict=True)]
+    return edited
 
 
 def _joined(deltas: list[SessionDelta], *, usage: list[UsageDelta]) -> SessionDelta:
@@ -593,9 +631,9 @@ async def _loop(
             tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
             for call in tool_calls:
                 await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
-            plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn)
+            plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn, intent=intent)
             if plan.needs_approval:
-                return await _hold(state, turn, env, emit, tool_calls, plan, round_no)
+                return await _hold(state, turn, env, emit, tool_calls, plan, round_no, intent)
             await _run_batch(state, turn, env, emit, plan, _context(state, env, turn.message_id))
     if HANDOFF_MARKER in final_text:
         final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
@@ -629,15 +667,18 @@ def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:
 
 
 def _prepare(
-    state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str, turn: _Turn | None = None
+    state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str, turn: _Turn | None = None,
+    intent: str | None = None,
 ) -> BatchPlan:
+    """The batch checked for this session, turn and intent: a call of a tool the turn's offer
+    left out (its intent's filter included) is refused in-band, never run."""
     executor: Executor = env.executor
     turn_calls: dict[str, int] = {}
     for summary in turn.tool_calls if turn is not None else ():
         turn_calls[summary.name] = turn_calls.get(summary.name, 0) + 1
     return executor.prepare(
         calls, catalog=env.catalog, config=env.config, session=state.tool_state(turn_calls),
-        scope=_scope(state, env),
+        scope=_scope(state, env), intent=intent,
     )
 
 
@@ -730,7 +771,8 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
 
 
 async def _hold(
-    state: SessionState, turn: _Turn, env: TurnEnv, emit: Emit, calls: list[ToolCall], plan: BatchPlan, round_no: int
+    state: SessionState, turn: _Turn, env: TurnEnv, emit: Emit, calls: list[ToolCall], plan: BatchPlan, round_no: int,
+    intent: str | None,
 ) -> TurnReply:
     expires = datetime.now(UTC) + timedelta(seconds=env.approval_ttl_s)
     tools = [p.tool.name for p in plan.calls if p.needs_approval and p.tool is not None]
@@ -739,7 +781,7 @@ async def _hold(
         message_id=turn.message_id, calls=calls,
         round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
-        deliveries=turn.deliveries,
+        deliveries=turn.deliveries, intent=intent,
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()

@@ -6,7 +6,9 @@ OpenAPI document the tenant registered for its backend). Pure: the caller suppli
 
 Findings, each with what to fix: dead route, ignored argument, missing required parameter,
 handler override, handler not loaded, absent from the allowlist, intent naming an unknown tool,
-a malformed part of the backend's OpenAPI document (named by where it is, never an exception).
+a malformed part of the backend's OpenAPI document (named by where it is, never an exception), a
+webhook URL hole named by a protected key the trusted scope never holds (every call fails), a
+protected webhook parameter that fills no hole (never sent).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import msgspec
 
 from services.botconfig import BotConfig
 from services.tools.model import (
+    TRUSTED_SCOPE_KEYS,
     BackendBindingTool,
     ToolDefinition,
     WebhookTool,
     template_holes,
+    unfillable_holes,
 )
 from services.tools.registry import Catalog
 
@@ -154,6 +158,8 @@ def _tool(
             fix="add it to `allowlist` in PUT /v1/bot-config, or delete the tool",
         ))
     fields = _fields(definition)
+    if isinstance(definition, WebhookTool):
+        findings += _webhook_findings(definition)
     if isinstance(definition, BackendBindingTool):
         findings += _binding_findings(definition, fields, openapi)
     offered = compiled is not None and compiled.origin == origin and definition.enabled and allowlisted
@@ -200,6 +206,10 @@ def _fields(definition: ToolDefinition) -> list[FieldMapping]:
         holes = set(template_holes(definition.path))
     pmap = definition.parameter_map if isinstance(definition, BackendBindingTool) else {}
     for model_name in props:
+        if isinstance(definition, WebhookTool) and model_name in protected and (
+            model_name not in holes or model_name not in TRUSTED_SCOPE_KEYS
+        ):
+            continue  # never sent: see _webhook_findings
         if model_name in protected:
             out.append(FieldMapping(model_name=None, backend_name=model_name, source="trusted_scope",
                                     required_by_backend=model_name in required))
@@ -215,6 +225,34 @@ def _fields(definition: ToolDefinition) -> list[FieldMapping]:
             if not any(f.backend_name == key for f in out):
                 out.append(FieldMapping(model_name=None, backend_name=key, source="trusted_scope"))
     return out
+
+
+def _webhook_findings(tool: WebhookTool) -> list[Finding]:
+    """What a webhook's protected keys really do: the webhook client sends them only into the URL
+    holes they name, filled from the trusted scope (services.tools.webhook.WebhookClient.call_webhook);
+    a hole the trusted scope never holds fails every call, a declared one that fills no hole is
+    never sent."""
+    findings: list[Finding] = []
+    holes = template_holes(tool.webhook_url)
+    trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
+    for hole in unfillable_holes(holes, tool.protected_keys):
+        findings.append(Finding(
+            kind="missing_required_parameter", severity="error",
+            message=f"the URL needs {{{hole}}}, which is protected (the model may not supply it) and which the "
+                    f"trusted context never holds (it holds {trusted}): every call fails",
+            fix=f"remove '{hole}' from `protected` to let the model supply it, or take {{{hole}}} out of "
+                "webhook_url, with PATCH /v1/tools/{name}",
+        ))
+    for name in tool.parameters.get("properties", {}):
+        if name in tool.protected_keys and name not in holes:
+            findings.append(Finding(
+                kind="ignored_argument", severity="warning",
+                message=f"parameters declares '{name}', which is protected: the model is not offered it and the "
+                        "webhook sends protected keys only into URL holes, so it is never sent",
+                fix=f"put {{{name}}} in webhook_url if the backend needs it (filled from the trusted context when "
+                    f"it is one of {trusted}), or remove it from parameters",
+            ))
+    return findings
 
 
 def _binding_findings(tool: BackendBindingTool, fields: list[FieldMapping], openapi: dict | None) -> list[Finding]:

@@ -16,11 +16,13 @@ import msgspec
 from services.errors import InvalidInput
 from services.tools.model import (
     TOOL_NAME_RE,
+    TRUSTED_SCOPE_KEYS,
     HttpMethod,
     Mutability,
     ToolDefinition,
     normalise_parameters,
     template_holes,
+    unfillable_holes,
 )
 from services.tools.ssrf import DestinationPolicy, literal_refusal
 from services.tools.validation import check_any_schema, check_schema
@@ -168,6 +170,8 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
                 f"the URL template uses {{{hole}}} but parameters has no '{hole}' - add it to `$.parameters`",
                 path="$.parameters",
             )
+    if body.type == "webhook":
+        check_protected_holes(holes, frozenset(body.protected))
     if body.completes_variable is not None and not 0 < len(body.completes_variable) <= MAX_VARIABLE_NAME:
         raise InvalidInput(
             f"completes_variable must be 1-{MAX_VARIABLE_NAME} characters, got {len(body.completes_variable)}; "
@@ -201,6 +205,20 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
         "retries": body.retries, "output_schema": body.output_schema, **family,
     }
     return msgspec.convert(data, ToolDefinition)
+
+
+def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
+    """Raise InvalidInput (at `$.protected`) for a URL hole the model may not fill (a protected
+    name) and the trusted scope never holds: every call would fail. Holes named by the
+    tenant/account keys are fine: the trusted scope fills them."""
+    for hole in unfillable_holes(holes, protected):
+        trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
+        raise InvalidInput(
+            f"the URL template uses {{{hole}}}, which `protected` lists: the model may not supply it and the "
+            f"engine's trusted context only holds {trusted}, so every call would fail; remove '{hole}' from "
+            f"`protected` to let the model supply it, or take {{{hole}}} out of webhook_url - at `$.protected`",
+            path="$.protected",
+        )
 
 
 def patched_body(current: dict[str, Any], patch: ToolPatch) -> tuple[ToolCreate, str | None]:

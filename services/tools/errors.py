@@ -18,6 +18,10 @@ class ToolError(ChatEngineError):
     kind = "tool_error"
     retryable = False
     counts_for_breaker = True
+    #: seconds the call waited for a slot and ran before this was raised, when it went through a
+    #: services.tools.limiter.ResourceLimiter (which sets them on the way out); None: it did not
+    queue_s: float | None = None
+    run_s: float | None = None
 
     def __init__(self, reason: str, *, advice: str | None = None, tool_name: str | None = None) -> None:
         super().__init__(reason)

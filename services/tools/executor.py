@@ -174,14 +174,18 @@ class Executor:
         config: BotConfig,
         session: SessionToolState,
         scope: dict[str, Any],
+        intent: str | None = None,
     ) -> BatchPlan:
         """Check every call of a batch before any runs. Never raises for bad calls: each
         carries its error, to be returned in-band. Calls of one tool in the batch count toward
-        its per-turn and per-session limits in order."""
+        its per-turn and per-session limits in order, and a one-shot tool (`completes_variable`)
+        runs once per batch: a later call of it is refused. `intent`: the turn's detected intent;
+        a call of a tool its offer left out is refused (toolset.gate_reason). A batch prepared
+        again on resuming an approval passes the intent the turn was held with."""
         in_batch: dict[str, int] = {}
         prepared = []
         for c in calls:
-            p = self._prepare_one(c, catalog, config, session, scope)
+            p = self._prepare_one(c, catalog, config, session, scope, intent)
             if p.error is None and p.tool is not None:
                 limit_error = _limit_error(p.tool, session, in_batch.get(p.tool.name, 0))
                 if limit_error is not None:
@@ -192,7 +196,8 @@ class Executor:
         return BatchPlan(calls=prepared)
 
     def _prepare_one(
-        self, call: ToolCall, catalog: Catalog, config: BotConfig, session: SessionToolState, scope: dict[str, Any]
+        self, call: ToolCall, catalog: Catalog, config: BotConfig, session: SessionToolState, scope: dict[str, Any],
+        intent: str | None,
     ) -> PreparedCall:
         tool = catalog.get(call.name)
         if tool is None:
@@ -218,10 +223,11 @@ class Executor:
                 "invalid arguments: " + "; ".join(problems[:3]),
                 advice="Ask the customer for the missing or corrected details, then call the tool again.",
             ))
-        reason = gate_reason(tool, config, session)
+        reason = gate_reason(tool, config, session, intent)
         if reason is not None:
             return PreparedCall(call=call, tool=tool, arguments=args, error=PolicyDenied(
-                reason, advice="Do not call this tool again now; help the customer another way.",
+                reason, advice="Do not call this tool again now; use only the tools you were offered, "
+                               "or help the customer another way.",
             ))
         return PreparedCall(call=call, tool=tool, arguments=args, needs_approval=d.needs_approval)
 
@@ -235,10 +241,13 @@ class Executor:
 
         Consecutive reads run concurrently (at most `max_parallel` of one tool at once); a write
         runs alone, in order. A batch that needs approval runs only with `approved=True`.
-        `deadline` (clock time) caps every call. `on_progress(call, elapsed_ms, message)` is
-        awaited once for each call still running after its progress threshold. `finished`, when
-        given, gets each call's outcome by call id as soon as it has one: what a caller keeps of
-        a batch cancelled half way (see `interrupted`).
+        `deadline` (clock time) caps every call. A call's own deadline starts before it waits for
+        its `max_parallel` turn or its resource's slot: a call still waiting when it passes is
+        refused as a queue timeout, and the wait is its `queue_ms`, failed or not.
+        `on_progress(call, elapsed_ms, message)` is awaited once for each call still running (or
+        waiting) after its progress threshold. `finished`, when given, gets each call's outcome by
+        call id as soon as it has one: what a caller keeps of a batch cancelled half way (see
+        `interrupted`).
         """
         if plan.needs_approval and not approved:
             raise ValueError("this batch needs approval before it runs")
@@ -292,18 +301,15 @@ class Executor:
             if p.tool is not None and p.tool.definition.max_parallel and p.tool.name not in gates:
                 gates[p.tool.name] = asyncio.Semaphore(p.tool.definition.max_parallel)
 
-        async def run(p: PreparedCall) -> ToolOutcome:
-            gate = gates.get(p.tool.name) if p.tool is not None else None
-            if gate is None:
-                return await self._run_one(p, batch)
-            async with gate:
-                return await self._run_one(p, batch)
+        # The gate is waited on inside the limiter: under the call's deadline, as queue time.
+        return list(await asyncio.gather(*(
+            self._run_one(p, batch, gates.get(p.tool.name) if gates and p.tool is not None else None)
+            for p in group
+        )))
 
-        return list(await asyncio.gather(*(run(p) for p in group)))
-
-    async def _run_one(self, prepared: PreparedCall, batch: _Batch) -> ToolOutcome:
+    async def _run_one(self, prepared: PreparedCall, batch: _Batch, gate: asyncio.Semaphore | None = None) -> ToolOutcome:
         with tracer().start_as_current_span("tool_call", attributes={"ce.tool": prepared.call.name[:64]}) as span:
-            outcome = await self._run_one_traced(prepared, batch)
+            outcome = await self._run_one_traced(prepared, batch, gate)
             batch.finished[prepared.call.id] = outcome
             span.set_attribute("ce.outcome", "success" if outcome.success else (outcome.error_kind or "failure"))
             span.set_attribute("ce.latency_ms", outcome.latency_ms)
@@ -311,7 +317,7 @@ class Executor:
             span.set_attribute("ce.arguments", msgspec.json.encode(outcome.record.parameters or {}).decode()[:2000])
             return outcome
 
-    async def _run_one_traced(self, prepared: PreparedCall, batch: _Batch) -> ToolOutcome:
+    async def _run_one_traced(self, prepared: PreparedCall, batch: _Batch, gate: asyncio.Semaphore | None) -> ToolOutcome:
         ctx, deadline = batch.ctx, batch.deadline
         if prepared.error is not None or prepared.tool is None:
             return self._failed(prepared, ctx, prepared.error or UnknownTool("unknown tool"), 0, 0)
@@ -323,36 +329,48 @@ class Executor:
         call_ctx = msgspec.structs.replace(ctx, idempotency_key=idempotency_key(ctx, prepared))
         started = time.perf_counter()
         progress = self._watch_progress(prepared, started, batch.on_progress)
+        timed = None
         try:
             timed = await self._limiter.run(
                 d.resource or d.name, call_deadline,
                 lambda: self._attempts(tool, prepared.arguments, call_ctx, call_deadline),
-                owner=ctx.tenant_id,
+                owner=ctx.tenant_id, gate=gate,
             )
             _check_output(tool, timed.value)
         except ToolError as exc:
-            elapsed = int((time.perf_counter() - started) * 1000)
-            return self._failed(prepared, ctx, exc, elapsed, 0)
+            # Measured as a success is: by the limiter (on the error, or the run whose output
+            # broke its contract); the wall clock only for an error that never went through it.
+            if timed is not None:
+                return self._failed(prepared, ctx, exc, _ms(timed.run_s), _ms(timed.queue_s))
+            if exc.queue_s is not None:
+                return self._failed(prepared, ctx, exc, _ms(exc.run_s or 0.0), _ms(exc.queue_s))
+            return self._failed(prepared, ctx, exc, _ms(time.perf_counter() - started), 0)
         except asyncio.CancelledError:
             raise
         except Exception:
+            # A bug outside the handler (a handler's own is a ToolCrashed from `_attempts`).
             log.exception("tool_crashed", tool_name=d.name)
-            elapsed = int((time.perf_counter() - started) * 1000)
-            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
+            run_ms, queue_ms = (_ms(timed.run_s), _ms(timed.queue_s)) if timed is not None else (
+                _ms(time.perf_counter() - started), 0)
+            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), run_ms, queue_ms)
         finally:
             if progress is not None:
                 progress.cancel()
+        run_ms, queue_ms = _ms(timed.run_s), _ms(timed.queue_s)
         try:
-            return self._succeeded(prepared, ctx, timed.value, int(timed.run_s * 1000), int(timed.queue_s * 1000))
+            return self._succeeded(prepared, ctx, timed.value, run_ms, queue_ms)
         except (TypeError, msgspec.EncodeError):
             # A handler returned something that cannot be JSON-encoded: a bug in the tool, in-band.
             log.exception("tool_result_unencodable", tool_name=d.name)
-            elapsed = int((time.perf_counter() - started) * 1000)
-            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), elapsed, 0)
+            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), run_ms, queue_ms)
 
     async def _attempts(self, tool: CompiledTool, args: dict[str, Any], ctx: TrustedContext, deadline: float) -> Any:
         """Call the handler; an idempotent read retries a retryable failure with exponential
-        backoff and full jitter while its deadline leaves room. Writes never retry here."""
+        backoff and full jitter while its deadline leaves room. Writes never retry here.
+
+        Anything but a ToolError the handler raises is logged and raised as an opaque
+        ToolCrashed, so the limiter measures a crash as any other failure (a TimeoutError passes
+        as it is: the limiter reports it as the deadline's, as it always has)."""
         d = tool.definition
         retries = d.retries if d.mutability == "read" else 0
         attempt = 0
@@ -368,6 +386,11 @@ class Executor:
                 attempt += 1
                 log.info("tool_retry", tool_name=d.name, attempt=attempt, error_kind=exc.kind)
                 await asyncio.sleep(pause)
+            except TimeoutError:
+                raise
+            except Exception:
+                log.exception("tool_crashed", tool_name=d.name)
+                raise ToolCrashed("internal error in the tool") from None
 
     def _watch_progress(self, p: PreparedCall, started: float, on_progress: OnProgress | None) -> asyncio.Task | None:
         if on_progress is None or p.tool is None:
@@ -463,6 +486,13 @@ def idempotency_key(ctx: TrustedContext, p: PreparedCall) -> str:
 
 def _limit_error(tool: CompiledTool, session: SessionToolState, earlier_in_batch: int) -> ToolError | None:
     d = tool.definition
+    if earlier_in_batch and d.completes_variable is not None:
+        # One-shot (seed 000's dedup): the session state cannot know yet that the earlier call of
+        # this batch will complete it, so the batch itself refuses the second.
+        return PolicyDenied(
+            "already called for this in this step: it is done once per conversation",
+            advice="Use the result of the first call; do not call it again.",
+        )
     in_turn = session.turn_calls.get(d.name, 0) + earlier_in_batch
     in_session = session.calls.get(d.name, 0) + earlier_in_batch
     if d.max_calls_per_turn is not None and in_turn >= d.max_calls_per_turn:
@@ -476,6 +506,10 @@ def _limit_error(tool: CompiledTool, session: SessionToolState, earlier_in_batch
             advice="Do not call it again in this conversation; help the customer another way.",
         )
     return None
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
 
 
 def _check_output(tool: CompiledTool, value: Any) -> None:

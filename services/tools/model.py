@@ -16,6 +16,10 @@ HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 #: Argument names the model may never supply (seed 001 § "Tenant scope comes from the service").
 PROTECTED_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId", "account_id", "accountId"})
+#: The keys the engine's trusted scope always holds: the session host puts the tenant's id under
+#: each protected key (actors.session._scope). A tool's own `protected` names are not in it, so a
+#: URL hole named by one of those could never be filled (registration refuses it).
+TRUSTED_SCOPE_KEYS: frozenset[str] = PROTECTED_KEYS
 
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
 _TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
@@ -114,6 +118,46 @@ tool_decoder = msgspec.json.Decoder(ToolDefinition)
 def template_holes(template: str) -> list[str]:
     """The `{param}` names of a URL or path template, in order."""
     return _TEMPLATE_HOLE_RE.findall(template)
+
+
+def unfillable_holes(holes: list[str], protected: frozenset[str]) -> list[str]:
+    """The URL-template holes no call can fill: named by a protected name (`PROTECTED_KEYS` or
+    the tool's own `protected`), so never taken from the model, and not held by the trusted scope."""
+    return [h for h in holes if h in PROTECTED_KEYS | protected and h not in TRUSTED_SCOPE_KEYS]
+
+
+#: schema keywords whose values are data, not schemas: never searched for properties
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+
+
+def model_facing_parameters(schema: dict[str, Any], protected: frozenset[str]) -> dict[str, Any]:
+    """`schema` as the model is offered it: every `protected` name left out of `properties` and
+    `required`, at any depth (the executor strips them from the model's arguments at any depth,
+    so a model shown one would supply a value that is silently replaced or dropped). Returns
+    `schema` itself when it names no protected property, else a copy; never changes `schema`."""
+    shown = _without_protected(schema, protected)
+    return schema if shown == schema else shown
+
+
+def _without_protected(node: Any, protected: frozenset[str]) -> Any:
+    if isinstance(node, list):
+        return [_without_protected(item, protected) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "properties" and isinstance(value, dict):
+            # a map of name -> schema: its keys are names, never keywords
+            out[key] = {k: _without_protected(v, protected) for k, v in value.items() if k not in protected}
+        elif key == "required" and isinstance(value, list):
+            kept = [name for name in value if name not in protected]
+            if kept:
+                out[key] = kept
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _without_protected(value, protected)
+    return out
 
 
 def normalise_parameters(parameters: dict[str, Any], *, required_hint: list[str] = ()) -> dict[str, Any]:

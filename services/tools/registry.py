@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import msgspec
 
 from services.errors import InvalidInput
+from services.llm.port import ToolSpec
 from services.tools.context import TrustedContext
 from services.tools.model import (
     BackendBindingTool,
@@ -22,6 +23,7 @@ from services.tools.model import (
     ToolDefinition,
     WebhookTool,
     WorkflowTool,
+    model_facing_parameters,
 )
 from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
 
@@ -124,7 +126,7 @@ class HandlerRegistry:
 class CompiledTool:
     """A definition joined to the handler that actually runs it."""
 
-    __slots__ = ("definition", "handler", "origin", "output_validator", "runs", "validator", "version")
+    __slots__ = ("definition", "handler", "origin", "output_validator", "runs", "spec", "validator", "version")
 
     def __init__(
         self, definition: ToolDefinition, handler: Handler, *, origin: str, runs: str, version: int
@@ -139,6 +141,12 @@ class CompiledTool:
             ArgumentValidator(schema, sensitive=definition.sensitive, subject="result") if schema else None
         )
         self.version = version
+        #: what the model is offered of it, made once here (the offer is built every turn): the
+        #: schema without protected keys at any depth (model_facing_parameters). The executor
+        #: drops the model's value for those, fills the trusted one and validates the whole
+        #: schema, so a required `account_id` is met by the trusted scope, never asked of the model.
+        self.spec = ToolSpec(name=definition.name, description=definition.description,
+                             input_schema=model_facing_parameters(definition.parameters, definition.protected_keys))
 
     @property
     def name(self) -> str:

@@ -2,7 +2,8 @@
 
 The model never sees a tool it cannot use: disabled tools, tools outside the agent allowlist,
 tools whose breaker is open and one-shot tools already completed this session are left out; when
-an intent is detected only its tools are offered.
+an intent is detected only its tools are offered. Nor does it see a protected argument
+(tenant/account keys, a tool's own `protected` names): the trusted scope supplies those.
 """
 
 from __future__ import annotations
@@ -55,11 +56,16 @@ def detect_intent(config: BotConfig, text: str) -> str | None:
     return best[1] if best else None
 
 
-def gate_reason(tool: CompiledTool, config: BotConfig, session: SessionToolState) -> str | None:
+def gate_reason(
+    tool: CompiledTool, config: BotConfig, session: SessionToolState, intent: str | None = None
+) -> str | None:
     """Why `tool` may not run in this session right now, or None when it may.
 
     The same rules gate the offer (build_tool_set) and the call (executor policy), so a model that
-    names a tool it was not offered is refused for the same reason.
+    names a tool it was not offered is refused for the same reason. `intent` is the turn's
+    detected intent: given one that is configured, a tool that is neither named by it nor tagged
+    with it is refused, as build_tool_set leaves it out of the offer (which filters by intent
+    itself, with the intent's names as a set made once per turn, and calls this without one).
     """
     d = tool.definition
     if not d.enabled:
@@ -74,6 +80,10 @@ def gate_reason(tool: CompiledTool, config: BotConfig, session: SessionToolState
         return "this was already done in this conversation"
     if d.max_calls_per_session is not None and session.calls.get(d.name, 0) >= d.max_calls_per_session:
         return "this tool was used as often as allowed in this conversation"
+    if intent is not None:
+        wanted = config.intents.get(intent)
+        if wanted is not None and d.name not in wanted.tools and intent not in d.intents:
+            return f"this tool is not offered for what the customer asked ('{intent}')"
     return None
 
 
@@ -98,8 +108,6 @@ def build_tool_set(
 
 
 def tool_specs(tools: list[CompiledTool]) -> list[ToolSpec]:
-    """LLM tool definitions built from the compiled rows."""
-    return [
-        ToolSpec(name=t.name, description=t.definition.description, input_schema=t.definition.parameters)
-        for t in tools
-    ]
+    """LLM tool definitions of the compiled tools: each made once, when its tool was compiled
+    (`CompiledTool.spec`: its parameter schema without its protected keys)."""
+    return [t.spec for t in tools]

@@ -16,9 +16,15 @@ Owns
   name) replaced by [redacted] before it is decoded: an upstream that echoes its request headers
   cannot hand the credential to the model, the call record or a log.
 
+Protected keys (tenant/account, a tool's own `protected`) reach a webhook only in the URL holes
+they name, with the trusted scope's value (`WebhookClient.call_webhook`).
+
 Every failure is a `services.tools.errors.ToolError` with a lower-case reason for the model. No
-reason or log line carries a header value (the decrypted auth header above all), a query value or
-a response body.
+reason or log line carries a header value (the decrypted auth header above all) or a query value.
+A response body never reaches a log line; of a rejected request's body (400, 404, 409, 422: at
+most 4 KB, read within the call's deadline) the reason quotes only the upstream's own explanation
+(`upstream_explanation`: one JSON string field or a short text/plain body, capped at 300
+characters, with every credential the call sent replaced by [redacted]).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.model import BackendBindingTool, WebhookTool
-from services.tools.redaction import scrub_bytes, secret_forms, secret_name
+from services.tools.redaction import scrub_bytes, scrub_text, secret_forms, secret_name
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -64,6 +70,13 @@ from services.tools.ssrf import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
+#: statuses whose body may say what was wrong with the request (seed 001: "Check-out must be
+#: after check-in; ask for corrected dates"); other errors' bodies are never read
+EXPLAINED_STATUSES = frozenset({400, 404, 409, 422})
+ERROR_BODY_MAX_BYTES = 4096  # a longer error body is not read: the status is answered alone
+ERROR_BODY_WAIT_S = 1.0  # nor one slower than this (within the call's own deadline)
+EXPLANATION_MAX_CHARS = 300  # what of it the model reads
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _READ_CHUNK = 64 * 1024
 _QUERY_METHODS = frozenset({"GET", "DELETE"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -99,6 +112,10 @@ _TIMEOUT_ADVICE = (
     "Tell the customer you cannot retrieve this right now; they can try again in a few minutes."
 )
 _MALFORMED_ADVICE = "Tell the customer you cannot read the answer from the service right now."
+_MISCONFIGURED_ADVICE = (
+    "This is a configuration problem of the business, not a detail the customer can give: tell them "
+    "this action is unavailable right now and offer another way to help."
+)
 _CREDENTIALS_ADVICE = "Tell the customer you cannot access this right now; the business has to update the tool's credentials."
 
 #: The destination the current call was checked against; read by `_CheckedAddressResolver`.
@@ -475,12 +492,29 @@ class WebhookClient:
     ) -> WebhookResponse:
         """Call a tenant webhook tool (seed 000) with the model's (already validated) arguments.
 
-        Protected keys are dropped from `args`. The auth header is decrypted here, at call time,
-        and sent as `Authorization`. The time limit is the tool's `timeout_ms`, or `timeout_s`
-        when that is shorter (the executor's remaining deadline). Raises as `call`, plus ToolError
-        when the stored auth header cannot be decrypted; errors carry `tool_name`.
+        `args` are the executor's prepared arguments (services.tools.executor.scoped_args): the
+        model's protected keys were stripped at every depth and the trusted scope's values merged
+        in, so a protected key in them holds the trusted value. That value fills a URL hole of its
+        name (`{account_id}`); protected keys are sent nowhere else. The auth header is decrypted
+        here, at call time, and sent as `Authorization`. The time limit is the tool's
+        `timeout_ms`, or `timeout_s` when that is shorter (the executor's remaining deadline).
+        Raises as `call`, plus PolicyDenied when a protected hole has no trusted value (the tool
+        is misconfigured: the customer cannot supply it) and ToolError when the stored auth header
+        cannot be decrypted; errors carry `tool_name`.
         """
-        clean = {k: v for k, v in args.items() if k not in tool.protected_keys}
+        protected = tool.protected_keys
+        clean = {k: v for k, v in args.items() if k not in protected}
+        for hole in _HOLE_RE.findall(tool.webhook_url):
+            if hole not in protected:
+                continue
+            if args.get(hole) is None:
+                raise PolicyDenied(
+                    f"the url needs {{{hole}}}, which only the business's trusted context may fill, and it "
+                    "holds no value for it: the tool is misconfigured",
+                    advice=_MISCONFIGURED_ADVICE,
+                    tool_name=tool.name,
+                )
+            clean[hole] = args[hole]
         headers: dict[str, str] = {}
         try:
             if tool.auth_header_enc:
@@ -598,8 +632,12 @@ class WebhookClient:
             ) as response:
                 status = response.status
                 if not 200 <= status < 300:
-                    response.close()  # do not drain an error body we will not read
-                    raise _status_error(status)
+                    explanation = None
+                    if status in EXPLAINED_STATUSES:
+                        explanation = await self._explanation(response, secrets)
+                    else:
+                        response.close()  # do not drain an error body we will not read
+                    raise _status_error(status, explanation)
                 raw = scrub_bytes(await self._read_capped(response), secrets)
                 content_type = response.headers.get("Content-Type", "")
             return WebhookResponse(
@@ -650,6 +688,32 @@ class WebhookClient:
             ) from None
         finally:
             _checked_destination.reset(token)
+
+    async def _explanation(
+        self, response: aiohttp.ClientResponse, secrets: tuple[bytes, ...]
+    ) -> str | None:
+        """The upstream's own words for a rejected request (`upstream_explanation`), or None.
+        Reads at most ERROR_BODY_MAX_BYTES (never past the client's body cap) for at most
+        ERROR_BODY_WAIT_S, within the call's deadline; a body that is larger, slower or broken is
+        left unread (the connection dropped) and the status is answered alone."""
+        limit = min(ERROR_BODY_MAX_BYTES, self._max_body_bytes)
+        if response.content_length is not None and response.content_length > limit:
+            response.close()
+            return None
+        buffer = bytearray()
+        try:
+            async with asyncio.timeout(ERROR_BODY_WAIT_S):
+                async for chunk in response.content.iter_chunked(limit + 1):
+                    buffer += chunk
+                    if len(buffer) > limit:
+                        response.close()
+                        return None
+        except (TimeoutError, aiohttp.ClientError):
+            response.close()
+            return None
+        return upstream_explanation(
+            bytes(buffer), response.headers.get("Content-Type", ""), secrets
+        )
 
     async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
         limit = self._max_body_bytes
@@ -753,7 +817,60 @@ def _too_large(limit: int) -> UpstreamTooLarge:
     )
 
 
-def _status_error(status: int) -> UpstreamStatus:
+def upstream_explanation(raw: bytes, content_type: str, secrets: tuple[bytes, ...] = ()) -> str | None:
+    """What an upstream said about a request it rejected, fit to quote to the model, or None.
+
+    Taken from a JSON object's string `error`, `message` or `detail` (an `error` object's
+    `message`/`detail`; a list of validation errors' `msg`/`message`, up to three), then a
+    problem+json `title`; or from a text/plain body. Every credential the call sent (`secrets`,
+    from `secret_forms`) is replaced by [redacted], before decoding and after; the text is put on
+    one line and capped at EXPLANATION_MAX_CHARS. HTML and other types are not quoted.
+    """
+    raw = scrub_bytes(raw, secrets)
+    mime = content_type.split(";", 1)[0].strip().lower()
+    text: str | None = None
+    if mime == "application/json" or mime.endswith("+json") or mime == "text/json":
+        try:
+            value = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        text = _said(value, problem=mime == "application/problem+json")
+    elif mime == "text/plain":
+        text = raw.decode("utf-8", errors="replace")
+    if text is None:
+        return None
+    text = scrub_text(text, (form.decode("utf-8", errors="replace") for form in secrets))
+    text = " ".join(_CONTROL_RE.sub(" ", text).split())
+    if not text:
+        return None
+    if len(text) > EXPLANATION_MAX_CHARS:
+        text = text[: EXPLANATION_MAX_CHARS - 1].rstrip() + "…"
+    return text
+
+
+def _said(value: Any, *, problem: bool) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    keys = ("detail", "title") if problem else ("error", "message", "detail", "error_description", "title")
+    for key in keys:
+        found = value.get(key)
+        if isinstance(found, str) and found.strip():
+            return found
+        if isinstance(found, dict):
+            inner = next((found[k] for k in ("message", "detail") if isinstance(found.get(k), str)), None)
+            if inner:
+                return inner
+        if isinstance(found, list):  # e.g. FastAPI's 422: [{"loc": [...], "msg": "..."}]
+            items = [i if isinstance(i, str) else i.get("msg") or i.get("message") if isinstance(i, dict) else None
+                     for i in found[:3]]
+            joined = "; ".join(i for i in items if isinstance(i, str) and i.strip())
+            if joined:
+                return joined
+    return None
+
+
+def _status_error(status: int, explanation: str | None = None) -> UpstreamStatus:
+    said = f'; the service said: "{explanation}"' if explanation else ""
     if 300 <= status < 400:
         return UpstreamStatus(
             f"upstream redirected ({status}); redirects are not followed",
@@ -762,7 +879,7 @@ def _status_error(status: int) -> UpstreamStatus:
         )
     if status == 404:
         return UpstreamStatus(
-            "not found (404)",
+            f"not found (404){said}",
             status=status,
             advice="Ask the customer to double-check the identifier they gave (for example the order number) and try again.",
         )
@@ -778,7 +895,7 @@ def _status_error(status: int) -> UpstreamStatus:
         )
     if 400 <= status < 500:
         return UpstreamStatus(
-            f"upstream rejected the request ({status})",
+            f"upstream rejected the request ({status}){said}",
             status=status,
             advice="Check the details you sent with the customer, then try once more.",
         )

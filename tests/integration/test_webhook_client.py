@@ -451,11 +451,12 @@ async def test_a_body_that_drips_past_the_deadline_is_a_timeout(client, raw_serv
     [
         (500, r"^upstream error \(500\)$", "cannot reach"),
         (503, r"^upstream error \(503\)$", "cannot reach"),
-        (404, r"^not found \(404\)$", "double-check the identifier"),
+        # the server answers {"error": "nope"}: quoted for 400/404/409/422, never for the others
+        (404, r'^not found \(404\); the service said: "nope"$', "double-check the identifier"),
         (401, r"^upstream refused credentials \(401\)$", "credentials"),
         (403, r"^upstream refused credentials \(403\)$", "credentials"),
         (429, r"^upstream rate limited \(429\)$", "try again"),
-        (400, r"^upstream rejected the request \(400\)$", "Check the details"),
+        (400, r'^upstream rejected the request \(400\); the service said: "nope"$', "Check the details"),
     ],
 )
 async def test_error_statuses_map_to_upstream_status_with_actionable_advice(
