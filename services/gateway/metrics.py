@@ -51,6 +51,9 @@ class GatewayMetrics:
             "Reads of a stored answer for a client's message id the host's turn cache did not hold",
             ["host"], registry=r,
         )
+        self._per_host = (self.live_sessions, self.flush_ms, self.flushes, self.flushed_sessions,
+                          self.host_turns, self.lane_turns, self.stored_turn_reads)
+        self._hosts: set[str] = set()  # the hosts of the last scrape
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
         if reply.replay:  # the stored answer to a repeated message id: nothing ran
@@ -78,6 +81,17 @@ class GatewayMetrics:
         return name
 
     def observe_hosts(self, stats: list[dict]) -> None:
+        """Set the per-host gauges from one scrape's host stats. A host missing from them (retired
+        by a scale-down, or gone) loses its label sets: Prometheus then marks its series stale
+        instead of seeing its last values for ever."""
+        hosts = {s["host"] for s in stats}
+        for gone in self._hosts - hosts:
+            for gauge in self._per_host:
+                try:
+                    gauge.remove(gone)
+                except KeyError:  # never set for this host
+                    pass
+        self._hosts = hosts
         for s in stats:
             host = s["host"]
             self.live_sessions.labels(host).set(s["live_sessions"])

@@ -1,4 +1,9 @@
-"""/openapi.json, generated from the msgspec types the gateway decodes and encodes."""
+"""/openapi.json, generated from the msgspec types the gateway decodes and encodes.
+
+What each route answers (its success status and every problem status its handler can give) is
+the table ANSWERS, read from the handlers and from how services.gateway.app.failure() maps the
+errors they raise; tests/integration/test_openapi_statuses.py checks it against what they answer.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,96 @@ from services.gateway.bodies import ToolCreate, ToolPatch
 from services.wire import DecideApproval, SendMessage, SessionView, TurnReply
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
+
+#: every /v1 route: no or an unknown key (401); a NUL in the URL (422, also on routes without a
+#: parameter); Postgres unreachable while the key or anything else is looked up (503, Retry-After)
+_V1 = ("401", "422", "503")
+#: a route that decodes a JSON body: not JSON or cut short (400), over MAX_BODY (413), not its shape (422)
+_BODY = ("400", "413", "422")
+#: a turn: the tenant limiter or the session's mailbox (429), the host's admission (503: busy,
+#: shutting down, restarting, a reply not saved yet), a host refusing it (400), a host that failed (500)
+_TURN = (*_V1, *_BODY, "429", "500", "503")
+
+#: (METHOD, path) -> (success status, problem statuses). A route missing here gets _DEFAULT.
+ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("POST", "/v1/sessions/{session_id}/messages"): ("200", _TURN),
+    ("GET", "/v1/sessions/{session_id}"): ("200", (*_V1, "404")),
+    ("POST", "/v1/sessions/{session_id}/approvals/{approval_id}"): ("200", (*_TURN, "404")),
+    ("POST", "/v1/tools"): ("201", (*_V1, *_BODY, "409")),
+    ("GET", "/v1/tools"): ("200", _V1),
+    ("GET", "/v1/tools/contract"): ("200", _V1),
+    ("GET", "/v1/tools/{name}"): ("200", (*_V1, "404")),
+    ("PATCH", "/v1/tools/{name}"): ("200", (*_V1, *_BODY, "404")),
+    ("DELETE", "/v1/tools/{name}"): ("204", (*_V1, "404")),
+    ("GET", "/v1/tools/{name}/versions"): ("200", (*_V1, "404")),
+    ("POST", "/v1/tools/{name}/versions/{version}/publish"): ("200", (*_V1, "404")),  # reads no body
+    ("GET", "/v1/analytics/tools"): ("200", _V1),
+    ("POST", "/v1/jobs/{job_id}/result"): ("200", (*_V1, *_BODY, "404", "409")),  # 409: another outcome
+    ("GET", "/v1/jobs/{job_id}"): ("200", (*_V1, "404")),
+    ("GET", "/v1/bot-config"): ("200", _V1),
+    ("PUT", "/v1/bot-config"): ("200", (*_V1, *_BODY)),
+    ("GET", "/healthz"): ("200", ("422",)),
+    ("GET", "/readyz"): ("200", ("422", "503")),
+    ("GET", "/metrics"): ("200", ("422",)),
+    # services.gateway.builtin_routes
+    ("GET", "/v1/forms"): ("200", _V1),
+    ("PUT", "/v1/forms/{name}"): ("200", (*_V1, *_BODY)),
+    ("GET", "/v1/forms/{name}"): ("200", (*_V1, "404")),
+    ("DELETE", "/v1/forms/{name}"): ("204", (*_V1, "404")),
+    ("GET", "/v1/forms/{name}/submissions"): ("200", _V1),  # an unknown form has none: []
+    ("GET", "/v1/appointment-services"): ("200", _V1),
+    ("PUT", "/v1/appointment-services/{name}"): ("200", (*_V1, *_BODY)),
+    ("GET", "/v1/appointment-services/{name}"): ("200", (*_V1, "404")),
+    ("DELETE", "/v1/appointment-services/{name}"): ("204", (*_V1, "404")),
+    ("GET", "/v1/appointments"): ("200", _V1),
+    ("GET", "/v1/leads"): ("200", _V1),
+    ("GET", "/v1/handoffs"): ("200", _V1),
+    ("GET", "/v1/notifications"): ("200", _V1),
+    ("POST", "/v1/notifications/{id}/retry"): ("200", (*_V1, "404")),  # reads no body; 422: not failed
+    # services.gateway.dashboard
+    ("GET", "/v1/sessions"): ("200", _V1),
+    ("GET", "/v1/sessions/{session_id}/calls"): ("200", (*_V1, "404")),
+    ("GET", "/v1/analytics/tools/timeseries"): ("200", _V1),
+    # services.gateway.mcp_routes
+    ("POST", "/v1/mcp-servers"): ("201", (*_V1, *_BODY, "409")),  # 409: duplicate name or registry full
+    ("GET", "/v1/mcp-servers"): ("200", _V1),
+    ("GET", "/v1/mcp-servers/{name}"): ("200", (*_V1, "404")),
+    ("PATCH", "/v1/mcp-servers/{name}"): ("200", (*_V1, *_BODY, "404")),
+    ("DELETE", "/v1/mcp-servers/{name}"): ("204", (*_V1, "404")),
+}
+_DEFAULT = ("200", (*_V1, "404"))
+
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before sending the same request again",
+                                "schema": {"type": "string"}}}
+_SSE = {"text/event-stream": {
+    "schema": {"type": "string"},
+    "description": "with `Accept: text/event-stream`: the turn as server-sent events `text` (a delta), "
+                   "`tool_call`, `tool_result`, `approval_required`, `client_action`, then `done` carrying "
+                   "the TurnReply, or `error` ({title, status, detail, retry_after?}) when it failed after "
+                   "the first event (a failure before it is answered as for JSON: a problem with its status)",
+}}
+
+
+def _problem(status: str) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
+    if status in ("429", "503"):
+        response["headers"] = dict(_RETRY_AFTER)
+    return response
+
+
+def _responses(method: str, path: str, ok_schema: dict | None = None) -> dict[str, Any]:
+    """The responses of `method path` as ANSWERS has them; a 204 carries no body."""
+    status, errors = ANSWERS.get((method.upper(), path), _DEFAULT)
+    responses: dict[str, Any] = {
+        status: {"description": "deleted"} if status == "204" else
+        {"description": "ok", "content": {"application/json": {"schema": ok_schema or {"type": "object"}}}}}
+    for e in errors:
+        responses[e] = _problem(e)
+    return responses
+
+
+def _reads_body(method: str, path: str) -> bool:
+    return "413" in ANSWERS.get((method.upper(), path), _DEFAULT)[1]
 
 
 def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str, Any]:
@@ -28,14 +123,9 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
         params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
                   for n in re.findall(r"{([^}:]+)", path)]
         op: dict[str, Any] = {"summary": summary or f"{method} {path}", "parameters": params,
-                              "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {}}}},
-                                            "401": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}},
-                                            "404": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}},
-                                            "422": {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}}}
-        if m in ("post", "put", "patch"):
-            op["requestBody"] = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
-            for e in ("400", "413"):
-                op["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
+                              "responses": _responses(method, path)}
+        if _reads_body(method, path):
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
         paths.setdefault(path, {})[m] = op
     return {**doc, "paths": paths}
 
@@ -51,29 +141,28 @@ def _core_document() -> dict[str, Any]:
         "properties": {"type": {"type": "string"}, "title": {"type": "string"},
                        "status": {"type": "integer"}, "detail": {"type": "string"}},
     }
+    reply = components["TurnReply"]
     for internal in ("replay", "timing"):  # the gateway strips them: X-Replayed, Server-Timing instead
-        components["TurnReply"]["properties"].pop(internal, None)
+        reply["properties"].pop(internal, None)
+    # reply_body() puts `handoff` in every reply, true or false (CONTRACT.md's body)
+    required = reply.setdefault("required", [])
+    if "handoff" not in required:
+        required.append("handoff")
     components.pop("TurnTiming", None)
     ref = dict(zip([t.__name__ for t in types], refs))
     sid = {"name": "session_id", "in": "path", "required": True,
            "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"}}
     name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[a-zA-Z][a-zA-Z0-9_-]{0,63}$"}}
 
-    def op(summary: str, *, body: dict | None = None, ok: dict | None = None, status: str = "200",
-           params: list | None = None, errors: tuple[str, ...] = ("401", "404", "422")) -> dict:
-        o: dict[str, Any] = {"summary": summary, "parameters": params or [],
-                             "responses": {status: {"description": "ok", "content": {"application/json": {"schema": ok or {"type": "object"}}}}}}
-        if status == "204":
-            o["responses"][status] = {"description": "deleted"}
-        for e in errors:
-            o["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
+    def op(method: str, path: str, summary: str, *, body: dict | None = None, ok: dict | None = None,
+           params: list | None = None) -> dict:
+        o: dict[str, Any] = {"summary": summary, "parameters": params or [], "responses": _responses(method, path, ok)}
         if body is not None:
             o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-            for e in ("400", "413"):  # a body that is not JSON (or not UTF-8); one over MAX_BODY
-                o["responses"][e] = {"description": "problem", "content": {"application/problem+json": {"schema": PROBLEM}}}
         return o
 
     def turn(o: dict) -> dict:
+        o["responses"]["200"]["content"].update(_SSE)
         o["responses"]["200"]["headers"] = {
             "Server-Timing": {"description": "ms: gateway (the whole turn here), host (the session host's part), "
                               "gate (the host's wait for durability); JSON replies only",
@@ -82,36 +171,44 @@ def _core_document() -> dict[str, Any]:
         }
         return o
 
-    send = turn(op("Send a message (JSON or SSE)", body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid],
-                   errors=("401", "422", "429", "503")))
+    messages = "/v1/sessions/{session_id}/messages"
+    approval = "/v1/sessions/{session_id}/approvals/{approval_id}"
+    send = turn(op("POST", messages, "Send a message (JSON, or SSE with Accept: text/event-stream)",
+                   body=ref["SendMessage"], ok=ref["TurnReply"], params=[sid]))
     message_id = {"description": "the turn's message_id (the client's, or the one made up for it), on every "
                   "answer to a message, failures included: the id a retry sends", "schema": {"type": "string"}}
-    send["responses"]["200"]["headers"]["X-Message-Id"] = message_id
-    for status in ("429", "503"):
-        send["responses"][status]["headers"] = {"X-Message-Id": message_id}
+    for status in ("200", "429", "503"):  # a turn that was admitted, answered or refused
+        send["responses"][status].setdefault("headers", {})["X-Message-Id"] = message_id
+    tools, tool = "/v1/tools", "/v1/tools/{name}"
+    publish = "/v1/tools/{name}/versions/{version}/publish"
     paths = {
-        "/v1/sessions/{session_id}/messages": {"post": send},
-        "/v1/sessions/{session_id}": {"get": op("Inspect a session", ok=ref["SessionView"], params=[sid])},
-        "/v1/sessions/{session_id}/approvals/{approval_id}": {"post": turn(op(
-            "Approve or deny a held turn", body=ref["DecideApproval"], ok=ref["TurnReply"],
+        messages: {"post": send},
+        "/v1/sessions/{session_id}": {"get": op("GET", "/v1/sessions/{session_id}", "Inspect a session",
+                                                ok=ref["SessionView"], params=[sid])},
+        approval: {"post": turn(op(
+            "POST", approval, "Approve or deny a held turn (JSON, or SSE with Accept: text/event-stream)",
+            body=ref["DecideApproval"], ok=ref["TurnReply"],
             params=[sid, {"name": "approval_id", "in": "path", "required": True, "schema": {"type": "string"}}]))},
-        "/v1/tools": {"post": op("Register a tool", body=ref["ToolCreate"], status="201", errors=("401", "409", "422")),
-                      "get": op("List published tools", errors=("401",))},
-        "/v1/tools/contract": {"get": op("Tool-contract report", errors=("401",))},
-        "/v1/tools/{name}": {"get": op("Get a tool", params=[name]),
-                             "patch": op("New version of a tool", body=ref["ToolPatch"], params=[name]),
-                             "delete": op("Delete a tool", params=[name], status="204")},
-        "/v1/tools/{name}/versions": {"get": op("Versions of a tool", params=[name])},
-        "/v1/tools/{name}/versions/{version}/publish": {"post": op("Publish a version", params=[
+        tools: {"post": op("POST", tools, "Register a tool", body=ref["ToolCreate"]),
+                "get": op("GET", tools, "List published tools")},
+        "/v1/tools/contract": {"get": op("GET", "/v1/tools/contract", "Tool-contract report")},
+        tool: {"get": op("GET", tool, "Get a tool", params=[name]),
+               "patch": op("PATCH", tool, "New version of a tool", body=ref["ToolPatch"], params=[name]),
+               "delete": op("DELETE", tool, "Delete a tool", params=[name])},
+        "/v1/tools/{name}/versions": {"get": op("GET", "/v1/tools/{name}/versions", "Versions of a tool", params=[name])},
+        publish: {"post": op("POST", publish, "Publish a version", params=[
             name, {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 1}}])},
-        "/v1/analytics/tools": {"get": op("Per-tool analytics", params=[
-            {"name": "since", "in": "query", "required": False, "schema": {"type": "string"}}], errors=("401", "422"))},
-        "/v1/bot-config": {"get": op("Bot configuration", errors=("401",)),
-                           "put": op("Replace the bot configuration", body=ref["BotConfigIn"], errors=("401", "422"))},
-        "/healthz": {"get": op("Liveness", errors=())},
-        "/readyz": {"get": op("Readiness", errors=("503",))},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition"}}}},
+        "/v1/analytics/tools": {"get": op("GET", "/v1/analytics/tools", "Per-tool analytics", params=[
+            {"name": "since", "in": "query", "required": False, "schema": {"type": "string"}}])},
+        "/v1/bot-config": {"get": op("GET", "/v1/bot-config", "Bot configuration"),
+                           "put": op("PUT", "/v1/bot-config", "Replace the bot configuration", body=ref["BotConfigIn"])},
+        "/healthz": {"get": op("GET", "/healthz", "Liveness")},
+        "/readyz": {"get": op("GET", "/readyz", "Readiness")},
+        "/metrics": {"get": op("GET", "/metrics", "Prometheus metrics")},
     }
+    paths["/metrics"]["get"]["responses"]["200"] = {
+        "description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    del paths["/readyz"]["get"]["responses"]["503"]["headers"]  # not ready says no time to retry after
     for path in ("/healthz", "/readyz", "/metrics"):
         paths[path]["get"]["security"] = []  # operations: no tenant key (CONTRACT.md)
     return {

@@ -1,0 +1,48 @@
+"""The per-host gauges of /metrics follow the hosts of the latest scrape: a host retired by a
+scale-down (or otherwise gone from the stats) stops being reported instead of keeping its last
+values for ever."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import GatewayMetrics
+
+PER_HOST = ("ce_live_sessions", "ce_flush_last_ms", "ce_flushes", "ce_flushed_sessions", "ce_host_turns",
+            "ce_host_lane_turns", "ce_host_stored_turn_reads")
+
+
+def _stats(host: str, live: int) -> dict:
+    return {"host": host, "live_sessions": live, "last_flush_ms": 1.5, "flushes": 10, "flushed_sessions": 20,
+            "turn_calls": 30, "lane_calls": 25, "stored_turn_reads": 2}
+
+
+def _hosts(metrics: GatewayMetrics) -> dict[str, set[str]]:
+    """metric name -> the hosts it has a sample for, as /metrics renders it."""
+    seen: dict[str, set[str]] = {name: set() for name in PER_HOST}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        if family.name in seen:
+            seen[family.name] |= {s.labels["host"] for s in family.samples}
+    return seen
+
+
+def test_a_host_missing_from_the_next_scrape_is_no_longer_reported():
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([_stats("ce-host-0", 5), _stats("ce-host-1", 6), _stats("ce-host-2", 7)])
+    assert _hosts(metrics) == {name: {"ce-host-0", "ce-host-1", "ce-host-2"} for name in PER_HOST}
+
+    metrics.observe_hosts([_stats("ce-host-0", 8), _stats("ce-host-1", 9)])  # after `chat-engine scale 2`
+
+    assert _hosts(metrics) == {name: {"ce-host-0", "ce-host-1"} for name in PER_HOST}
+    text = metrics.render().decode()
+    assert 'ce_live_sessions{host="ce-host-0"} 8.0' in text  # the hosts that remain: this scrape's values
+    assert 'ce-host-2' not in text
+
+
+def test_a_host_that_comes_back_is_reported_again_from_its_new_stats():
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([_stats("ce-host-0", 5), _stats("ce-host-1", 6)])
+    metrics.observe_hosts([_stats("ce-host-0", 5)])
+    metrics.observe_hosts([_stats("ce-host-0", 5), _stats("ce-host-1", 1)])  # scaled up again
+    assert _hosts(metrics)["ce_live_sessions"] == {"ce-host-0", "ce-host-1"}
+    assert 'ce_live_sessions{host="ce-host-1"} 1.0' in metrics.render().decode()
