@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from storage.repos import TenantRepo
 
 
+#: the long-running commands: they log on stdout; every other command logs on stderr
+SERVERS = ("run", "serve")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="chat-engine", description="multi-tenant chat engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,7 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
-        configure_logging(fmt=settings.log_format, level=settings.log_level)
+        # servers log on stdout (their collector reads it); a one-shot command's stdout is its
+        # report alone (`chat-engine scale 4 | jq`), so its log lines go to stderr
+        configure_logging(fmt=settings.log_format, level=settings.log_level,
+                          stream=sys.stdout if args.command in SERVERS else sys.stderr)
         if args.command == "run":
             _as_server()
             asyncio.run(_run(settings, port=args.port))
@@ -77,11 +84,13 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "scale":
             from services.shards import scale
 
+            _join_cluster(settings)
             report = asyncio.run(scale(settings, args.shards))
             print(msgspec.json.encode(report).decode(), flush=True)
         elif args.command == "restart-hosts":
             from services.shards import restart_hosts
 
+            _join_cluster(settings)
             restarted = asyncio.run(restart_hosts(settings))
             print(msgspec.json.encode({"restarted": restarted}).decode(), flush=True)
         elif args.command == "migrate":
@@ -110,6 +119,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         pass
+
+
+def _join_cluster(settings: Settings) -> None:
+    """Join RAY_ADDRESS before an operator command uses it (services.shards connects again: a
+    no-op then), so that an unreachable cluster is one sentence (ConfigError), not Ray's traceback
+    minutes later. Without RAY_ADDRESS the command itself says to set it."""
+    if settings.ray_address:
+        from services.runtime import connect_ray
+
+        connect_ray(settings)
 
 
 def _as_server() -> None:
@@ -172,16 +191,17 @@ Ctrl-C flushes every session and stops everything.
 
 
 async def _serve(settings: Settings) -> None:
-    from actors import cluster
     from actors.placement import Placement
-    from services.gateway.server import open_gateway
+    from services.gateway.server import check_listen_address, open_gateway
+    from services.runtime import connect_ray
 
     if not settings.database_url:
         raise ChatEngineError("DATABASE_URL is not set; 'chat-engine serve' needs an existing Postgres "
                               "(or use 'chat-engine run' for the embedded one)")
     from services.shards import follow_shards
 
-    await asyncio.to_thread(cluster.connect, settings)
+    check_listen_address(settings.host, settings.port)
+    await asyncio.to_thread(connect_ray, settings)
     placement = Placement(settings)
     shards = await follow_shards(settings, placement)  # the stored count, kept current on NOTIFY
     try:

@@ -7,6 +7,8 @@ actor entry. Never log a body, a header value or a secret: `redact_secrets` is t
 from __future__ import annotations
 
 import logging
+import sys
+from typing import TextIO
 
 import structlog
 
@@ -23,8 +25,11 @@ def redact_secrets(_logger, _name, event_dict: dict) -> dict:
     return event_dict
 
 
-def configure_logging(*, fmt: str = "console", level: str = "info") -> None:
-    """Configure structlog and the stdlib root logger. Idempotent."""
+def configure_logging(*, fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:
+    """Configure structlog and the stdlib root logger to write to `stream` (default: stdout, where
+    a server's log collector reads; one-shot commands pass stderr so that stdout carries only their
+    report, for `| jq`). Idempotent."""
+    stream = sys.stdout if stream is None else stream
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
@@ -42,6 +47,7 @@ def configure_logging(*, fmt: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")

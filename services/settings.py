@@ -8,6 +8,7 @@ locals, a debugger) shows the API key, the encryption keys and any URL's passwor
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -17,9 +18,18 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from services.errors import ConfigError
+from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, check_approval_ttl
+from services.errors import ConfigError, InvalidInput
 
 Placement = Literal["sharded", "dedicated"]
+
+#: CE_LOG_LEVEL's accepted values (structlog's filtering levels)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: a session idle longer than a day only holds a host's memory (Postgres keeps it anyway), and a
+#: dedicated session actor lives as long: past this, an idle time is a typo
+IDLE_SECONDS_MAX = 86_400.0
+#: the group-commit window is a wait added to turns on a busy host: a second is already far too long
+FLUSH_INTERVAL_MS_MAX = 1_000.0
 
 _REDACTED = "[redacted]"
 _URL_FIELDS = frozenset({"database_url", "anthropic_base_url", "otlp_endpoint"})
@@ -109,6 +119,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"CE_LOG_FORMAT must be 'console' or 'json', got {log_format!r}",
                 variable="CE_LOG_FORMAT",
             )
+        log_level = (get("CE_LOG_LEVEL") or "info").lower()
+        if log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"CE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {get('CE_LOG_LEVEL')!r}",
+                variable="CE_LOG_LEVEL",
+            )
         return cls(
             database_url=database_url,
             ray_address=get("RAY_ADDRESS"),
@@ -123,10 +139,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             data_dir=get("CE_DATA_DIR") or ".data",
             main_model=get("CE_MAIN_MODEL") or "claude-sonnet-4-5",
             cheap_model=get("CE_CHEAP_MODEL") or "claude-haiku-4-5",
-            idle_seconds=_float(get, "CE_IDLE_SECONDS", 300.0),
+            idle_seconds=_float(get, "CE_IDLE_SECONDS", 300.0, maximum=IDLE_SECONDS_MAX),
             output_gate=_switch(get, "CE_OUTPUT_GATE", True),
-            flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0),
-            approval_ttl_s=_float(get, "CE_APPROVAL_TTL_S", 900.0),
+            flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0, maximum=FLUSH_INTERVAL_MS_MAX),
+            approval_ttl_s=_approval_ttl(get),
             otlp_endpoint=get("CE_OTLP_ENDPOINT"),
             tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
@@ -135,7 +151,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
             host_lane=_switch(get, "CE_HOST_LANE", True),
             log_format=log_format,  # type: ignore[arg-type]
-            log_level=(get("CE_LOG_LEVEL") or "info").lower(),
+            log_level=log_level,
         )
 
     @property
@@ -176,7 +192,9 @@ def _switch(get, name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be 'on' or 'off', got {raw!r}", variable=name)
 
 
-def _float(get, name: str, default: float) -> float:
+def _float(get, name: str, default: float, *, maximum: float | None = None) -> float:
+    """A finite number >= 0 (and <= `maximum`): inf and nan would pass every comparison the
+    engine makes with them, or none, and break later (a sleep, a date) far from the variable."""
     raw = get(name)
     if raw is None:
         return default
@@ -184,8 +202,28 @@ def _float(get, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {raw!r}", variable=name) from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {raw!r}", variable=name)
     if value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value}", variable=name)
+        raise ConfigError(f"{name} must be >= 0, got {value:g}", variable=name)
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum:g}, got {value:g}", variable=name)
+    return value
+
+
+def _approval_ttl(get) -> float:
+    """CE_APPROVAL_TTL_S: the range a tenant's own `approval_ttl_s` has (services.botconfig), as
+    the engine's default is used in its place: an expiry time must be a date, and a held turn must
+    not be expired at birth."""
+    value = _float(get, "CE_APPROVAL_TTL_S", 900.0)
+    try:
+        check_approval_ttl(value)
+    except InvalidInput:
+        raise ConfigError(
+            f"CE_APPROVAL_TTL_S must be a number of seconds from {APPROVAL_TTL_MIN_S} to {APPROVAL_TTL_MAX_S} "
+            f"(30 days), got {value:g}",
+            variable="CE_APPROVAL_TTL_S",
+        ) from None
     return value
 
 

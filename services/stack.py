@@ -18,7 +18,8 @@ import structlog
 from actors import cluster
 from actors.placement import Placement
 from services.demo_store import OPENAPI as DEMO_OPENAPI
-from services.gateway.server import Gateway, open_gateway
+from services.gateway.server import Gateway, check_listen_address, open_gateway
+from services.runtime import connect_ray
 from services.settings import Settings
 from services.tools.crypto import SecretBox, load_or_create_key
 from storage.pool import create_pool
@@ -61,6 +62,8 @@ class Stack:
         return stack
 
     async def _start(self, settings: Settings, *, port: int | None, seed_demo: bool) -> None:
+        # a taken CE_PORT is one sentence now, not a traceback after Postgres, Ray and the hosts
+        check_listen_address(settings.host, settings.port if port is None else port)
         data = Path(settings.data_dir)
         data.mkdir(parents=True, exist_ok=True)
         changes: dict[str, Any] = {}
@@ -100,7 +103,7 @@ class Stack:
             await pool.close()
 
         self.started_ray = not settings.ray_address
-        await asyncio.to_thread(cluster.connect, settings)
+        await asyncio.to_thread(connect_ray, settings)
         self.placement = Placement(settings)
         from services.shards import follow_shards
 
@@ -178,25 +181,23 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     ), encrypt=box.encrypt)
     from services.errors import NotFound
 
+    # Seeded once: what the tenant changed since (a persona set with PUT /v1/bot-config or the
+    # dashboard, a tool edited or a form changed) is theirs and survives a restart.
     for definition in (check_order, catalog):
-        data_def = msgspec.to_builtins(definition)
         try:
-            current = await tools.get(tenant.id, definition.name)
+            await tools.get(tenant.id, definition.name)
         except NotFound:
+            data_def = msgspec.to_builtins(definition)
             await tools.create(tenant.id, definition.name, data_def["type"], data_def)
-            continue
-        if {k: v for k, v in current.definition.items() if k != "auth_header_enc"} != {
-            k: v for k, v in data_def.items() if k != "auth_header_enc"
-        }:
-            await tools.new_version(tenant.id, definition.name, data_def, publish=True)
-    await configs.put(tenant.id, {
-        "persona": "You are the assistant of the Demo Store. Be brief and friendly.",
-        "intents": {
-            "orders": {"phrases": ["order", "delivery", "package", "shipping"], "tools": ["check_order"]},
-            "shopping": {"phrases": ["looking for", "do you sell", "buy"], "tools": ["example_catalog_search"]},
-        },
-        "backend": {"base_url": store_url, "openapi": DEMO_OPENAPI},
-    })
+    if not await configs.get(tenant.id):
+        await configs.put(tenant.id, {
+            "persona": "You are the assistant of the Demo Store. Be brief and friendly.",
+            "intents": {
+                "orders": {"phrases": ["order", "delivery", "package", "shipping"], "tools": ["check_order"]},
+                "shopping": {"phrases": ["looking for", "do you sell", "buy"], "tools": ["example_catalog_search"]},
+            },
+            "backend": {"base_url": store_url, "openapi": DEMO_OPENAPI},
+        })
     # A form and a bookable service, so the demo offers every built-in (submit_form and the
     # booking tools wait for a tenant's first form and service).
     from services.builtins.appointments import service_from_body
@@ -204,8 +205,10 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     from storage.repos.builtins import BuiltinRepos
 
     builtins = BuiltinRepos(pool)
-    await builtins.forms.put(tenant.id, "contact", check_form("contact", DEMO_FORM))
-    await builtins.appointments.put_service(tenant.id, service_from_body("consultation", DEMO_SERVICE))
+    if await builtins.forms.get(tenant.id, "contact") is None:
+        await builtins.forms.put(tenant.id, "contact", check_form("contact", DEMO_FORM))
+    if await builtins.appointments.get_service(tenant.id, "consultation") is None:
+        await builtins.appointments.put_service(tenant.id, service_from_body("consultation", DEMO_SERVICE))
     return key
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import socket
 from typing import Any
 
+import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from services.errors import ConfigError
 from services.gateway.app import GatewayDeps, build_app
 from services.gateway.limits import TenantLimiter
 from services.settings import Settings
@@ -16,6 +21,49 @@ from services.tools.ssrf import policy_from_entries
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
+
+log = structlog.get_logger(__name__)
+
+
+#: how long a stopping gateway lets requests in flight finish (a turn with its tool calls and
+#: model rounds, an SSE stream) before it cancels them. Sized to the pod: its grace period (45 s,
+#: deploy/kubernetes/gateway.yaml) less its preStop (5 s), less aiohttp's own wait for the last
+#: answers to be written (twice SHUTDOWN_WRITE_S, rounded up) and the pool's close and the leave
+#: from Ray. The listening socket closes first, so no new connection is taken meanwhile; with
+#: nothing in flight the gateway stops at once.
+DRAIN_TIMEOUT_S = 30.0
+#: aiohttp's shutdown_timeout, once the drain is over: answers already computed are written, and
+#: what still runs is cancelled. aiohttp waits it twice (for the handler, then again after
+#: cancelling the request's body), hence the drain is counted here and not with it.
+SHUTDOWN_WRITE_S = 2.0
+
+
+class _InFlight:
+    """The requests a gateway is handling: what a stopping gateway waits for."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.count += 1
+        self._idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until no request is in flight, `timeout` at most; True when none is left."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
 
 class _UnparsableRequestFilter(logging.Filter):
@@ -43,23 +91,67 @@ def http_server_logger() -> logging.Logger:
     return logger
 
 
+def _cannot_listen(host: str, port: int, exc: OSError) -> ConfigError:
+    reason = "the address is already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return ConfigError(
+        f"cannot listen on {host}:{port}: {reason}; set CE_HOST/CE_PORT to a free address "
+        "(or stop what holds it)",
+        variable="CE_PORT",
+    )
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise ConfigError (naming CE_HOST/CE_PORT) when the gateway could not listen on host:port,
+    before a slow start-up spends time on Postgres, Ray and the hosts. Port 0 (any) always can.
+    open_gateway checks again at the real bind: the address may be taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise _cannot_listen(host, port, exc) from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise _cannot_listen(host, port, exc) from None
+
+
 class Gateway:
     """A running gateway: `url`, `deps`, `close()`."""
 
-    def __init__(self, runner: web.AppRunner, pool: Any, deps: GatewayDeps, url: str) -> None:
+    def __init__(self, runner: web.AppRunner, pool: Any, deps: GatewayDeps, url: str,
+                 in_flight: _InFlight | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self._runner = runner
+        self._in_flight = in_flight
+        self._drain_timeout_s = drain_timeout_s
         self._pool = pool
         self.deps = deps
         self.url = url
 
     async def close(self) -> None:
+        """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most), close."""
+        if self._in_flight is not None:
+            for site in list(self._runner.sites):
+                await site.stop()  # new connections are refused from here on
+            if self._runner.server is not None:
+                self._runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after their answer
+            if not await self._in_flight.drained(self._drain_timeout_s):
+                log.warning("gateway_drain_timed_out", in_flight=self._in_flight.count,
+                            drain_timeout_s=self._drain_timeout_s)
         await self._runner.cleanup()
         await self._pool.close()
 
 
 async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_check=None,
-                       host: str | None = None, port: int | None = None) -> Gateway:
-    """Serve the gateway for `router` on CE_HOST:CE_PORT (or the given host/port; port 0 picks one)."""
+                       host: str | None = None, port: int | None = None,
+                       drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Gateway:
+    """Serve the gateway for `router` on CE_HOST:CE_PORT (or the given host/port; port 0 picks one).
+
+    Raises ConfigError naming CE_HOST/CE_PORT when it cannot listen there (closing what it opened).
+    """
     pool = await create_pool(settings.database_url, min_size=1, max_size=10)
     deps = GatewayDeps(
         router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
@@ -80,9 +172,22 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         return True if ready_check is None else await ready_check()
 
     deps.ready = ready
-    runner = web.AppRunner(build_app(deps), access_log=None, shutdown_timeout=5.0, logger=http_server_logger())
-    await runner.setup()
-    site = web.TCPSite(runner, host or settings.host, settings.port if port is None else port)
-    await site.start()
+    app = build_app(deps)
+    in_flight = _InFlight()
+    app.middlewares.append(in_flight.middleware)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_S, logger=http_server_logger())
+    host = host or settings.host
+    port = settings.port if port is None else port
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise _cannot_listen(host, port, exc) from None
+    except BaseException:
+        await runner.cleanup()
+        await pool.close()
+        raise
     bound_host, bound_port = runner.addresses[0][:2]
-    return Gateway(runner, pool, deps, f"http://{bound_host}:{bound_port}")
+    return Gateway(runner, pool, deps, f"http://{bound_host}:{bound_port}", in_flight, drain_timeout_s)

@@ -89,3 +89,58 @@ def test_the_repr_redacts_the_api_key_the_encryption_keys_and_url_passwords():
     # the values themselves are untouched
     assert s.anthropic_api_key == "sk-ant-api03-abcdef" and s.secret_key == "key-one-aaaa"
     assert repr(Settings()).startswith("Settings(database_url=None, ray_address=None, anthropic_api_key=None,")
+
+
+@pytest.mark.parametrize(
+    ("env", "variable", "message"),
+    [
+        # not finite: accepted before, then compared with and slept on far from the variable
+        ({"CE_IDLE_SECONDS": "inf"}, "CE_IDLE_SECONDS", r"CE_IDLE_SECONDS must be a finite number, got 'inf'"),
+        ({"CE_IDLE_SECONDS": "1e999"}, "CE_IDLE_SECONDS", r"CE_IDLE_SECONDS must be a finite number, got '1e999'"),
+        ({"CE_TENANT_RATE": "nan"}, "CE_TENANT_RATE", r"CE_TENANT_RATE must be a finite number, got 'nan'"),
+        ({"CE_TENANT_BURST": "Infinity"}, "CE_TENANT_BURST", r"CE_TENANT_BURST must be a finite number"),
+        ({"CE_FLUSH_INTERVAL_MS": "-inf"}, "CE_FLUSH_INTERVAL_MS", r"CE_FLUSH_INTERVAL_MS must be a finite number"),
+        ({"CE_APPROVAL_TTL_S": "nan"}, "CE_APPROVAL_TTL_S", r"CE_APPROVAL_TTL_S must be a finite number"),
+        ({"CE_TENANT_RATE": "-1"}, "CE_TENANT_RATE", r"CE_TENANT_RATE must be >= 0, got -1"),
+        ({"CE_TENANT_BURST": "lots"}, "CE_TENANT_BURST", r"CE_TENANT_BURST must be a number, got 'lots'"),
+        # the approval TTL: a tenant's own range (botconfig.check_approval_ttl); 1e12 s made every
+        # approval a 500 (now + timedelta overflows), 0 expired every held turn at birth
+        ({"CE_APPROVAL_TTL_S": "1e12"}, "CE_APPROVAL_TTL_S",
+         r"CE_APPROVAL_TTL_S must be a number of seconds from 1 to 2592000 \(30 days\), got 1e\+12"),
+        ({"CE_APPROVAL_TTL_S": "2592001"}, "CE_APPROVAL_TTL_S", r"CE_APPROVAL_TTL_S must be .* from 1 to 2592000"),
+        ({"CE_APPROVAL_TTL_S": "0"}, "CE_APPROVAL_TTL_S", r"CE_APPROVAL_TTL_S must be .* from 1 to 2592000"),
+        ({"CE_APPROVAL_TTL_S": "0.5"}, "CE_APPROVAL_TTL_S", r"CE_APPROVAL_TTL_S must be .* from 1 to 2592000"),
+        # upper bounds where a huge value breaks something
+        ({"CE_IDLE_SECONDS": "1e12"}, "CE_IDLE_SECONDS", r"CE_IDLE_SECONDS must be <= 86400, got 1e\+12"),
+        ({"CE_FLUSH_INTERVAL_MS": "60000"}, "CE_FLUSH_INTERVAL_MS", r"CE_FLUSH_INTERVAL_MS must be <= 1000, got 60000"),
+        # a level structlog does not know was silently info
+        ({"CE_LOG_LEVEL": "verbose"}, "CE_LOG_LEVEL",
+         r"CE_LOG_LEVEL must be one of debug, info, warning, error, critical, got 'verbose'"),
+        ({"CE_LOG_LEVEL": "warn"}, "CE_LOG_LEVEL", r"CE_LOG_LEVEL must be one of .*got 'warn'"),
+    ],
+)
+def test_numbers_that_are_not_finite_or_out_of_range_and_unknown_levels_are_refused(env, variable, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Settings.from_env(env)
+    assert info.value.variable == variable
+    assert str(info.value).count(variable) == 1 and "\n" not in str(info.value)  # one sentence
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "value"),
+    [
+        ({"CE_APPROVAL_TTL_S": "1"}, "approval_ttl_s", 1.0),
+        ({"CE_APPROVAL_TTL_S": "2592000"}, "approval_ttl_s", 2_592_000.0),
+        ({"CE_IDLE_SECONDS": "86400"}, "idle_seconds", 86_400.0),
+        ({"CE_IDLE_SECONDS": "0.05"}, "idle_seconds", 0.05),
+        ({"CE_FLUSH_INTERVAL_MS": "0"}, "flush_interval_ms", 0.0),
+        ({"CE_FLUSH_INTERVAL_MS": "1000"}, "flush_interval_ms", 1000.0),
+        ({"CE_TENANT_RATE": "0"}, "tenant_rate", 0.0),  # 0: unlimited
+        ({"CE_TENANT_RATE": "1e6"}, "tenant_rate", 1e6),
+        ({"CE_LOG_LEVEL": "WARNING"}, "log_level", "warning"),
+        ({"CE_LOG_LEVEL": "debug"}, "log_level", "debug"),
+        ({}, "log_level", "info"),
+    ],
+)
+def test_values_within_range_are_kept(env, field, value):
+    assert getattr(Settings.from_env(env), field) == value
