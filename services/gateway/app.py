@@ -35,6 +35,7 @@ from services.errors import (
     Overloaded,
 )
 from services.gateway.bodies import (
+    MAX_VARIABLE_NAME,
     ToolCreate,
     ToolPatch,
     check_url,
@@ -91,10 +92,15 @@ class BackendIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     base_url: str
     auth_header: str | None = None
     openapi: dict | None = None
+    #: what GET shows of the write-only header, taken back: false removes the stored header, true
+    #: or absent keeps it (unless `auth_header` replaces it)
+    auth_header_set: bool | None = None
 
 
 class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """PUT /v1/bot-config: BotConfig with the backend's auth header write-only."""
+    """PUT /v1/bot-config: BotConfig with its credentials write-only. It takes back what GET
+    shows: a credential left out, or sent back as the view shows it (`notification_secret:
+    "[set]"`, `backend.auth_header_set: true`), keeps the stored one; null (false) removes it."""
 
     persona: str | None = None
     main_model: str | None = None
@@ -104,10 +110,12 @@ class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     allow_writes: bool = True
     language: str = "english"
     notification_webhook: str | None = None
-    notification_secret: str | None = None
+    notification_secret: str | None | msgspec.UnsetType = msgspec.UNSET
     backend: BackendIn | None = None
     approval_ttl_s: float | None = None
     recall_across_sessions: bool = False
+    #: the session variable that names the contact (collect_lead sets it; recall reads by it)
+    contact_id_variable: str = "contact_id"
 
 
 @dataclass
@@ -634,6 +642,10 @@ async def get_job(request: web.Request) -> web.Response:
 
 # -- bot config -------------------------------------------------------------------------------
 
+#: what a view shows for a stored notification secret; sent back in a PUT it keeps the secret
+SECRET_SET = "[set]"
+
+
 def _config_view(config: dict[str, Any]) -> dict[str, Any]:
     view = dict(config)
     backend = view.get("backend")
@@ -642,7 +654,7 @@ def _config_view(config: dict[str, Any]) -> dict[str, Any]:
         backend["auth_header_set"] = bool(backend.pop("auth_header_enc", None))
         view["backend"] = backend
     if view.pop("notification_secret_enc", None) or view.get("notification_secret"):
-        view["notification_secret"] = "[set]"
+        view["notification_secret"] = SECRET_SET
     return view
 
 
@@ -656,7 +668,10 @@ async def get_bot_config(request: web.Request) -> web.Response:
 def check_bot_config(body: BotConfigIn) -> None:
     """Raise InvalidInput (naming the field) for a value no turn or notification could use."""
     check_approval_ttl(body.approval_ttl_s)  # the rule approval_ttl() applies to what is stored
-    if body.notification_secret:
+    if not 0 < len(body.contact_id_variable) <= MAX_VARIABLE_NAME:
+        raise InvalidInput(f"contact_id_variable must be a session variable's name of 1-{MAX_VARIABLE_NAME} "
+                           "characters - at `$.contact_id_variable`", path="$.contact_id_variable")
+    if body.notification_secret and body.notification_secret != SECRET_SET:
         try:
             secret_key(body.notification_secret)  # how the notifier reads it to sign each notification
         except InvalidSecret:
@@ -674,20 +689,30 @@ async def put_bot_config(request: web.Request) -> web.Response:
         check_url(body.backend.base_url, field="backend.base_url", policy=deps.webhook_policy)
     if body.notification_webhook:
         check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
-    data = {k: v for k, v in msgspec.to_builtins(body).items() if v is not None and k != "backend"}
+    previous = await deps.configs.get(request[TENANT]) or {}
+    data = {k: v for k, v in msgspec.to_builtins(body).items()
+            if v is not None and k not in ("backend", "notification_secret")}
     if body.allowlist is not None:
         data["allowlist"] = body.allowlist
     if body.backend is not None:
         backend: dict[str, Any] = {"base_url": body.backend.base_url, "openapi": body.backend.openapi}
         if body.backend.auth_header:
             backend["auth_header_enc"] = _encrypt(deps)(body.backend.auth_header)
-        else:
-            previous = (await deps.configs.get(request[TENANT]) or {}).get("backend") or {}
-            if previous.get("auth_header_enc"):
-                backend["auth_header_enc"] = previous["auth_header_enc"]
+        elif body.backend.auth_header_set is not False:  # left out, or shown as set: kept
+            kept = (previous.get("backend") or {}).get("auth_header_enc")
+            if kept:
+                backend["auth_header_enc"] = kept
         data["backend"] = msgspec.to_builtins(msgspec.convert(backend, Backend))
-    if body.notification_secret:  # encrypted at rest, like every credential a tenant stores
-        data["notification_secret_enc"] = _encrypt(deps)(data.pop("notification_secret"))
+    secret = body.notification_secret
+    if secret is msgspec.UNSET or secret == SECRET_SET:  # left out, or shown as set: kept
+        kept = {k: previous[k] for k in ("notification_secret_enc", "notification_secret") if previous.get(k)}
+        if secret == SECRET_SET and not kept:
+            raise InvalidInput(f"notification_secret is {SECRET_SET!r} but no notification_secret is stored to keep; "
+                               "send the secret itself (whsec_...) or null - at `$.notification_secret`",
+                               path="$.notification_secret")
+        data.update(kept)
+    elif secret:  # encrypted at rest, like every credential a tenant stores
+        data["notification_secret_enc"] = _encrypt(deps)(secret)
     config = msgspec.convert(data, BotConfig)  # validates the whole config before storing it
     stored = msgspec.to_builtins(config)
     await deps.configs.put(request[TENANT], stored)
