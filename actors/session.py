@@ -124,6 +124,11 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     #: the intent detected for the held turn's message: the rounds after the decision are offered
     #: (and may call) only its tools. None: none detected, or a turn held before this was kept
     intent: str | None = None
+    #: for each held call, in order, the version of the tool it resolved to when held (None: no
+    #: tool had its name): approved, a call whose tool has another version now does not run, nor
+    #: does its batch (Executor.refuse_changed). None: held before versions were kept; such a
+    #: turn resumes against the catalog current at the decision, as it did
+    tool_versions: list[int | None] | None = None
 
 
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -439,6 +444,8 @@ async def handle_approval(
     *, edited_arguments: dict[str, dict[str, Any]] | None = None, now: datetime | None = None,
 ) -> TurnReply:
     """Resume a turn held for approval: run the batch (approve) or tell the model it was declined.
+    Approved, a batch whose tools changed (another version, removed, added) while the approval was
+    pending runs nothing: the model is told so in-band and asks the contact to confirm again.
 
     Raises SessionError(kind="not_found") when no such approval is pending.
     """
@@ -489,17 +496,26 @@ async def _handle_approval(
     turn.rounds = pending.round
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
-    calls = pending.calls
-    if edited_arguments:
-        calls = _edited(calls, _prepare(state, env, calls, message_id=pending.message_id, turn=turn,
-                                        intent=pending.intent), edited_arguments)
-    plan = _prepare(state, env, calls, message_id=pending.message_id, turn=turn, intent=pending.intent)
+    # The held batch against the catalog current now: what the approver was shown runs, or nothing.
+    held = _prepare(state, env, pending.calls, message_id=pending.message_id, turn=turn, intent=pending.intent)
     ctx = _context(state, env, pending.message_id)
-    if approve and not expired:
-        await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
+    refused = None
+    if approve and not expired and pending.tool_versions is not None:
+        refused = env.executor.refuse_changed(held, ctx, held_versions=pending.tool_versions)
+    if refused is not None:
+        # a tool changed while the approval was pending: the approver's edits were for what they
+        # were shown, and nothing runs; the model is told why, as for a decline
+        await _absorb(state, turn, refused, emit, pending.message_id)
     else:
-        reason = "the approval expired before anyone decided" if expired else "the customer declined"
-        await _absorb(state, turn, env.executor.deny(plan, ctx, reason=reason), emit, pending.message_id)
+        plan = held
+        if edited_arguments:
+            plan = _prepare(state, env, _edited(pending.calls, held, edited_arguments),
+                            message_id=pending.message_id, turn=turn, intent=pending.intent)
+        if approve and not expired:
+            await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
+        else:
+            reason = "the approval expired before anyone decided" if expired else "the customer declined"
+            await _absorb(state, turn, env.executor.deny(plan, ctx, reason=reason), emit, pending.message_id)
     return await _loop(state, turn, env, emit, first_round=pending.round + 1, intent=pending.intent)
 
 
@@ -782,6 +798,7 @@ async def _hold(
         round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
         deliveries=turn.deliveries, intent=intent,
+        tool_versions=[p.tool.version if p.tool is not None else None for p in plan.calls],
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()

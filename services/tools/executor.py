@@ -291,6 +291,51 @@ class Executor:
             outcomes.append(self._failed(p, ctx, error, 0, 0))
         return outcomes
 
+    def refuse_changed(
+        self, plan: BatchPlan, ctx: TrustedContext, *, held_versions: list[int | None],
+    ) -> list[ToolOutcome] | None:
+        """In-band results for an approved batch whose tools changed while the approval was pending,
+        or None when each call resolves to the tool version it was held with (`held_versions`, in
+        call order: `CompiledTool.version` when held, None for a name no tool had then). `plan` is
+        the held batch prepared against the catalog current now.
+
+        The approver said yes to the definitions they were shown: a call whose tool has another
+        version now, was removed, or exists now but did not then, does not run, and neither does
+        the rest of the batch (seed 001: a batch runs whole, as approved, or not at all); a call
+        whose tool is unchanged but which fails its checks keeps its own error. The refusals are
+        policy refusals: the tool is not at fault (no breaker failure) and nothing ran (nothing
+        counts toward its limits)."""
+        changed: dict[int, str] = {}
+        for i, p in enumerate(plan.calls):
+            held = held_versions[i] if i < len(held_versions) else None
+            now = p.tool.version if p.tool is not None else None
+            if held == now:
+                continue
+            if held is None:
+                what = "it did not exist when the approval was asked for and was added since"
+            elif now is None:
+                what = f"version {held} was shown for approval and the tool was removed since"
+            else:
+                what = f"version {held} was shown for approval and version {now} is published now"
+            changed[i] = f"this tool changed while the approval was pending ({what}); not run"
+            log.warning("approved_tool_changed", tool_name=_short(p.call.name, 64), held_version=held,
+                        current_version=now)
+        if not changed:
+            return None
+        advice = ("Tell the customer it was not done because the action changed, and ask the customer to confirm "
+                  "again; call it again only once they have, which asks for a new approval.")
+        outcomes = []
+        for i, p in enumerate(plan.calls):
+            if i in changed:
+                error: ToolError = PolicyDenied(changed[i], advice=advice)
+            elif p.error is not None:
+                error = p.error
+            else:
+                error = PolicyDenied("not run because another action in this step changed while the approval "
+                                     "was pending", advice=advice)
+            outcomes.append(self._failed(p, ctx, error, 0, 0))
+        return outcomes
+
     async def _run_group(self, group: list[PreparedCall], batch: _Batch) -> list[ToolOutcome]:
         if not group:
             return []

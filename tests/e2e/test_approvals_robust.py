@@ -145,3 +145,19 @@ async def test_a_write_tools_idempotency_key_is_identical_across_a_retried_messa
     assert len(keys) == 2 and keys[0] == keys[1] and keys[0].startswith("retry-me-1:")
     status, again = await post(client, f"{gw}/v1/sessions/rob-5/messages", headers, body)
     assert again == reply and len(backend.requests) == 2  # acknowledged now: a retry runs nothing
+
+
+async def test_a_tool_patched_while_its_approval_is_pending_does_not_run_on_approve(stack, client, tenant, backend):
+    _, _, headers = tenant
+    gw = stack.gateway.url
+    await register(client, gw, headers, write_tool(backend, "payout"))
+    pending = await held(client, gw, headers, "rob-6", call("payout", {"ref": "p", "amount": 7}))
+    # the admin points the tool elsewhere (version 2) before the approver, shown version 1, says yes
+    async with client.patch(f"{gw}/v1/tools/payout", headers=headers,
+                            json={"webhook_url": f"{backend.url}/elsewhere"}) as r:
+        assert r.status == 200 and (await r.json())["version"] == 2, await r.text()
+    status, body = await post(client, f"{gw}/v1/sessions/rob-6/approvals/{pending['approval_id']}", headers,
+                              {"approve": True})
+    assert status == 200 and backend.requests == []
+    [summary] = body["tool_calls"]
+    assert not summary["success"] and "changed while the approval was pending" in summary["error"]
