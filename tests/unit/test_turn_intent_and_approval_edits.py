@@ -18,34 +18,14 @@ from actors.session import (
     new_state,
 )
 from services.botconfig import BotConfig, Intent
-from services.llm.port import LLMRequest, LLMResponse, TextBlock, TextDelta, ToolUseBlock, Usage
+from services.llm.port import LLMRequest
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.fakes import StreamScriptedLLM
+from tests.unit.test_session_loop import ScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
-
-
-class ScriptedLLM(StreamScriptedLLM):
-    """Answers each request with the next scripted step: a text or a list of (name, args) calls."""
-
-    def __init__(self, steps: list[Any]) -> None:
-        self.steps = list(steps)
-        self.requests: list[LLMRequest] = []
-
-    async def stream(self, request: LLMRequest):
-        self.requests.append(request)
-        step = self.steps.pop(0) if self.steps else "fallback text"
-        if isinstance(step, str):
-            yield TextDelta(text=step)
-            content = [TextBlock(text=step)]
-        else:
-            n = len(self.requests)
-            content = [ToolUseBlock(id=f"call_{n}_{i}", name=name, input=args) for i, (name, args) in enumerate(step)]
-        yield LLMResponse(content=content, stop_reason="end_turn" if isinstance(step, str) else "tool_use",
-                          usage=Usage(input_tokens=1, output_tokens=1), model=request.model)
 
 
 LOOKUP = PythonTool(name="lookup_order", description="orders", parameters=SCHEMA, handler="run")
