@@ -130,7 +130,7 @@ def redact(value: Any, sensitive: frozenset[str]) -> Any:
 
     The executor already redacts the tool's `sensitive` parameters before storing a call; this
     applies the tool's current list as well (it may have grown since) and never shows values
-    under names like password, token or api_key (services.tools.redaction.SECRET_NAME_RE, the
+    under names like password, token or api_key (services.tools.redaction.secret_name, the
     rule the executor applies when it records a call).
     """
     if isinstance(value, dict):

@@ -1,7 +1,7 @@
 """What a tool call's record, its trace, an error text and the dashboard never show. Pure: no I/O.
 
 Owns
-- `SECRET_NAME_RE`, the one definition of a secret-looking name (`password`, `api_key`, `token`,
+- `secret_name`, the one definition of a secret-looking name (`password`, `api_key`, `token`,
   `cvv`, ...; not a count such as `max_tokens`): whatever a tool declares, values under such names
   are `[redacted]` in the call record, its trace, the approver's copy of a held call (the
   executor), an output-contract error (services.tools.validation) and on the dashboard
@@ -26,19 +26,27 @@ from typing import Any
 REDACTED = "[redacted]"
 _REDACTED_BYTES = REDACTED.encode()
 
-#: names whose values are never stored or shown, whatever the tool declares. `pin` and `auth` only
-#: as words of their own (`pin`, `card_pin`, `pin-code`; `auth`, `basic_auth`, `x-auth`): as
-#: substrings they are in `shipping`, `spinner`, `author` and `oauth_provider`. `token` is a
-#: credential (`access_token`, `idToken`) but not when it counts (`max_tokens`, `input_tokens`,
-#: `token_count`: a call record keeps those numbers), so a plural `tokens` is a secret only after a
-#: credential's qualifier (`access_tokens`, `refreshTokens`).
+#: names whose values are never stored or shown, whatever the tool declares, wherever the name
+#: holds them (`db_pass`, `passCode`, `client_secret`, `apiKey`, `Proxy-Authorization`). `pass`
+#: only ends a word (`passengers`, `passport` are not secrets). Short words that are in ordinary
+#: words (`auth`, `pin`, `ssn`) and `token` are judged word by word instead: see `secret_name`.
 SECRET_NAME_RE = re.compile(
-    r"pass(?:word|wd|phrase)?(?![a-z])|secret|api[_-]?key|private[_-]?key|authori[sz]ation|credential|cvv|cvc"
-    r"|token(?!s|[_\-.\s]?(?:count|limit|budget|usage|total|num)s?(?![a-z]))"
-    r"|(?:access|refresh|session|csrf|xsrf|bearer|auth|oauth|api|(?:^|[_\-.\s])id)[_\-.]?tokens"
-    r"|card[_-]?number|ssn|(?:^|[_\-.\s])(?:pin(?:$|[_\-.\s]|code)|auth(?:$|[_\-.\s]))",
+    r"pass(?:word|wd|phrase)?(?-i:(?![a-z]))|secret|api[_-]?key|private[_-]?key|authori[sz]ation|credential"
+    r"|cvv|cvc|card[_-]?number",
     re.IGNORECASE,
 )
+#: a name's words: snake, kebab, dotted or camel case (`XCSRFToken` is `xcsrf` + `token`)
+_WORD_RE = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+#: secrets as words of their own (`card_pin`, `basicAuth`, `customerSSN`), not inside one
+#: (`spinner`, `author`, `oauth_provider`, `business_name`)
+_SECRET_WORDS = frozenset({"auth", "pin", "pincode", "ssn"})
+#: `token_count`, `tokenLimit`: the word after a singular `token` that makes it a number
+_COUNTS = frozenset({"count", "counts", "limit", "limits", "budget", "budgets", "usage", "total", "totals", "num"})
+#: `max_tokens`, `inputTokens`, `tokens_used`: a word that makes a plural `tokens` a count
+_COUNT_QUALIFIERS = _COUNTS | frozenset({
+    "max", "min", "input", "output", "prompt", "completion", "cache", "cached", "read", "creation",
+    "reasoning", "used", "remaining", "reserved", "estimated",
+})
 #: shorter sensitive values are not searched for inside longer texts: "no" or "12" would take
 #: pieces out of every sentence (a value equal to a whole string is still replaced)
 MIN_SCRUB_CHARS = 3
@@ -48,8 +56,32 @@ MIN_SECRET_CHARS = 8
 
 
 def secret_name(name: Any) -> bool:
-    """True when `name` looks like it holds a credential or card data (see SECRET_NAME_RE)."""
-    return SECRET_NAME_RE.search(str(name)) is not None
+    """True when `name` looks like it holds a credential or card data: the one definition the
+    record, the trace, the approver's copy, error texts and the dashboard share.
+
+    `token` is a credential (`access_token`, `idToken`, `tokenString`, `deviceTokens`, a bare
+    `tokens`) except when it counts: a singular `token` followed by a count word (`token_count`,
+    `tokenLimit`) or a plural `tokens` with a count qualifier (`max_tokens`, `input_tokens`,
+    `tokens_used`). A call record keeps those numbers."""
+    text = str(name)
+    if SECRET_NAME_RE.search(text):
+        return True
+    words = [word.lower() for word in _WORD_RE.findall(text)]
+    for i, word in enumerate(words):
+        if word in _SECRET_WORDS:
+            return True
+        if "token" not in word:
+            continue
+        if word.endswith("tokens"):
+            qualifier = word[:-len("tokens")]
+            if qualifier in _COUNT_QUALIFIERS or (not qualifier and _COUNT_QUALIFIERS.intersection(words)):
+                continue
+            return True
+        following = words[i + 1] if i + 1 < len(words) else ""
+        if word == "token" and following in _COUNTS:
+            continue
+        return True
+    return False
 
 
 def sensitive_values(arguments: Any, sensitive: Iterable[str]) -> frozenset[str]:

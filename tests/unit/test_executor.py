@@ -595,7 +595,7 @@ async def test_a_client_tools_record_redacts_its_sensitive_arguments_the_client_
 @pytest.mark.parametrize("name", ["password", "api_key", "apiKey", "X-Api-Key", "access_token", "client_secret",
                                   "cvv", "card_number", "pin", "card_pin", "Authorization"])
 async def test_values_under_secret_looking_names_are_redacted_in_the_record_whatever_the_tool_declares(name) -> None:
-    # the dashboard already hid them on display (services.tools.redaction.SECRET_NAME_RE, one rule)
+    # the dashboard already hid them on display (services.tools.redaction.secret_name, one rule)
     handler = FakeHandler("login", result={"session": {name: "s3cr3t-out"}, "user": "ana"})
     catalog = make_catalog(python_tool("login"), handlers=(handler,))
     outcome = await run_one(catalog, call("login", **{name: "s3cr3t-in", "q": "ana"}))

@@ -42,11 +42,14 @@ CAUGHT = ["token", "Token", "access_token", "refresh_token", "id_token", "sessio
           "authToken", "accessToken", "bearer_token", "x-csrf-token", "token_type", "tokenizer", "access_tokens",
           "refreshTokens", "api_key", "apikey", "x-api-key", "password", "passwd", "secret", "client_secret",
           "authorization", "Proxy-Authorization", "auth", "Auth", "basic_auth", "x-auth", "auth_header",
-          "private_key", "credentials"]
+          "private_key", "credentials", "tokens", "tokenString", "jwtTokenStr", "tokenSignature", "sessionTokenStore",
+          "deviceTokens", "push_tokens", "XCSRFToken", "basicAuth", "cardPin", "pinCode", "passCode", "customerSSN",
+          "ssn_last4"]
 #: kept: counts and limits of (LLM) tokens, and ordinary words that hold `auth` or `token`
 KEPT = ["max_tokens", "maxTokens", "input_tokens", "output_tokens", "inputTokens", "total_tokens", "prompt_tokens",
-        "completion_tokens", "cache_read_input_tokens", "token_count", "tokenCount", "tokens", "num_tokens",
-        "token_counts", "token_limit", "token_budget", "token_usage", "max_output_tokens", "author", "authority", "oauth_provider"]
+        "completion_tokens", "cache_read_input_tokens", "token_count", "tokenCount", "num_tokens", "tokens_used",
+        "token_counts", "token_limit", "token_budget", "token_usage", "max_output_tokens", "author", "authority", "oauth_provider",
+        "business_name", "businessName", "classname", "passengers", "passport"]
 
 
 @pytest.mark.parametrize("name", CAUGHT)
