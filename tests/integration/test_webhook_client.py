@@ -87,6 +87,7 @@ class Upstream:
         app.router.add_route("*", "/orders/{order_id}", self._order)
         app.router.add_route("*", "/echo", self._echo)
         app.router.add_route("*", "/echo-headers", self._echo_headers)
+        app.router.add_get("/echo-url/{code}", self._echo_url)
         app.router.add_route("*", "/example/catalog", self._echo)
         app.router.add_route("*", "/listings", self._echo)
         app.router.add_get("/slow", self._slow)
@@ -124,6 +125,11 @@ class Upstream:
         # credential after its scheme alone too
         auth = request.headers.get("Authorization", "")
         return web.json_response({"you_sent": dict(request.headers), "token": auth.partition(" ")[2]})
+
+    async def _echo_url(self, request: web.Request) -> web.Response:
+        # an upstream that quotes the url it was called with, in an error or in a 2xx
+        return web.json_response({"error": f"bad request to {request.path_qs}", "you_called": request.path_qs},
+                                 status=int(request.match_info["code"]))
 
     async def _slow(self, request: web.Request) -> web.Response:
         await asyncio.sleep(10)
@@ -776,6 +782,22 @@ async def test_a_body_echoing_a_bindings_backend_credentials_is_redacted(client,
     assert (sent["Authorization"], sent["X-Api-Key"], result["token"]) == ("[redacted]",) * 3
     assert sent["X-Shop"] == "berlin-store"  # a header with an ordinary name is no secret
     assert "SUPERSECRET" not in json.dumps(result)
+
+
+@pytest.mark.parametrize("code", [200, 400])
+async def test_a_credential_in_the_urls_query_is_never_echoed_back(client, upstream, code: int) -> None:
+    # `?api_key=...` written into webhook_url by the tenant: an upstream quoting the url it was
+    # called with put the key in the 4xx explanation (and a 2xx body) the model reads
+    key = "sk_live_QUERY/SECRET+42"  # the upstream reads `+` as a space: either form is scrubbed
+    template = upstream.base_for("api.test") + f"/echo-url/{code}?api_key={key}&order={{order_id}}"
+    try:
+        answer = await get(client, template, order_id="A-1001")
+        text = json.dumps(answer.json)
+    except UpstreamStatus as error:
+        text = str(error)
+    assert upstream.requests[-1]["query"]["api_key"] == [key.replace("+", " ")]  # sent as configured
+    assert "QUERY/SECRET" not in text and "QUERY%2FSECRET" not in text, text
+    assert "[redacted]" in text and "order=A-1001" in text  # what the model supplied is not scrubbed
 
 
 # --------------------------------------------------------------------------- the registry's port
