@@ -138,6 +138,7 @@ class Gateway:
                 await site.stop()  # new connections are refused from here on
             if self._runner.server is not None:
                 self._runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after their answer
+            await asyncio.sleep(0)  # a request whose bytes were read has its handler started (and counted)
             if not await self._in_flight.drained(self._drain_timeout_s):
                 log.warning("gateway_drain_timed_out", in_flight=self._in_flight.count,
                             drain_timeout_s=self._drain_timeout_s)
@@ -174,7 +175,8 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
     deps.ready = ready
     app = build_app(deps)
     in_flight = _InFlight()
-    app.middlewares.append(in_flight.middleware)
+    # outermost: a request still in its auth lookup (or rate limit) is in flight too
+    app.middlewares.insert(0, in_flight.middleware)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_S, logger=http_server_logger())
     host = host or settings.host
     port = settings.port if port is None else port

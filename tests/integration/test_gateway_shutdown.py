@@ -84,6 +84,34 @@ async def test_an_idle_gateway_stops_at_once_even_with_a_keep_alive_connection_o
     assert time.monotonic() - started < 2
 
 
+async def test_a_request_still_in_its_auth_lookup_when_the_gateway_stops_gets_its_answer(fresh_db):
+    # before, the drain counted requests only once they were past auth: one waiting on Postgres
+    # (a busy pool in a rolling update) was not waited for, and cut when aiohttp gave up on it
+    from services.gateway.server import SHUTDOWN_WRITE_S
+
+    lookup_s = 2 * SHUTDOWN_WRITE_S + 1  # longer than aiohttp's own wait for a handler
+    settings = Settings(database_url=await fresh_db(), host="127.0.0.1", port=0)
+    gateway = await open_gateway(settings, FakeRouter(), port=0)
+    _, key = await gateway.deps.tenants.create_tenant("drain-auth")
+    looking_up = asyncio.Event()
+    real_lookup = gateway.deps.tenants.tenant_for_key
+
+    async def slow_lookup(api_key):
+        looking_up.set()
+        await asyncio.sleep(lookup_s)
+        return await real_lookup(api_key)
+
+    gateway.deps.tenants.tenant_for_key = slow_lookup
+    async with aiohttp.ClientSession() as http:
+        turn = asyncio.create_task(http.post(f"{gateway.url}/v1/sessions/s1/messages", json={"text": "hi"},
+                                             headers={"Authorization": f"Bearer {key.api_key}"}))
+        await asyncio.wait_for(looking_up.wait(), 10)
+        await gateway.close()
+        resp = await turn
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["session_id"] == "s1"
+
+
 def busy_port() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
