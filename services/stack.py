@@ -9,11 +9,13 @@ and the gateway. Tests start this same code path.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
+import yarl
 
 from actors import cluster
 from actors.placement import Placement
@@ -182,14 +184,25 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     from services.errors import NotFound
 
     # Seeded once: what the tenant changed since (a persona set with PUT /v1/bot-config or the
-    # dashboard, a tool edited or a form changed) is theirs and survives a restart.
+    # dashboard, a tool edited or a form changed) is theirs and survives a restart. The demo
+    # store's address is not theirs: when it had to take another port, what points at it follows.
     for definition in (check_order, catalog):
         try:
-            await tools.get(tenant.id, definition.name)
+            live = await tools.get(tenant.id, definition.name)
         except NotFound:
             data_def = msgspec.to_builtins(definition)
             await tools.create(tenant.id, definition.name, data_def["type"], data_def)
-    if not await configs.get(tenant.id):
+            continue
+        moved = _at_the_demo_store(live.definition.get("webhook_url"), store_url)
+        if moved is not None:
+            await tools.new_version(tenant.id, live.name, {**live.definition, "webhook_url": moved,
+                                                           "enabled": live.enabled}, publish=True)
+    config = await configs.get(tenant.id)
+    backend = config.get("backend") if isinstance(config, dict) else None
+    moved = _at_the_demo_store(backend.get("base_url"), store_url) if isinstance(backend, dict) else None
+    if moved is not None:
+        await configs.put(tenant.id, {**config, "backend": {**backend, "base_url": moved}})
+    if not config:
         await configs.put(tenant.id, {
             "persona": "You are the assistant of the Demo Store. Be brief and friendly.",
             "intents": {
@@ -210,6 +223,23 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     if await builtins.appointments.get_service(tenant.id, "consultation") is None:
         await builtins.appointments.put_service(tenant.id, service_from_body("consultation", DEMO_SERVICE))
     return key
+
+
+_ORIGIN_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*")
+
+
+def _at_the_demo_store(url: Any, store_url: str) -> str | None:
+    """`url` moved to the demo store's current origin when it points at the demo store
+    (DEMO_STORE_HOST, its own loopback address) on another port; else None."""
+    if not isinstance(url, str):
+        return None
+    try:
+        parsed, store = yarl.URL(url), yarl.URL(store_url)
+    except ValueError:
+        return None
+    if parsed.host != DEMO_STORE_HOST or parsed.origin() == store.origin():
+        return None
+    return str(store.origin()) + _ORIGIN_RE.sub("", url, count=1)
 
 
 def write_demo_env(data: Path, url: str, key: str) -> None:

@@ -70,3 +70,30 @@ async def test_a_demo_tool_the_tenant_lacks_is_seeded_again_and_nothing_else_cha
 
     assert (await tools.get(tenant.id, "example_catalog_search")).definition["name"] == "example_catalog_search"
     assert await BotConfigRepo(pool).get(tenant.id) == config
+
+
+async def test_when_the_demo_store_takes_another_port_what_points_at_it_follows(demo_db, tmp_path):
+    # port 8090 taken on a later start: the demo store falls back to a free port (services.stack)
+    pool = demo_db
+    settings = Settings(secret_keys=(generate_key(),))
+    key = await seed_demo_tenant(pool, settings, STORE, tmp_path)
+    (tmp_path / "demo.env").write_text(f"CE_API_KEY={key}\n")
+    tenant = await TenantRepo(pool).tenant_for_key(key)
+    tools, configs = ToolRepo(pool), BotConfigRepo(pool)
+    order = await tools.get(tenant.id, "check_order")
+    await tools.new_version(tenant.id, "check_order", {**order.definition, "description": "Find my order, matey."},
+                            publish=True)
+    await tools.set_enabled(tenant.id, "check_order", False)
+    persona = {**await configs.get(tenant.id), "persona": "You are Captain Pirate."}
+    await configs.put(tenant.id, persona)
+
+    await seed_demo_tenant(pool, settings, "http://127.0.0.2:41234", tmp_path)
+
+    moved = await tools.get(tenant.id, "check_order")
+    assert moved.definition["webhook_url"] == "http://127.0.0.2:41234/api/orders/{order_id}"
+    assert moved.definition["description"] == "Find my order, matey." and moved.enabled is False  # theirs, kept
+    config = await configs.get(tenant.id)
+    assert config["backend"]["base_url"] == "http://127.0.0.2:41234"
+    assert config["persona"] == "You are Captain Pirate."
+    await seed_demo_tenant(pool, settings, "http://127.0.0.2:41234", tmp_path)  # same port again: nothing new
+    assert (await tools.get(tenant.id, "check_order")).version == moved.version
