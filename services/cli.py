@@ -290,7 +290,7 @@ async def _tenant_keys(settings: Settings, name: str) -> None:
     async with _tenant_repo(settings) as tenants:
         tenant = await _tenant_named(tenants, name)
         keys = await tenants.list_keys(tenant.id)
-    width = max(len("key_id"), *(len(k.key_id) for k in keys)) + 2
+    width = max([len("key_id"), *(len(k.key_id) for k in keys)]) + 2
     lines = [f"{'key_id':<{width}}{'created_at':<22}revoked_at"]
     for k in keys:
         revoked = "active" if k.revoked_at is None else _stamp(k.revoked_at)

@@ -181,3 +181,18 @@ async def test_tenant_keys_beside_a_running_stack_leaves_its_embedded_postgres_r
         assert await conn.fetchval("SELECT 1") == 1
     finally:
         await conn.close()
+
+
+async def test_keys_of_a_tenant_with_no_key_rows_prints_the_header_and_says_what_to_do(db):
+    # a tenant whose key rows were deleted by hand (or never written): before, a TypeError
+    url, repo = db
+    first = await created(url, "keyless")
+    pool = await create_pool(url, max_size=1)
+    try:
+        await pool.execute("DELETE FROM ce_api_keys WHERE tenant_id = $1", first["tenant_id"])
+    finally:
+        await pool.close()
+    listed = await cli(url, "keys", "keyless")
+    assert listed.returncode == 0, listed.stderr
+    assert key_rows(listed.stdout) == {}
+    assert "has no active key: make one with 'chat-engine tenant add-key keyless'" in listed.stderr
