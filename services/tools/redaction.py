@@ -18,6 +18,7 @@ Owns
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -63,7 +64,11 @@ def secret_name(name: Any) -> bool:
     `tokens`) except when it counts: a singular `token` followed by a count word (`token_count`,
     `tokenLimit`) or a plural `tokens` with a count qualifier (`max_tokens`, `input_tokens`,
     `tokens_used`). A call record keeps those numbers."""
-    text = str(name)
+    return _secret_text(name if isinstance(name, str) else str(name))
+
+
+@functools.lru_cache(maxsize=4096)  # names repeat call after call (a tool's parameters, its result's keys)
+def _secret_text(text: str) -> bool:
     if SECRET_NAME_RE.search(text):
         return True
     words = [word.lower() for word in _WORD_RE.findall(text)]
