@@ -936,10 +936,14 @@ class Bench:
         pg = self.pg_pids() | self.pg_seen
         actors = actor_pids if placement is not None else set()
         split = {"engine": 0.0, "postgres": 0.0, "ray_other": 0.0}
+        ray_other: dict[str, float] = {}  # by process name: which of Ray's own processes it is
         for pid, used in meter.per_pid.items():
             kind = ("postgres" if pid in pg else "engine" if pid in actors or pid == os.getpid() or pid == worker.pid
                     else "ray_other")
             split[kind] += used
+            if kind == "ray_other":
+                name = _process_name(pid)
+                ray_other[name] = ray_other.get(name, 0.0) + used
         if placement is not None:
             split["gateway"] = meter.per_pid.get(os.getpid(), 0.0)
         flushes = flushed = collections = 0
@@ -977,6 +981,11 @@ class Bench:
               f"  gc/1k msgs {result['gc_per_1k_msgs']:.1f}  steal {steal:.0f}%",
               file=sys.stderr)
         print("      cpu ms/msg: " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in split.items()), file=sys.stderr)
+        result["cpu_ray_other_ms_per_msg_by_process"] = {
+            name: used * 1000 / n for name, used in sorted(ray_other.items(), key=lambda kv: -kv[1])}
+        print("      ray_other ms/msg: " + ", ".join(
+            f"{name} {v:.2f}" for name, v in list(result["cpu_ray_other_ms_per_msg_by_process"].items())[:6]),
+            file=sys.stderr)
         return result
 
     async def run_interleaved(self, rate: float, messages: int) -> dict[str, Any]:
@@ -1571,6 +1580,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not args.ways or any(w not in WAYS for w in args.ways):
         p.error(f"--ways takes a subset of {','.join(WAYS)}")
     return args
+
+
+def _process_name(pid: int) -> str:
+    """A process's name as `ps` shows it (Ray's workers set theirs: `ray::SessionHostActor`,
+    `ray::IDLE`), or `gone` for one that has exited since it was metered."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        title = (process.cmdline() or [process.name()])[0]
+    except (psutil.Error, IndexError):
+        return "gone"
+    return title.split(" ")[0].rsplit("/", 1)[-1][:40] or "unnamed"
 
 
 def _use_uvloop() -> None:
