@@ -155,12 +155,24 @@ def _client_target(settings: Settings, url: str | None, key: str | None) -> tupl
     return url, key
 
 
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
+async def _wait_for_signal() -> asyncio.Event:
+    """Wait for Ctrl-C or SIGTERM. Returns an event set by the next one: a second Ctrl-C cuts the
+    gateway's drain short (sessions are still flushed, so nothing stored is lost)."""
+    stop, again = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def hurry() -> None:
+        if not again.is_set():
+            print("chat-engine: stopping now: requests still in flight are cut; sessions are still flushed",
+                  file=sys.stderr, flush=True)
+        again.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, hurry)
+    return again
 
 
 async def _run(settings: Settings, *, port: int | None) -> None:
@@ -168,6 +180,7 @@ async def _run(settings: Settings, *, port: int | None) -> None:
 
     print("chat-engine: starting (embedded Postgres, local Ray, local model, demo store)...", flush=True)
     stack = await Stack.start(settings, port=port)
+    hurry = None
     try:
         gw = stack.gateway
         assert gw is not None
@@ -184,10 +197,11 @@ Try:
 or chat in this terminal:  .venv/bin/chat-engine chat
 Ctrl-C flushes every session and stops everything.
 """, flush=True)
-        await _wait_for_signal()
-        print("chat-engine: stopping (flushing sessions)...", flush=True)
+        hurry = await _wait_for_signal()
+        print("chat-engine: stopping (requests in flight finish, sessions are flushed; Ctrl-C again to cut "
+              "the requests short)...", flush=True)
     finally:
-        await stack.stop()
+        await stack.stop(hurry=hurry)
 
 
 async def _serve(settings: Settings) -> None:
@@ -212,10 +226,11 @@ async def _serve(settings: Settings) -> None:
 
         gateway = await open_gateway(settings, placement, contract=placement.contract, ready_check=hosts_ready)
         print(f"chat-engine gateway on {gateway.url}", flush=True)
+        hurry = None
         try:
-            await _wait_for_signal()
+            hurry = await _wait_for_signal()
         finally:
-            await gateway.close()
+            await gateway.close(hurry=hurry)
             placement.close_lanes()
     finally:
         if shards is not None:

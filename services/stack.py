@@ -122,11 +122,12 @@ class Stack:
         stats = await self.placement.stats()
         return self.placement.mode == "dedicated" or len(stats) >= self.placement.shards
 
-    async def stop(self) -> None:
+    async def stop(self, *, hurry: asyncio.Event | None = None) -> None:
         """Drain and stop everything this stack started: the gateway stops taking requests and
-        lets in-flight ones finish, then every host finishes its turns and flushes its sessions."""
+        lets in-flight ones finish (until `hurry` is set, if given), then every host finishes its
+        turns and flushes its sessions."""
         if self.gateway is not None:
-            await self.gateway.close()
+            await self.gateway.close(hurry=hurry)
         if self.placement is not None:
             try:
                 await self.placement.shutdown_hosts()

@@ -57,13 +57,17 @@ class _InFlight:
             if self.count == 0:
                 self._idle.set()
 
-    async def drained(self, timeout: float) -> bool:
-        """Wait until no request is in flight, `timeout` at most; True when none is left."""
+    async def drained(self, timeout: float, hurry: asyncio.Event | None = None) -> bool:
+        """Wait until no request is in flight, `timeout` at most and no longer than until `hurry`
+        is set; True when none is left."""
+        idle = asyncio.ensure_future(self._idle.wait())
+        waits = {idle} if hurry is None else {idle, asyncio.ensure_future(hurry.wait())}
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return self._idle.is_set()
 
 
 class _UnparsableRequestFilter(logging.Filter):
@@ -131,16 +135,18 @@ class Gateway:
         self.deps = deps
         self.url = url
 
-    async def close(self) -> None:
-        """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most), close."""
+    async def close(self, *, hurry: asyncio.Event | None = None) -> None:
+        """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most, or until
+        `hurry` is set: a second Ctrl-C), close."""
         if self._in_flight is not None:
             for site in list(self._runner.sites):
                 await site.stop()  # new connections are refused from here on
             if self._runner.server is not None:
                 self._runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after their answer
             await asyncio.sleep(0)  # a request whose bytes were read has its handler started (and counted)
-            if not await self._in_flight.drained(self._drain_timeout_s):
-                log.warning("gateway_drain_timed_out", in_flight=self._in_flight.count,
+            if not await self._in_flight.drained(self._drain_timeout_s, hurry):
+                log.warning("gateway_drain_cut_short" if hurry is not None and hurry.is_set() else
+                            "gateway_drain_timed_out", in_flight=self._in_flight.count,
                             drain_timeout_s=self._drain_timeout_s)
         await self._runner.cleanup()
         await self._pool.close()

@@ -155,3 +155,51 @@ async def test_the_drain_is_bounded_so_a_stuck_turn_cannot_outlast_the_pods_grac
         with pytest.raises(aiohttp.ClientError):  # cancelled: the connection closes without an answer
             await turn
     assert took < 0.5 + 2 * (SHUTDOWN_WRITE_S + 1) and router.finished == 0
+
+
+async def test_a_second_ctrl_c_cuts_the_drain_short(fresh_db):
+    # the operator who pressed Ctrl-C twice does not wait out a 12 s turn (or the 30 s drain)
+    from services.gateway.server import SHUTDOWN_WRITE_S
+
+    router = SlowRouter()
+    settings = Settings(database_url=await fresh_db(), host="127.0.0.1", port=0)
+    gateway = await open_gateway(settings, router, port=0)
+    _, key = await gateway.deps.tenants.create_tenant("drain-hurried")
+    hurry = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        turn = asyncio.create_task(http.post(f"{gateway.url}/v1/sessions/s1/messages", json={"text": "hi"},
+                                             headers={"Authorization": f"Bearer {key.api_key}"}))
+        await asyncio.wait_for(router.started.wait(), 10)
+        started = time.monotonic()
+        closing = asyncio.create_task(gateway.close(hurry=hurry))
+        await asyncio.sleep(0.5)
+        assert not closing.done()  # draining
+        hurry.set()  # the second Ctrl-C
+        await closing
+        took = time.monotonic() - started
+        with pytest.raises(aiohttp.ClientError):
+            await turn
+    assert took < 0.5 + 2 * (SHUTDOWN_WRITE_S + 1) < TURN_S and router.finished == 0
+
+
+async def test_the_signal_wait_returns_an_event_the_next_signal_sets():
+    import os
+    import signal
+
+    from services.cli import _wait_for_signal
+
+    loop = asyncio.get_running_loop()
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        waiting = asyncio.create_task(_wait_for_signal())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: stop
+        hurry = await asyncio.wait_for(waiting, 5)
+        assert not hurry.is_set()
+        os.kill(os.getpid(), signal.SIGINT)  # the second: hurry
+        await asyncio.wait_for(hurry.wait(), 5)
+    finally:
+        for sig, handler in before.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
