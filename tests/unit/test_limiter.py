@@ -278,3 +278,45 @@ def test_limit_for_uses_the_resource_limit_or_the_default() -> None:
     limiter = ResourceLimiter(default_limit=8, limits={"crm": 2})
     assert (limiter.limit_for("crm"), limiter.limit_for("other")) == (2, 8)
     assert limiter.in_use("never_used") == 0
+
+
+@pytest.mark.parametrize("where", ["waiting_on_the_gate", "waiting_on_the_resource", "running"])
+async def test_a_call_cancelled_anywhere_gives_back_its_max_parallel_gate(where: str) -> None:
+    # a tool's `max_parallel` gate is taken before the resource's slot: a cancelled turn (the
+    # client went away) must give back whatever it took, or that tool runs one fewer at a time
+    # for the rest of the batch
+    limiter = ResourceLimiter(limits={"crm": 1})
+    gate = asyncio.Semaphore(1)
+    started, hold = asyncio.Event(), asyncio.Event()
+
+    async def held() -> str:
+        started.set()
+        await hold.wait()
+        return "held"
+
+    async def quick() -> str:
+        return "next"
+
+    if where == "waiting_on_the_gate":  # the gate is taken by another call of the same tool
+        first = asyncio.create_task(limiter.run("crm", far(), held, gate=gate))
+    elif where == "waiting_on_the_resource":  # the resource's slot is taken by another tool
+        first = asyncio.create_task(limiter.run("crm", far(), held))
+    else:
+        first = None
+    if first is not None:
+        await started.wait()
+        call = asyncio.create_task(limiter.run("crm", far(), quick, gate=gate))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not call.done()
+    else:
+        call = asyncio.create_task(limiter.run("crm", far(), held, gate=gate))
+        await started.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    hold.set()
+    if first is not None:
+        assert (await first).value == "held"
+    assert gate._value == 1 and limiter.in_use("crm") == 0
+    assert (await asyncio.wait_for(limiter.run("crm", far(), quick, gate=gate), 5)).value == "next"
