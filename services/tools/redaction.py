@@ -28,26 +28,37 @@ REDACTED = "[redacted]"
 _REDACTED_BYTES = REDACTED.encode()
 
 #: names whose values are never stored or shown, whatever the tool declares, wherever the name
-#: holds them (`db_pass`, `passCode`, `client_secret`, `apiKey`, `Proxy-Authorization`). `pass`
-#: only ends a word (`passengers`, `passport` are not secrets). Short words that are in ordinary
-#: words (`auth`, `pin`, `ssn`) and `token` are judged word by word instead: see `secret_name`.
+#: holds them (`client_secret`, `apiKey`, `Proxy-Authorization`, `credentials`). Short words that
+#: are in ordinary words (`pass`, `auth`, `pin`, `ssn`, `key`) and `token` are judged word by word
+#: instead: see `secret_name`.
 SECRET_NAME_RE = re.compile(
-    r"pass(?:word|wd|phrase)?(?-i:(?![a-z]))|secret|api[_-]?key|private[_-]?key|authori[sz]ation|credential"
-    r"|cvv|cvc|card[_-]?number",
+    r"secret|api[_-]?key|authori[sz]ation|credential|cvv|cvc|card[_-]?number|cookie",
     re.IGNORECASE,
 )
 #: a name's words: snake, kebab, dotted or camel case (`XCSRFToken` is `xcsrf` + `token`)
 _WORD_RE = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
-#: secrets as words of their own (`card_pin`, `basicAuth`, `customerSSN`), not inside one
-#: (`spinner`, `author`, `oauth_provider`, `business_name`)
-_SECRET_WORDS = frozenset({"auth", "pin", "pincode", "ssn"})
-#: `token_count`, `tokenLimit`: the word after a singular `token` that makes it a number
+#: secrets as words of their own (`card_pin`, `basicAuth`, `customerSSN`, `user_pwd`), not inside
+#: one (`spinner`, `author`, `oauth_provider`, `business_name`)
+_SECRET_WORDS = frozenset({"auth", "pin", "pincode", "ssn", "pwd", "passwd", "passcode", "otp", "jwt", "cvc2", "cvv2"})
+#: words that start a secret's name whatever follows (`password_hash`, `passphrase`)
+_SECRET_PREFIXES = ("password", "passphrase")
+#: `access_key`, `signingKey`: a `key` after one of these is a credential (a plain `key`, `sort_key`
+#: or `idempotency_key` is not)
+_KEY_QUALIFIERS = frozenset({"api", "access", "secret", "private", "signing", "session", "encryption", "master",
+                             "client", "auth", "license", "webhook", "sign", "hmac"})
+#: `security_code`, `social_security_number`, `pass_code`, `passWord`
+_SECRET_PAIRS = frozenset({("security", "code"), ("security", "number"), ("pass", "code"), ("pass", "word"),
+                           ("pass", "phrase")})
+#: `token_count`, `tokenLimit`, `tokencount`: what makes a singular `token` a number
 _COUNTS = frozenset({"count", "counts", "limit", "limits", "budget", "budgets", "usage", "total", "totals", "num"})
-#: `max_tokens`, `inputTokens`, `tokens_used`: a word that makes a plural `tokens` a count
+#: `max_tokens`, `inputTokens`, `tokens_used`, `n_tokens`: a word that makes a plural `tokens` a count
 _COUNT_QUALIFIERS = _COUNTS | frozenset({
     "max", "min", "input", "output", "prompt", "completion", "cache", "cached", "read", "creation",
-    "reasoning", "used", "remaining", "reserved", "estimated",
+    "reasoning", "used", "remaining", "reserved", "estimated", "n", "context", "thinking", "per", "billed",
+    "generated", "window", "spent", "left",
 })
+#: names longer than this are judged but not remembered (a result's keys come from the upstream)
+_CACHED_NAME_CHARS = 64
 #: shorter sensitive values are not searched for inside longer texts: "no" or "12" would take
 #: pieces out of every sentence (a value equal to a whole string is still replaced)
 MIN_SCRUB_CHARS = 3
@@ -60,33 +71,46 @@ def secret_name(name: Any) -> bool:
     """True when `name` looks like it holds a credential or card data: the one definition the
     record, the trace, the approver's copy, error texts and the dashboard share.
 
-    `token` is a credential (`access_token`, `idToken`, `tokenString`, `deviceTokens`, a bare
-    `tokens`) except when it counts: a singular `token` followed by a count word (`token_count`,
-    `tokenLimit`) or a plural `tokens` with a count qualifier (`max_tokens`, `input_tokens`,
-    `tokens_used`). A call record keeps those numbers."""
-    return _secret_text(name if isinstance(name, str) else str(name))
+    `pass` is a secret as the last word of a name (`db_pass`, `userPass`; not `passThrough`,
+    `bypassCache`, `passengers`), `password`/`passphrase` anywhere. `token` is a credential
+    (`access_token`, `idToken`, `tokenString`, `deviceTokens`, a bare `tokens`) except when it
+    counts: a singular `token` with a count word (`token_count`, `tokenLimit`, `tokencount`) or a
+    plural `tokens` with a count qualifier (`max_tokens`, `input_tokens`, `tokens_used`). A call
+    record keeps those numbers."""
+    text = name if isinstance(name, str) else str(name)
+    if len(text) > _CACHED_NAME_CHARS:
+        return _judge(text)
+    return _cached_judge(text)
 
 
-@functools.lru_cache(maxsize=4096)  # names repeat call after call (a tool's parameters, its result's keys)
-def _secret_text(text: str) -> bool:
+def _judge(text: str) -> bool:
     if SECRET_NAME_RE.search(text):
         return True
     words = [word.lower() for word in _WORD_RE.findall(text)]
+    last = len(words) - 1
     for i, word in enumerate(words):
-        if word in _SECRET_WORDS:
+        if word in _SECRET_WORDS or word.startswith(_SECRET_PREFIXES) or (word == "pass" and i == last):
             return True
-        if "token" not in word:
-            continue
-        if word.endswith("tokens"):
-            qualifier = word[:-len("tokens")]
-            if qualifier in _COUNT_QUALIFIERS or (not qualifier and _COUNT_QUALIFIERS.intersection(words)):
-                continue
+        before = words[i - 1] if i else ""
+        if word in ("key", "keys") and before in _KEY_QUALIFIERS or (before, word) in _SECRET_PAIRS:
             return True
-        following = words[i + 1] if i + 1 < len(words) else ""
-        if word == "token" and following in _COUNTS:
-            continue
-        return True
+        if "token" in word and not _counts_tokens(word, words[i + 1] if i < last else "", words):
+            return True
     return False
+
+
+#: names repeat call after call (a tool's parameters, its result's keys)
+_cached_judge = functools.lru_cache(maxsize=4096)(_judge)
+
+
+def _counts_tokens(word: str, following: str, words: list[str]) -> bool:
+    """True when `word` (holding `token`) names a number of tokens, not a credential."""
+    if word.endswith("tokens"):
+        qualifier = word[:-len("tokens")]
+        return qualifier in _COUNT_QUALIFIERS or (not qualifier and bool(_COUNT_QUALIFIERS.intersection(words)))
+    if word == "token":
+        return following in _COUNTS
+    return word.startswith("token") and word[len("token"):] in _COUNTS
 
 
 def sensitive_values(arguments: Any, sensitive: Iterable[str]) -> frozenset[str]:

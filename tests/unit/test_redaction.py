@@ -44,12 +44,16 @@ CAUGHT = ["token", "Token", "access_token", "refresh_token", "id_token", "sessio
           "authorization", "Proxy-Authorization", "auth", "Auth", "basic_auth", "x-auth", "auth_header",
           "private_key", "credentials", "tokens", "tokenString", "jwtTokenStr", "tokenSignature", "sessionTokenStore",
           "deviceTokens", "push_tokens", "XCSRFToken", "basicAuth", "cardPin", "pinCode", "passCode", "customerSSN",
-          "ssn_last4"]
+          "ssn_last4", "passcode", "device_passcode", "pwd", "security_code", "otp", "jwt", "cookie", "Set-Cookie",
+          "access_key", "aws_access_key_id", "signing_key", "session_key", "social_security_number", "db_pass",
+          "userPass", "PASSWORD", "password_hash"]
 #: kept: counts and limits of (LLM) tokens, and ordinary words that hold `auth` or `token`
 KEPT = ["max_tokens", "maxTokens", "input_tokens", "output_tokens", "inputTokens", "total_tokens", "prompt_tokens",
         "completion_tokens", "cache_read_input_tokens", "token_count", "tokenCount", "num_tokens", "tokens_used",
         "token_counts", "token_limit", "token_budget", "token_usage", "max_output_tokens", "author", "authority", "oauth_provider",
-        "business_name", "businessName", "classname", "passengers", "passport"]
+        "business_name", "businessName", "classname", "passengers", "passport", "passThrough", "bypassCache",
+        "compassHeading", "passRate", "PASSENGER_COUNT", "PASSPORT_NO", "tokencount", "tokenlimit", "n_tokens",
+        "context_tokens", "thinking_tokens", "tokens_per_second", "key", "sort_key", "primary_key_column"]
 
 
 @pytest.mark.parametrize("name", CAUGHT)
@@ -126,3 +130,12 @@ def test_the_stream_scrubber_holds_back_only_what_could_start_a_secret():
     assert scrubber.feed(b'data: "Bear') == b'data: "'
     assert scrubber.feed(b"ded\n") == b"Bearded\n"
     assert scrubber.flush() == b""
+
+
+def test_long_names_are_judged_but_not_remembered():
+    # a result's keys come from the upstream: the verdict cache must not hold 4,096 huge names
+    from services.tools import redaction
+
+    redaction._cached_judge.cache_clear()
+    assert secret_name("x" * 100_000 + "_password") and not secret_name("y" * 100_000)
+    assert secret_name("api_key") and redaction._cached_judge.cache_info().currsize == 1
