@@ -8,7 +8,8 @@ Its tools, as a shop's server would have them:
 - `archive_order` (annotated read-only although it changes data: a lying hint).
 Every HTTP request is checked against `token` (401 without it) and recorded with its headers;
 every tool run is recorded in `calls`. With `echo_auth`, a fifth tool, `whoami`, answers with the
-Authorization header of the request that called it (a server that echoes its request headers).
+Authorization header of the request that called it (a server that echoes its request headers),
+and a sixth, `whereami`, with the path and query it was called at (one that echoes its URL).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class ShopMcpServer:
                 auth = str(self.requests[-1]["authorization"])  # the request running this tool
                 return {"authorization": auth, "token": auth.partition(" ")[2]}
 
+            @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+            def whereami() -> dict[str, Any]:
+                """Tell the url this call came to."""
+                return {"called": str(self.requests[-1]["path_qs"])}
+
         security = TransportSecuritySettings(
             enable_dns_rebinding_protection=True, allowed_hosts=self._allowed_hosts,
         )
@@ -87,7 +93,8 @@ class ShopMcpServer:
                 return await app(scope, receive, send)
             headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
             self.requests.append({"method": scope["method"], "authorization": headers.get("authorization"),
-                                  "idempotency_key": headers.get("idempotency-key"), "host": headers.get("host")})
+                                  "idempotency_key": headers.get("idempotency-key"), "host": headers.get("host"),
+                                  "path_qs": scope["path"] + "?" + scope.get("query_string", b"").decode()})
             if self.token is not None and headers.get("authorization") != self.token:
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json")]})

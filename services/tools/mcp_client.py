@@ -51,7 +51,7 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.mcp import McpCallResult, McpToolInfo
-from services.tools.redaction import StreamScrubber, secret_forms
+from services.tools.redaction import StreamScrubber, secret_forms, url_query_secrets
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -286,7 +286,8 @@ class McpHttpClient:
         if self._ssl_context is None:
             self._ssl_context = httpx2.create_ssl_context(trust_env=False)
         transport = _PinnedTransport(backend, ssl_context=self._ssl_context, max_body_bytes=self._max_body_bytes,
-                                     secrets=secret_forms([auth_header] if auth_header else []))
+                                     secrets=secret_forms([*([auth_header] if auth_header else []),
+                                                           *url_query_secrets(url)]))
         try:
             async with asyncio.timeout(timeout_s):
                 async with httpx2.AsyncClient(

@@ -23,6 +23,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import quote, unquote, unquote_plus
 
 REDACTED = "[redacted]"
 _REDACTED_BYTES = REDACTED.encode()
@@ -186,8 +187,40 @@ def secret_forms(secrets: Iterable[str]) -> tuple[bytes, ...]:
         _scheme, space, credential = secret.strip().partition(" ")
         texts = [secret, credential.strip()] if space else [secret]
         for text in (t for t in texts if len(t) >= MIN_SECRET_CHARS):
-            forms.update(f.encode() for f in (text, json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1]))
+            escaped = (json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1])
+            # `\/`: JSON may escape a slash (PHP's json_encode does), and base64 keys hold them
+            forms.update(f.encode() for f in (text, *escaped, *(e.replace("/", "\\/") for e in escaped)))
     return tuple(sorted((f for f in forms if f), key=len, reverse=True))
+
+
+#: query parameters that carry a credential by convention, beyond secret-looking names
+#: (`?key=` of many public APIs, Azure Functions' `?code=`, signed URLs' `?sig=`)
+_QUERY_CREDENTIAL_NAMES = frozenset({"key", "code", "sig", "signature", "hash", "hmac", "access", "auth", "k"})
+_HOLE_RE = re.compile(r"\{[a-zA-Z_][a-zA-Z0-9_]*\}")
+
+
+def url_query_secrets(url: str) -> list[str]:
+    """The values a URL (or URL template) sets in its query that look like credentials, as
+    written, decoded (`+` as `+` and as a space) and encoded as sent: what a body echoing the
+    request URL must not hand back. A value counts under a secret-looking name (`api_key`,
+    `access_token`) or a credential's conventional one (`key`, `code`, `sig`), or when it looks
+    random (16 characters or more, letters and digits mixed); `expand=customer` or
+    `api-version=2024-10-21` do not. A `{hole}`'s value comes from the call's arguments: none."""
+    query = url.split("#", 1)[0].partition("?")[2]
+    found: list[str] = []
+    for pair in query.split("&") if query else ():
+        name, _, value = pair.partition("=")
+        if not value or _HOLE_RE.search(value):
+            continue
+        if not (secret_name(unquote_plus(name)) or unquote_plus(name).lower() in _QUERY_CREDENTIAL_NAMES
+                or _looks_random(unquote_plus(value))):
+            continue
+        found.extend({value, unquote(value), unquote_plus(value), quote(unquote(value), safe="/:@!$&'()*+,;=-._~")})
+    return found
+
+
+def _looks_random(value: str) -> bool:
+    return len(value) >= 16 and any(c.isalpha() for c in value) and any(c.isdigit() for c in value)
 
 
 def scrub_bytes(raw: bytes, forms: tuple[bytes, ...]) -> bytes:

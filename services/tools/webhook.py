@@ -37,7 +37,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Self
-from urllib.parse import quote, unquote, unquote_plus
+from urllib.parse import quote
 
 import aiohttp
 import msgspec
@@ -59,7 +59,13 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.model import BackendBindingTool, WebhookTool
-from services.tools.redaction import scrub_bytes, scrub_text, secret_forms, secret_name
+from services.tools.redaction import (
+    scrub_bytes,
+    scrub_text,
+    secret_forms,
+    secret_name,
+    url_query_secrets,
+)
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -190,20 +196,6 @@ def render_request(url_template: str, method: str, args: Mapping[str, Any]) -> R
         body = extra
     url = f"{origin}{path}?{query}" if query else f"{origin}{path}"
     return RenderedRequest(method=method, url=url, body=body)
-
-
-def template_query_literals(url_template: str) -> list[str]:
-    """The values a url template's query sets itself, with no `{hole}` in them: what a tenant
-    writes there (`?api_key=sk_live_...`) may be a credential, so a body that echoes the request
-    url is scrubbed of each, as written, decoded (`+` as `+` and as a space) and encoded as sent. Values a hole fills come
-    from the call's arguments and are not secrets of the tenant's."""
-    query = url_template.split("#", 1)[0].partition("?")[2]
-    literals: list[str] = []
-    for pair in query.split("&"):
-        value = pair.partition("=")[2]
-        if value and not _HOLE_RE.search(value):
-            literals.extend({value, unquote(value), unquote_plus(value), quote(unquote(value), safe=_LITERAL_SAFE)})
-    return literals
 
 
 def _fill(template: str, args: Mapping[str, Any], used: set[str], *, in_path: bool) -> str:
@@ -452,7 +444,7 @@ class WebhookClient:
         # in its headers or written into its url's query by the tenant (`?api_key=...`)
         secrets = secret_forms(
             [v for v in request_headers.values() if isinstance(v, _Redacted)]
-            + template_query_literals(url_template)
+            + url_query_secrets(url_template)
         )
 
         log = structlog.get_logger(__name__)

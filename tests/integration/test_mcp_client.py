@@ -88,6 +88,24 @@ async def test_a_server_echoing_the_auth_header_hands_back_only_redacted(shop) -
     assert "mcp-test-token" not in repr(result)
 
 
+async def test_a_server_echoing_its_url_hands_back_a_query_key_redacted() -> None:
+    # hosted MCP servers are often set up with their key in the query (`/mcp?api_key=...`); before,
+    # a server quoting the URL it was called at put the key in the model's context and the record
+    key = "sk_live_MCPQUERYSECRET42"
+    try:
+        echo = ShopMcpServer(echo_auth=True).start()
+    except OSError:
+        pytest.skip("127.0.0.2 cannot be bound here")
+    try:
+        client = McpHttpClient(policy=LOOPBACK_TWO)
+        result = await client.call_tool(f"{echo.url}?api_key={key}&region=eu", "whereami", {}, auth_header=TOKEN,
+                                        timeout_s=5)
+    finally:
+        echo.stop()
+    assert echo.requests[-1]["path_qs"].endswith(f"?api_key={key}&region=eu")  # sent as configured
+    assert result_value(result) == {"called": "/mcp?api_key=[redacted]&region=eu"}
+
+
 async def test_wrong_credentials_are_an_unreachable_tool_error_without_the_header(shop) -> None:
     client = McpHttpClient(policy=LOOPBACK_TWO)
     with pytest.raises(UpstreamUnreachable, match=r"refused the credentials \(401\)") as exc:

@@ -88,6 +88,7 @@ class Upstream:
         app.router.add_route("*", "/echo", self._echo)
         app.router.add_route("*", "/echo-headers", self._echo_headers)
         app.router.add_get("/echo-url/{code}", self._echo_url)
+        app.router.add_get("/php-echo", self._php_echo)
         app.router.add_route("*", "/example/catalog", self._echo)
         app.router.add_route("*", "/listings", self._echo)
         app.router.add_get("/slow", self._slow)
@@ -130,6 +131,12 @@ class Upstream:
         # an upstream that quotes the url it was called with, in an error or in a 2xx
         return web.json_response({"error": f"bad request to {request.path_qs}", "you_called": request.path_qs},
                                  status=int(request.match_info["code"]))
+
+    async def _php_echo(self, request: web.Request) -> web.Response:
+        # a PHP upstream: json_encode writes "/" as "\/" by default
+        body = json.dumps({"you_called": request.path_qs, "auth": request.headers.get("Authorization", ""),
+                           "customer": "expand me"})
+        return web.Response(text=body.replace("/", "\\/"), content_type="application/json")
 
     async def _slow(self, request: web.Request) -> web.Response:
         await asyncio.sleep(10)
@@ -798,6 +805,25 @@ async def test_a_credential_in_the_urls_query_is_never_echoed_back(client, upstr
     assert upstream.requests[-1]["query"]["api_key"] == [key.replace("+", " ")]  # sent as configured
     assert "QUERY/SECRET" not in text and "QUERY%2FSECRET" not in text, text
     assert "[redacted]" in text and "order=A-1001" in text  # what the model supplied is not scrubbed
+
+
+async def test_a_credential_escaped_by_a_php_upstream_is_still_redacted(client, upstream) -> None:
+    # base64-style keys hold "/", which PHP's json_encode writes as "\/": the raw body then held
+    # neither form the scrubber looked for, and the decoded answer gave the key back
+    key, token = "sk_live_AbC/dEf+GhI==", "tok/SECRET/0123456789"
+    answer = await client.call(url_template=upstream.base_for("api.test") + f"/php-echo?api_key={key}",
+                               method="GET", args={}, headers={"Authorization": f"Bearer {token}"}, timeout_s=3)
+    text = json.dumps(answer.json)
+    assert "AbC" not in text and "SECRET" not in text, text
+    assert answer.json["auth"] == "[redacted]"
+
+
+async def test_query_values_that_are_no_credential_are_not_scrubbed_from_the_answer(client, upstream) -> None:
+    # `?expand=customer`: before, every "customer" in the answer became "[redacted]", keys too
+    answer = await client.call(url_template=upstream.base_for("api.test") + "/php-echo?expand=customer&v=2024-10-21",
+                               method="GET", args={}, headers={}, timeout_s=3)
+    assert answer.json["customer"] == "expand me"
+    assert answer.json["you_called"] == "/php-echo?expand=customer&v=2024-10-21"
 
 
 # --------------------------------------------------------------------------- the registry's port

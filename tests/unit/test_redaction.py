@@ -18,6 +18,7 @@ from services.tools.redaction import (
     secret_forms,
     secret_name,
     sensitive_values,
+    url_query_secrets,
 )
 
 SECRET = "Bearer sk_live_TOPSECRET42"
@@ -139,3 +140,25 @@ def test_long_names_are_judged_but_not_remembered():
     redaction._cached_judge.cache_clear()
     assert secret_name("x" * 100_000 + "_password") and not secret_name("y" * 100_000)
     assert secret_name("api_key") and redaction._cached_judge.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize(("url", "secrets"), [
+    ("https://api.test/o/{id}?api_key=sk_live_123", {"sk_live_123"}),
+    ("https://api.test/o?key=AIzaSyA-1234&expand=customer", {"AIzaSyA-1234"}),  # `key`, `code`, `sig` by convention
+    ("https://fn.test/api/run?code=abc%2Fdef", {"abc%2Fdef", "abc/def"}),
+    ("https://api.test/o?x=Zm9vYmFyYmF6cXV4MTIz", {"Zm9vYmFyYmF6cXV4MTIz"}),  # random-looking under any name
+    ("https://api.test/o?expand=customer&status=delivered&api-version=2024-10-21", set()),
+    ("https://api.test/o?api_key={key}&q={q}", set()),  # holes: the call's arguments
+    ("https://api.test/o", set()),
+])
+def test_url_query_secrets_are_the_credential_looking_literals(url, secrets):
+    found = set(url_query_secrets(url))
+    assert found >= secrets
+    if not secrets:
+        assert found == set()
+
+
+def test_a_slash_escaped_credential_is_a_form_scrubbed_from_a_body():
+    forms = secret_forms(["Bearer tok/SECRET/0123456789"])
+    body = b'{"auth": "Bearer tok\\/SECRET\\/0123456789"}'
+    assert b"SECRET" not in scrub_bytes(body, forms)
