@@ -93,6 +93,8 @@ LANE_RETRY_S = 30.0
 #: a host that could not say its lane's address (it raised: Postgres away while it starts, or it
 #: is shutting down) gets its turns through Ray, which answer cleanly, for this long, then is asked again
 LANE_LOOKUP_RETRY_S = 1.0
+#: how long a stats read (a /metrics scrape) waits for a host before leaving it out
+STATS_TIMEOUT_S = 2.0
 #: a rescale that stopped after its pending step commits a count this many times at most, waiting
 #: COMMIT_BACKOFF_S, then twice that, ... between attempts (0.5 + 1 + 2 + 4 s: a Postgres restart)
 COMMIT_ATTEMPTS = 5
@@ -519,9 +521,20 @@ class Placement:
                 continue
         return handles
 
-    async def stats(self) -> list[dict[str, Any]]:
+    def host_names(self) -> list[str]:
+        """The shard hosts this placement's count says exist ([] for dedicated): the hosts a
+        scrape expects an answer from, whether or not one comes."""
+        return [self._prefix + host_name(i) for i in range(self._state.shards)] if self._mode == "sharded" else []
+
+    async def stats(self, timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
+        """The stats of the shard hosts that answer within `timeout_s` (a hung host must not hang
+        a /metrics scrape)."""
         handles = self.host_handles() if self._mode == "sharded" else []
-        results = await asyncio.gather(*(h.stats.remote() for h in handles), return_exceptions=True)
+
+        async def one(handle: Any) -> Any:
+            return await asyncio.wait_for(_awaited(handle.stats.remote()), timeout_s)
+
+        results = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
     def session_handles(self) -> list[Any]:
@@ -840,3 +853,7 @@ def _unwrap(result: HostResult) -> TurnReply:
         raise _host_exception(result.error)
     assert result.reply is not None
     return result.reply
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.wire import TurnReply
@@ -51,9 +53,13 @@ class GatewayMetrics:
             "Reads of a stored answer for a client's message id the host's turn cache did not hold",
             ["host"], registry=r,
         )
+        self.host_up = Gauge(
+            "ce_host_up", "1 when the host answered this scrape; 0 when it did not (its other series keep "
+            "their last values)", ["host"], registry=r,
+        )
         self._per_host = (self.live_sessions, self.flush_ms, self.flushes, self.flushed_sessions,
-                          self.host_turns, self.lane_turns, self.stored_turn_reads)
-        self._hosts: set[str] = set()  # the hosts of the last scrape
+                          self.host_turns, self.lane_turns, self.stored_turn_reads, self.host_up)
+        self._hosts: set[str] = set()  # the hosts with series
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
         if reply.replay:  # the stored answer to a repeated message id: nothing ran
@@ -80,11 +86,17 @@ class GatewayMetrics:
         self._tool_labels.add(name)
         return name
 
-    def observe_hosts(self, stats: list[dict]) -> None:
-        """Set the per-host gauges from one scrape's host stats. A host missing from them (retired
-        by a scale-down, or gone) loses its label sets: Prometheus then marks its series stale
-        instead of seeing its last values for ever."""
-        hosts = {s["host"] for s in stats}
+    def observe_hosts(self, stats: list[dict], expected: Iterable[str] = ()) -> None:
+        """Set the per-host gauges from one scrape's host stats. A host `expected` (the shard
+        count says it exists) that did not answer keeps its last values, with `ce_host_up` 0: one
+        slow answer does not make its counters vanish and come back as resets. A host neither
+        answering nor expected (retired by a scale-down) loses its label sets: Prometheus then
+        marks its series stale instead of seeing its last values for ever."""
+        answered = {s["host"] for s in stats}
+        silent = (set(expected) & self._hosts) - answered
+        for host in silent:
+            self.host_up.labels(host).set(0)
+        hosts = answered | silent
         for gone in self._hosts - hosts:
             for gauge in self._per_host:
                 try:
@@ -94,6 +106,7 @@ class GatewayMetrics:
         self._hosts = hosts
         for s in stats:
             host = s["host"]
+            self.host_up.labels(host).set(1)
             self.live_sessions.labels(host).set(s["live_sessions"])
             self.flush_ms.labels(host).set(s["last_flush_ms"])
             self.flushes.labels(host).set(s["flushes"])

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.metrics import GatewayMetrics
 
 PER_HOST = ("ce_live_sessions", "ce_flush_last_ms", "ce_flushes", "ce_flushed_sessions", "ce_host_turns",
-            "ce_host_lane_turns", "ce_host_stored_turn_reads")
+            "ce_host_lane_turns", "ce_host_stored_turn_reads", "ce_host_up")
 
 
 def _stats(host: str, live: int) -> dict:
@@ -46,3 +46,21 @@ def test_a_host_that_comes_back_is_reported_again_from_its_new_stats():
     metrics.observe_hosts([_stats("ce-host-0", 5), _stats("ce-host-1", 1)])  # scaled up again
     assert _hosts(metrics)["ce_live_sessions"] == {"ce-host-0", "ce-host-1"}
     assert 'ce_live_sessions{host="ce-host-1"} 1.0' in metrics.render().decode()
+
+
+def test_a_host_that_misses_one_scrape_keeps_its_series_and_is_reported_down():
+    # a slow or hung host is still expected (the shard count says it exists): before, its series
+    # vanished for a scrape and came back, a counter reset to every rate() over them
+    metrics = GatewayMetrics()
+    hosts = ["ce-host-0", "ce-host-1"]
+    metrics.observe_hosts([_stats("ce-host-0", 5), _stats("ce-host-1", 6)], expected=hosts)
+    metrics.observe_hosts([_stats("ce-host-0", 7)], expected=hosts)  # ce-host-1 did not answer in time
+
+    assert _hosts(metrics) == {name: {"ce-host-0", "ce-host-1"} for name in PER_HOST}
+    text = metrics.render().decode()
+    assert 'ce_host_up{host="ce-host-1"} 0.0' in text and 'ce_host_up{host="ce-host-0"} 1.0' in text
+    assert 'ce_live_sessions{host="ce-host-1"} 6.0' in text  # its last values
+    metrics.observe_hosts([_stats("ce-host-0", 7), _stats("ce-host-1", 8)], expected=hosts)
+    assert 'ce_host_up{host="ce-host-1"} 1.0' in metrics.render().decode()
+    metrics.observe_hosts([_stats("ce-host-0", 7)], expected=["ce-host-0"])  # then retired by a scale-down
+    assert "ce-host-1" not in metrics.render().decode()

@@ -258,3 +258,15 @@ async def test_a_rescale_whose_lock_was_lost_never_commits_over_a_host_that_sett
     assert committed(cluster.shards.state, 2) and cluster.shards.state.generation == 3
     assert [s for s in await cluster.states() if s != cluster.shards.state] == []
     await check_served_by(cluster, 2)
+
+
+async def test_a_hung_host_is_left_out_of_a_stats_read_after_its_timeout(cluster):
+    # /metrics reads every host's stats: before, one hung host hung the scrape with it
+    async def host_1_hangs_on_stats(name: str, method: str, args: tuple) -> None:
+        if name == "ce-host-1" and method == "stats":
+            await asyncio.Event().wait()
+
+    cluster.ray.intercept = host_1_hangs_on_stats
+    stats = await asyncio.wait_for(cluster.gateway.stats(timeout_s=0.2), T)
+    assert [s["host"] for s in stats] == ["ce-host-0"]
+    assert cluster.gateway.host_names() == ["ce-host-0", "ce-host-1"]  # still expected: reported down
