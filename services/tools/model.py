@@ -131,8 +131,8 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 
 
 def model_facing_parameters(schema: dict[str, Any], protected: frozenset[str]) -> dict[str, Any]:
-    """`schema` as the model is offered it: every `protected` name left out of `properties` and
-    `required`, at any depth (the executor strips them from the model's arguments at any depth,
+    """`schema` as the model is offered it: every `protected` name left out of `properties`,
+    `required`, `dependentRequired` and `dependentSchemas`, at any depth (the executor strips them from the model's arguments at any depth,
     so a model shown one would supply a value that is silently replaced or dropped). Returns
     `schema` itself when it names no protected property, else a copy; never changes `schema`."""
     shown = _without_protected(schema, protected)
@@ -146,9 +146,19 @@ def _without_protected(node: Any, protected: frozenset[str]) -> Any:
         return node
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key == "properties" and isinstance(value, dict):
-            # a map of name -> schema: its keys are names, never keywords
+        if key in ("properties", "dependentSchemas") and isinstance(value, dict):
+            # a map of property name -> schema: its keys are names, never keywords
             out[key] = {k: _without_protected(v, protected) for k, v in value.items() if k not in protected}
+        elif key in ("$defs", "definitions") and isinstance(value, dict):
+            # a map of definition name -> schema: a definition may be named like a keyword
+            out[key] = {k: _without_protected(v, protected) for k, v in value.items()}
+        elif key == "dependentRequired" and isinstance(value, dict):
+            # `{"a": ["account_id"]}`: the model cannot meet a dependency on a name it is not shown
+            kept_deps = {k: [n for n in v if n not in protected] if isinstance(v, list) else v
+                         for k, v in value.items() if k not in protected}
+            kept_deps = {k: v for k, v in kept_deps.items() if v != []}
+            if kept_deps:
+                out[key] = kept_deps
         elif key == "required" and isinstance(value, list):
             kept = [name for name in value if name not in protected]
             if kept:

@@ -238,3 +238,22 @@ def test_the_report_does_not_claim_a_protected_webhook_field_is_sent_when_it_fil
     [finding] = tool.findings
     assert (finding.kind, finding.severity) == ("ignored_argument", "warning")
     assert "'account_id'" in finding.message and "never sent" in finding.message
+
+
+def test_dependencies_on_a_protected_key_and_definitions_named_like_keywords_are_shown_right() -> None:
+    from services.tools.model import model_facing_parameters
+
+    schema = {
+        "type": "object",
+        "properties": {"order_id": {"type": "string"}, "account_id": {"type": "string"},
+                       "note": {"$ref": "#/$defs/properties"}},
+        "dependentRequired": {"order_id": ["account_id"], "note": ["order_id", "account_id"], "account_id": ["note"]},
+        "dependentSchemas": {"account_id": {"required": ["note"]}, "note": {"required": ["account_id"]}},
+        "$defs": {"properties": {"type": "string"}, "required": {"type": "object", "properties": {"tenant_id": {}}}},
+    }
+    shown = model_facing_parameters(schema, PROTECTED_KEYS)
+    # before: the model was told order_id needs account_id, a name it is never shown
+    assert shown["dependentRequired"] == {"note": ["order_id"]}
+    assert shown["dependentSchemas"] == {"note": {}}
+    assert shown["$defs"] == {"properties": {"type": "string"}, "required": {"type": "object", "properties": {}}}
+    assert "account_id" in schema["dependentRequired"]["order_id"]  # the tenant's schema is unchanged
