@@ -38,6 +38,7 @@ from services.gateway.bodies import (
     MAX_VARIABLE_NAME,
     ToolCreate,
     ToolPatch,
+    check_credential_stays,
     check_url,
     definition_from_body,
     patched_body,
@@ -93,14 +94,17 @@ class BackendIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     auth_header: str | None = None
     openapi: dict | None = None
     #: what GET shows of the write-only header, taken back: false removes the stored header, true
-    #: or absent keeps it (unless `auth_header` replaces it)
+    #: or absent keeps it (unless `auth_header` replaces it) while base_url stays on the origin it
+    #: was written for; true with no header stored is refused, like the `[set]` placeholder
     auth_header_set: bool | None = None
 
 
 class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """PUT /v1/bot-config: BotConfig with its credentials write-only. It takes back what GET
     shows: a credential left out, or sent back as the view shows it (`notification_secret:
-    "[set]"`, `backend.auth_header_set: true`), keeps the stored one; null (false) removes it."""
+    "[set]"`, `backend.auth_header_set: true`), keeps the stored one; null (false) removes it.
+    The backend's header is kept only while `backend.base_url` keeps its origin (scheme, host,
+    port): a move to another origin must send it again, or `auth_header_set: false`."""
 
     persona: str | None = None
     main_model: str | None = None
@@ -532,7 +536,7 @@ async def patch_tool(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     patch: ToolPatch = await decode_body(request, ToolPatch)
     current = await deps.tools.get(tenant_id, name)
-    merged, kept_auth = patched_body(current.definition, patch)
+    merged, kept_auth = patched_body(current.definition, patch, policy=deps.webhook_policy)
     definition = definition_from_body(merged, encrypt=_encrypt(deps), policy=deps.webhook_policy)
     data = msgspec.to_builtins(definition)
     if kept_auth and not data.get("auth_header_enc"):
@@ -699,8 +703,18 @@ async def put_bot_config(request: web.Request) -> web.Response:
         if body.backend.auth_header:
             backend["auth_header_enc"] = _encrypt(deps)(body.backend.auth_header)
         elif body.backend.auth_header_set is not False:  # left out, or shown as set: kept
-            kept = (previous.get("backend") or {}).get("auth_header_enc")
+            stored = previous.get("backend") or {}
+            kept = stored.get("auth_header_enc")
+            if body.backend.auth_header_set and not kept:
+                raise InvalidInput("backend.auth_header_set is true but no backend auth header is stored to keep; "
+                                   "send backend.auth_header itself, or backend.auth_header_set: false - at "
+                                   "`$.backend.auth_header_set`", path="$.backend.auth_header_set")
             if kept:
+                # kept only for the origin it was written for; the base_url it is checked against is
+                # the one stored beside it in the same read, so the two never come from different writes
+                check_credential_stays(stored.get("base_url"), body.backend.base_url, url_field="backend.base_url",
+                                       credential_field="backend.auth_header",
+                                       without="backend.auth_header_set: false")
                 backend["auth_header_enc"] = kept
         data["backend"] = msgspec.to_builtins(msgspec.convert(backend, Backend))
     secret = body.notification_secret

@@ -4,6 +4,11 @@ Pure: no aiohttp. A body is decoded once with `forbid_unknown_fields`; `definiti
 checks what a JSON schema cannot (name, URL, template holes, schema validity) and encrypts the
 write-only `auth_header`. `tool_view` is the only way a definition leaves the server: it never
 carries the auth header, only `auth_header_set`.
+
+A stored write-only credential stays only with the origin it was written for (`same_origin`,
+`check_credential_stays`): a change that moves its URL to another scheme, host or port must send
+the credential anew (or null), or the engine would hand it, decrypted, to a host of the changer's
+choosing. The tool PATCH here, the bot config's backend and MCP servers all apply that rule.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+import yarl
 
 from services.errors import InvalidInput
 from services.tools.model import (
@@ -33,6 +39,7 @@ UNSET: Any = msgspec.UNSET
 #: session's variables by name and refuses a row whose name outgrows the index, which would fail
 #: every turn that calls the tool; far below that, a name is a name
 MAX_VARIABLE_NAME = 128
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -221,9 +228,15 @@ def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
         )
 
 
-def patched_body(current: dict[str, Any], patch: ToolPatch) -> tuple[ToolCreate, str | None]:
+def patched_body(current: dict[str, Any], patch: ToolPatch, *,
+                 policy: DestinationPolicy | None = None) -> tuple[ToolCreate, str | None]:
     """The ToolCreate equivalent of `current` with `patch` applied, and the kept ciphertext of
-    the auth header when the patch does not touch it."""
+    the auth header when the patch does not touch it.
+
+    Raises InvalidInput at `$.auth_header` when the patch moves webhook_url to another origin and
+    would keep the stored auth header (check_credential_stays); a new webhook_url that check_url
+    (with `policy`) refuses on its own is reported as that first, as a create would report it.
+    """
     base = {k: v for k, v in current.items() if k in ToolCreate.__struct_fields__}
     kept_auth = current.get("auth_header_enc")
     for field in ToolPatch.__struct_fields__:
@@ -233,7 +246,63 @@ def patched_body(current: dict[str, Any], patch: ToolPatch) -> tuple[ToolCreate,
         base[field] = value
         if field == "auth_header":
             kept_auth = None
+    if kept_auth and patch.webhook_url is not UNSET and not same_origin(current.get("webhook_url"), patch.webhook_url):
+        check_url(patch.webhook_url, policy=policy)
+        check_credential_stays(current.get("webhook_url"), patch.webhook_url, url_field="webhook_url",
+                               credential_field="auth_header", without="auth_header: null")
     return msgspec.convert(base, ToolCreate), kept_auth
+
+
+def url_origin(url: str | None) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port) of `url`, lower-cased, with the scheme's default port filled in;
+    None for no URL or one yarl cannot read. {param} holes are taken out first (check_url
+    allows them in the path and query only)."""
+    if not url:
+        return None
+    try:
+        parsed = yarl.URL(url.replace("{", "").replace("}", ""))
+        port = parsed.port  # the scheme's default when none is written
+    except (ValueError, TypeError):
+        return None
+    if not parsed.scheme or not parsed.host:
+        return None
+    return parsed.scheme.lower(), parsed.host.lower(), port
+
+
+def same_origin(a: str | None, b: str | None) -> bool:
+    """Whether URLs `a` and `b` share an origin: scheme, host and port, compared case-insensitively
+    with default ports normalised; path, query and fragment do not count. False when either has
+    no readable origin (a credential then never follows: the safe answer)."""
+    origin = url_origin(a)
+    return origin is not None and origin == url_origin(b)
+
+
+def _shown_origin(url: str | None) -> str:
+    origin = url_origin(url)
+    if origin is None:
+        return "no readable origin"
+    scheme, host, port = origin
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" if port in (None, DEFAULT_PORTS.get(scheme)) else f"{scheme}://{host}:{port}"
+
+
+def check_credential_stays(stored_url: str | None, new_url: str, *, url_field: str, credential_field: str,
+                           without: str) -> None:
+    """Raise InvalidInput (at `$.{credential_field}`) unless `new_url` has the origin of
+    `stored_url`, for a change that would keep the stored credential written for `stored_url`.
+
+    The stored credential is write-only: whoever changes the URL may not have written it, so it
+    follows a move of path or query but never one to another scheme, host or port. `without`
+    says how the caller sends "no credential" (e.g. `auth_header: null`)."""
+    if same_origin(stored_url, new_url):
+        return
+    old = _shown_origin(stored_url)
+    raise InvalidInput(
+        f"{url_field} moves to {_shown_origin(new_url)} from {old}, and the stored {credential_field} was "
+        f"written for {old} only; send {credential_field} again for the new host, "
+        f"or {without} to call the new host without one - at `$.{credential_field}`",
+        path=f"$.{credential_field}",
+    )
 
 
 #: fields of a definition no tool body can set (the engine's own, for built-ins): a view shows

@@ -11,12 +11,14 @@ offered as `<name>__<tool>`. Only the tools named in `read_only_tools` are reads
 of the server is a write held for approval, whatever the server's annotations say.
 
 Tenant-scoped like every /v1 route (request[TENANT]). The auth header is encrypted before it is
-stored and never returned (`auth_header_set` says whether there is one). Errors are domain errors,
-made problem+json by services.gateway.app's middleware.
+stored and never returned (`auth_header_set` says whether there is one). It follows a PATCH of
+`url` only on the same origin (scheme, host, port): a move elsewhere must send `auth_header` again
+(or null), else 422. Errors are domain errors, made problem+json by services.gateway.app's middleware.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from services.errors import InvalidInput, NotFound
 from services.gateway.app import DEPS, TENANT, decode_body, json_response
+from services.gateway.bodies import check_credential_stays
 from services.gateway.bodies import check_url as check_destination
 from services.tools.mcp import DEFAULT_TIMEOUT_MS, ORIGIN, SEPARATOR, check_server_name
 from storage.records import McpServerRecord
@@ -172,8 +175,22 @@ async def patch_server(request: web.Request) -> web.Response:
     if patch.timeout_ms is not UNSET:
         _check_timeout(patch.timeout_ms)
         changes["timeout_ms"] = patch.timeout_ms
-    record = await _repo(request).update(request[TENANT], request.match_info["name"], changes)
+    # a new url without a new auth_header keeps the stored one: only on its origin. Judged on the
+    # row as the update finds it (locked), not on an earlier read, so a header another request
+    # stores meanwhile cannot ride along to the new host.
+    check = _header_stays_for(patch.url) if patch.url is not UNSET and patch.auth_header is UNSET else None
+    record = await _repo(request).update(request[TENANT], request.match_info["name"], changes, check=check)
     return json_response(_view(record))
+
+
+def _header_stays_for(new_url: str) -> Callable[[McpServerRecord], None]:
+    """A check for McpServerRepo.update: raises InvalidInput at `$.auth_header` when the stored
+    header would follow the registration to `new_url` on another origin."""
+    def check(current: McpServerRecord) -> None:
+        if current.auth_header_enc:
+            check_credential_stays(current.url, new_url, url_field="url", credential_field="auth_header",
+                                   without="auth_header: null")
+    return check
 
 
 async def delete_server(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ A tenant has at most MAX_SERVERS_PER_TENANT registrations, checked when one is c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -104,8 +105,14 @@ class McpServerRepo:
             )
         return [_record(r) for r in rows]
 
-    async def update(self, tenant_id: str, name: str, changes: dict[str, Any]) -> McpServerRecord:
+    async def update(self, tenant_id: str, name: str, changes: dict[str, Any], *,
+                     check: Callable[[McpServerRecord], None] | None = None) -> McpServerRecord:
         """Change the given columns of registration `name` (keys from UPDATABLE).
+
+        `check`, when given, is called with the registration as it is before the change, on the
+        row locked for it: what it raises is raised and nothing changes. A check that reads the
+        columns the change leaves alone (the gateway's: a new url must not keep an auth header
+        another request stored meanwhile) sees what the change will keep, not an earlier read.
 
         Raises NotFound, or InvalidInput for a column that may not be changed.
         """
@@ -119,6 +126,14 @@ class McpServerRepo:
         assignments = ", ".join(f"{c} = ${i}" for i, c in enumerate(columns, start=3))
         with translate("changing an mcp server"):
             async with self._pool.acquire() as conn, conn.transaction():
+                if check is not None:
+                    current = await conn.fetchrow(
+                        f"SELECT {_COLUMNS} FROM ce_mcp_servers WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
+                        tenant_id, name,
+                    )
+                    if current is None:
+                        raise _not_found(name)
+                    check(_record(current))
                 row = await conn.fetchrow(
                     f"UPDATE ce_mcp_servers SET {assignments}, updated_at = now() "
                     f"WHERE tenant_id = $1 AND name = $2 RETURNING {_COLUMNS}",
