@@ -171,7 +171,11 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     schema = normalise_parameters(body.parameters, required_hint=holes)
     check_schema(schema)
     properties = schema.get("properties", {})
+    if body.type == "backend_binding":
+        check_binding_scope(holes, body)
     for hole in holes:
+        if body.type == "backend_binding" and (hole in body.scope or hole in body.parameter_map.values()):
+            continue  # filled from the trusted scope, or from the parameter `parameter_map` renames onto it
         if hole not in properties:
             raise InvalidInput(
                 f"the URL template uses {{{hole}}} but parameters has no '{hole}' - add it to `$.parameters`",
@@ -226,6 +230,32 @@ def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
             f"`protected` to let the model supply it, or take {{{hole}}} out of webhook_url - at `$.protected`",
             path="$.protected",
         )
+
+
+def check_binding_scope(holes: list[str], body: ToolCreate) -> None:
+    """Raise InvalidInput for a backend binding no call could complete: a `scope` key the trusted
+    context never holds (every call would be refused for it), or a path hole named by a protected
+    key that `scope` does not fill (the model's value is dropped and nothing else fills it)."""
+    trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
+    for key in body.scope:
+        if key not in TRUSTED_SCOPE_KEYS:
+            raise InvalidInput(
+                f"scope lists '{key}', which the engine's trusted context does not hold (it holds {trusted}), so "
+                f"every call would be refused; list only those keys in `scope` - at `$.scope`", path="$.scope",
+            )
+    for hole in holes:
+        if hole not in body.scope and hole in TRUSTED_SCOPE_KEYS:
+            raise InvalidInput(
+                f"the path uses {{{hole}}}, a protected key the model may not supply, and `scope` does not fill it, "
+                f"so every call would fail; add '{hole}' to `scope` to fill it from the authenticated tenant - at "
+                "`$.scope`", path="$.scope",
+            )
+        if hole in body.protected and hole not in TRUSTED_SCOPE_KEYS:
+            raise InvalidInput(
+                f"the path uses {{{hole}}}, which `protected` lists: the model may not supply it and the engine's "
+                f"trusted context only holds {trusted}, so every call would fail; remove '{hole}' from `protected` "
+                "to let the model supply it - at `$.protected`", path="$.protected",
+            )
 
 
 def patched_body(current: dict[str, Any], patch: ToolPatch, *,

@@ -189,6 +189,37 @@ def test_a_url_hole_no_one_may_fill_is_refused_with_422_naming_the_field_and_the
     assert (status, detail) == (422, message)
 
 
+def binding(**fields):
+    body = {"name": "list_orders", "type": "backend_binding", "description": "List an account's orders.",
+            "parameters": {"status": {"type": "string"}}, "path": "/accounts/{account_id}/orders",
+            "scope": ["account_id"]}
+    body.update(fields)
+    return definition_from_body(ToolCreate(**body), encrypt=lambda s: s)
+
+
+def test_a_binding_path_hole_the_scope_fills_or_a_renamed_parameter_fills_is_accepted() -> None:
+    assert binding().scope == ("account_id",)
+    renamed = binding(path="/search/{q}", scope=[], parameters={"search": {"type": "string"}},
+                      parameter_map={"search": "q"})
+    assert renamed.path == "/search/{q}"  # before: 422 "parameters has no 'q'" though `search` fills it
+
+
+@pytest.mark.parametrize(("fields", "path", "says"), [
+    # a scope key the trusted context never holds: every call refused with "trusted scope has no store_id"
+    ({"scope": ["store_id"], "path": "/orders"}, "$.scope", "scope lists 'store_id', which the engine's trusted context"),
+    # a protected hole scope does not fill: the model's value is dropped, nothing fills it
+    ({"scope": []}, "$.scope", "add 'account_id' to `scope`"),
+    ({"path": "/stores/{store_id}/orders", "parameters": {"store_id": {"type": "string"}}, "protected": ["store_id"]},
+     "$.protected", "remove 'store_id' from `protected`"),
+])
+def test_a_binding_no_call_could_complete_is_refused_naming_the_field_and_the_fix(fields, path, says) -> None:
+    # before: accepted, and then every call failed
+    with pytest.raises(InvalidInput) as info:
+        binding(**fields)
+    assert info.value.path == path and says in str(info.value), str(info.value)
+    assert failure(info.value, "r1", "/v1/tools")[0] == 422
+
+
 # --------------------------------------------------------------------------- contract report
 
 
