@@ -66,7 +66,8 @@ class WorkflowRunner:
         self, tool: WorkflowTool, handler: Handler | None, args: dict[str, Any], ctx: TrustedContext
     ) -> JobStarted:
         job_id = job_id_for(ctx)
-        job, created = await self._jobs.create(ctx.tenant_id, ctx.session_id, job_id, tool.name, args)
+        job, created = await self._jobs.create(ctx.tenant_id, ctx.session_id, job_id, tool.name, args,
+                                               runner="engine" if handler is not None else "tenant")
         if handler is not None:
             if created:  # a job found started runs (or ran) already: never twice
                 task = asyncio.create_task(self._run(job_id, handler, args, ctx), name=f"job-{job_id}")
@@ -93,7 +94,7 @@ class WorkflowRunner:
     async def await_client(self, tool: ClientTool, args: dict[str, Any], ctx: TrustedContext) -> str:
         """A client tool's call as a job the client's UI finishes with its answer."""
         job_id = job_id_for(ctx)
-        await self._jobs.create(ctx.tenant_id, ctx.session_id, job_id, tool.name, args)
+        await self._jobs.create(ctx.tenant_id, ctx.session_id, job_id, tool.name, args, runner="client")
         return job_id
 
     async def _run(self, job_id: str, handler: Handler, args: dict[str, Any], ctx: TrustedContext) -> None:

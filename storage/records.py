@@ -187,7 +187,8 @@ class UsageTotal(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A workflow job: `status` is running | succeeded | failed."""
+    """A workflow job: `status` is running | succeeded | failed; `runner` who reports its outcome
+    (engine | tenant | client, storage.repos.jobs.RUNNERS)."""
 
     id: str
     tenant_id: str
@@ -198,6 +199,7 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    runner: str = "tenant"
 
 
 class McpServerRecord(msgspec.Struct, frozen=True, kw_only=True):

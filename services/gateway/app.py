@@ -624,8 +624,9 @@ class JobResultIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 def _job_view(job) -> dict[str, Any]:
-    return {"job_id": job.id, "session_id": job.session_id, "tool": job.tool_name, "status": job.status,
-            "result": job.result, "error": job.error, "created_at": job.created_at, "updated_at": job.updated_at}
+    return {"job_id": job.id, "session_id": job.session_id, "tool": job.tool_name, "runner": job.runner,
+            "status": job.status, "result": job.result, "error": job.error, "created_at": job.created_at,
+            "updated_at": job.updated_at}
 
 
 async def post_job_result(request: web.Request) -> web.Response:
@@ -635,7 +636,8 @@ async def post_job_result(request: web.Request) -> web.Response:
         raise InvalidInput("a failed job needs `error`: what went wrong, in words for the customer - at `$.error`",
                            path="$.error")
     job = await deps.jobs.finish(request[TENANT], request.match_info["job_id"],
-                                 succeeded=body.status == "succeeded", result=body.result, error=body.error)
+                                 succeeded=body.status == "succeeded", result=body.result, error=body.error,
+                                 posted=True)
     return json_response(_job_view(job))
 
 

@@ -41,7 +41,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("GET", "/v1/tools/{name}/versions"): ("200", (*_V1, "404")),
     ("POST", "/v1/tools/{name}/versions/{version}/publish"): ("200", (*_V1, "404")),  # reads no body
     ("GET", "/v1/analytics/tools"): ("200", _V1),
-    ("POST", "/v1/jobs/{job_id}/result"): ("200", (*_V1, *_BODY, "404", "409")),  # 409: another outcome
+    ("POST", "/v1/jobs/{job_id}/result"): ("200", (*_V1, *_BODY, "404", "409")),  # 409: another outcome, or an engine-run job
     ("GET", "/v1/jobs/{job_id}"): ("200", (*_V1, "404")),
     ("GET", "/v1/bot-config"): ("200", _V1),
     ("PUT", "/v1/bot-config"): ("200", (*_V1, *_BODY)),

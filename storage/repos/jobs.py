@@ -11,14 +11,18 @@ from services.errors import Conflict, NotFound
 from storage.errors import translate
 from storage.records import JobRecord, session_uid
 
-_COLUMNS = "id, tenant_id, session_key, tool_name, status, result, error, created_at, updated_at"
+_COLUMNS = "id, tenant_id, session_key, tool_name, status, result, error, created_at, updated_at, runner"
+#: who reports a job's outcome: the engine (a `handler` workflow), the tenant's system (a
+#: `start_url` workflow) or the client app (a client tool); results posted through the API are
+#: taken for the last two only
+RUNNERS = ("engine", "tenant", "client")
 
 
 def _job(row: asyncpg.Record) -> JobRecord:
     return JobRecord(
         id=row["id"], tenant_id=row["tenant_id"], session_id=row["session_key"], tool_name=row["tool_name"],
         status=row["status"], result=row["result"], error=row["error"],
-        created_at=row["created_at"], updated_at=row["updated_at"],
+        created_at=row["created_at"], updated_at=row["updated_at"], runner=row["runner"],
     )
 
 
@@ -27,35 +31,45 @@ class JobRepo:
         self._pool = pool
 
     async def create(
-        self, tenant_id: str, session_id: str, job_id: str, tool_name: str, arguments: dict[str, Any]
+        self, tenant_id: str, session_id: str, job_id: str, tool_name: str, arguments: dict[str, Any], *,
+        runner: str = "tenant",
     ) -> tuple[JobRecord, bool]:
-        """Start job `job_id` (running), or find it started already: a re-run of the turn that
-        started it makes the same id (services.workflows.job_id_for). Returns (the job, whether
-        this call created it)."""
+        """Start job `job_id` (running), reported by `runner` (RUNNERS), or find it started already:
+        a re-run of the turn that started it makes the same id (services.workflows.job_id_for).
+        Returns (the job, whether this call created it)."""
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
         with translate("starting a job"):
             row = await self._pool.fetchrow(
-                f"INSERT INTO ce_jobs (id, tenant_id, session_id, session_key, tool_name, status, arguments) "
-                f"VALUES ($1, $2, $3, $4, $5, 'running', $6) ON CONFLICT (id) DO NOTHING RETURNING {_COLUMNS}",
-                job_id, tenant_id, session_uid(tenant_id, session_id), session_id, tool_name, arguments,
+                f"INSERT INTO ce_jobs (id, tenant_id, session_id, session_key, tool_name, status, arguments, runner) "
+                f"VALUES ($1, $2, $3, $4, $5, 'running', $6, $7) ON CONFLICT (id) DO NOTHING RETURNING {_COLUMNS}",
+                job_id, tenant_id, session_uid(tenant_id, session_id), session_id, tool_name, arguments, runner,
             )
             if row is not None:
                 return _job(row), True
             return await self.get(tenant_id, job_id), False
 
     async def finish(
-        self, tenant_id: str, job_id: str, *, succeeded: bool, result: Any = None, error: str | None = None
+        self, tenant_id: str, job_id: str, *, succeeded: bool, result: Any = None, error: str | None = None,
+        posted: bool = False,
     ) -> JobRecord:
         """Record a job's outcome once; the same outcome sent again returns the job as recorded.
-        NotFound for another tenant's or an unknown job; Conflict when it finished otherwise."""
+        NotFound for another tenant's or an unknown job; Conflict when it finished otherwise, or
+        when the outcome was `posted` through the API for a job the engine runs itself."""
         status = "succeeded" if succeeded else "failed"
         with translate("finishing a job"):
             row = await self._pool.fetchrow(
                 f"UPDATE ce_jobs SET status = $3, result = $4, error = $5, updated_at = now() "
-                f"WHERE tenant_id = $1 AND id = $2 AND status IN ('pending', 'running') RETURNING {_COLUMNS}",
-                tenant_id, job_id, status, result, error,
+                f"WHERE tenant_id = $1 AND id = $2 AND status IN ('pending', 'running') "
+                f"AND (NOT $6 OR runner <> 'engine') RETURNING {_COLUMNS}",
+                tenant_id, job_id, status, result, error, posted,
             )
             if row is None:
                 current = await self.get(tenant_id, job_id)
+                if posted and current.runner == "engine":
+                    raise Conflict(f"job {job_id!r} is run by the engine itself ({current.tool_name}'s handler), "
+                                   f"which records its outcome; results are posted only for jobs your system or "
+                                   f"client app runs (GET /v1/jobs/{job_id} shows its status)")
                 if (current.status, current.result, current.error) == (status, result, error):
                     return current  # the same outcome again (a sender that lost our answer): done
                 raise Conflict(f"job {job_id!r} already finished ({current.status}) with another outcome; "

@@ -185,7 +185,7 @@ async def test_tenant_keys_beside_a_running_stack_leaves_its_embedded_postgres_r
 
 async def test_keys_of_a_tenant_with_no_key_rows_prints_the_header_and_says_what_to_do(db):
     # a tenant whose key rows were deleted by hand (or never written): before, a TypeError
-    url, repo = db
+    url, _repo = db
     first = await created(url, "keyless")
     pool = await create_pool(url, max_size=1)
     try:

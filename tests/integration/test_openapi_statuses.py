@@ -228,6 +228,19 @@ async def test_a_second_job_result_with_another_outcome_answers_409_as_documente
     await gateway.documented(r, "POST", "/v1/jobs/{job_id}/result")
 
 
+async def test_a_result_posted_for_a_job_the_engine_runs_answers_409_and_changes_nothing(gateway):
+    # a `handler` workflow runs in the session host, which records its outcome; before, the
+    # tenant's key could finish it first with an outcome of its own making
+    c, h = gateway.client, gateway.headers
+    await gateway.deps.jobs.create(gateway.tenant_id, "s-job", "job-engine-1", "export", {}, runner="engine")
+    r = await c.post("/v1/jobs/job-engine-1/result", headers=h, json={"status": "succeeded", "result": {"url": "x"}})
+    assert r.status == 409 and "run by the engine itself" in (await r.json())["detail"]
+    await gateway.documented(r, "POST", "/v1/jobs/{job_id}/result")
+    assert (await gateway.deps.jobs.get(gateway.tenant_id, "job-engine-1")).status == "running"
+    done = await gateway.deps.jobs.finish(gateway.tenant_id, "job-engine-1", succeeded=True, result={"url": "y"})
+    assert (done.status, done.result) == ("succeeded", {"url": "y"})  # the engine's own report is taken
+
+
 APPROVAL = "/v1/sessions/{session_id}/approvals/{approval_id}"
 MESSAGES = "/v1/sessions/{session_id}/messages"
 

@@ -130,3 +130,29 @@ async def test_a_result_sent_again_is_answered_as_recorded_and_another_one_is_re
     with pytest.raises(Conflict, match=r"already finished \(succeeded\) with another outcome; results are "
                                        r"accepted once \(GET /v1/jobs/job_\S+ shows the one recorded\)"):
         await repo.finish(tenant.id, f"job_{tenant.id}", succeeded=False, error="no")
+
+
+async def test_each_kind_of_job_records_who_reports_its_outcome(pool, make_tenant):
+    tenant, _ = await make_tenant("wf")
+    repo = JobRepo(pool)
+    runner = WorkflowRunner(repo, RecordingWebhooks())
+    release = asyncio.Event()
+
+    async def export(args, ctx):
+        await release.wait()
+        return {}
+
+    try:
+        engine = await runner.start(WorkflowTool(name="export", description="Export", parameters=SCHEMA,
+                                                 handler="export"), export, {}, _ctx(tenant.id, "m1:a"))
+        tenant_job = await runner.start(WorkflowTool(name="refund", description="Refund", parameters=SCHEMA,
+                                                     start_url="https://shop.example/jobs"), None, {},
+                                        _ctx(tenant.id, "m1:b"))
+        assert (await repo.get(tenant.id, engine.job_id)).runner == "engine"
+        assert (await repo.get(tenant.id, tenant_job.job_id)).runner == "tenant"
+        with pytest.raises(Conflict, match="run by the engine itself"):
+            await repo.finish(tenant.id, engine.job_id, succeeded=True, result={}, posted=True)
+        await repo.finish(tenant.id, tenant_job.job_id, succeeded=True, result={"ok": 1}, posted=True)
+    finally:
+        release.set()
+        await runner.close()
