@@ -458,3 +458,32 @@ async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks
     await expect(page.locator(f'#sessions-table tr[data-session="{session}"]')).to_contain_text("handed off")
     await tab.shot("handed-off")
     assert tab.errors == []
+
+
+async def test_daily_buckets_are_labelled_with_their_utc_date_in_a_browser_west_of_utc(browser, stack, tenant, api):
+    # a daily bucket is a UTC day; labelled from local time, every label west of UTC showed the
+    # day before
+    from datetime import UTC, datetime
+
+    from playwright.async_api import expect
+
+    context = await browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="America/Los_Angeles")
+    context.set_default_timeout(TIMEOUT_MS)
+    tab = Page(await context.new_page(), stack.gateway.url, "daily_buckets_utc")
+    try:
+        await tab.sign_in(tenant[1])
+        await tab.page.evaluate("() => sessionStorage.setItem('ce.analytics.since', JSON.stringify('30d'))")
+        await tab.go("/analytics")
+        await expect(tab.page.locator("#chart-calls")).to_be_visible()
+        status, ts = await api.call("GET", "/v1/analytics/tools/timeseries?since=30d")
+        assert status == 200 and ts["bucket_seconds"] >= 86400
+        labels = await tab.page.locator('#chart-calls text.axis[text-anchor="middle"]').evaluate_all(
+            "els => els.map((e) => e.textContent)")
+        step = max(1, -(-len(ts["buckets"]) // 6))
+        days = [datetime.fromisoformat(b.replace("Z", "+00:00")).astimezone(UTC) for b in ts["buckets"][::step]]
+        assert labels == [f"{d.month}/{d.day}" for d in days], (labels, ts["buckets"][:2])
+        await expect(tab.page.locator("#chart-calls").locator("xpath=..").locator("figcaption")).to_have_text(
+            "Calls per day (UTC days)")
+        assert tab.errors == []
+    finally:
+        await context.close()

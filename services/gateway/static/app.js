@@ -923,13 +923,14 @@ function callsChart(ts) {
     }
     if (i % step === 0) {
       const d = new Date(b);
-      const label = daily ? `${d.getMonth() + 1}/${d.getDate()}` : d.toTimeString().slice(0, 5);
+      // a daily bucket is a UTC day: labelled with its UTC date (local, it is the day before west of UTC)
+      const label = daily ? `${d.getUTCMonth() + 1}/${d.getUTCDate()}` : d.toTimeString().slice(0, 5);
       svg.append(s('text', { x: L + i * bw + bw / 2, y: H - 10, 'text-anchor': 'middle', class: 'axis', text: label }));
     }
   });
   const legend = h('ul', { class: 'legend' }, series.map((se) => h('li', {},
     h('span', { class: `swatch c${PALETTE.indexOf(se.color)}` }), se.name)));
-  return h('figure', { class: 'card chart-card' }, h('figcaption', { text: 'Calls over time' }), svg, legend,
+  return h('figure', { class: 'card chart-card' }, h('figcaption', { text: daily ? 'Calls per day (UTC days)' : 'Calls over time' }), svg, legend,
     ts.tools.length ? null : h('p', { class: 'muted', text: 'No tool calls in this range.' }));
 }
 
