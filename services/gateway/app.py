@@ -8,6 +8,7 @@ gateway processes can serve the same sessions.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import re
@@ -142,6 +143,8 @@ class GatewayDeps:
     #: sha256(key) of keys Postgres did not know (apart from key_cache: bogus keys cannot push out good ones)
     unknown_keys: TTLCache = field(
         default_factory=lambda: TTLCache(maxsize=UNKNOWN_KEY_CACHE_MAX, ttl=UNKNOWN_KEY_TTL_S))
+    #: key lookups in flight, by the key's digest: requests for the same key wait for one
+    key_lookups: dict[str, asyncio.Future] = field(default_factory=dict)
     #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
     webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
 
@@ -282,7 +285,7 @@ async def auth_middleware(request: web.Request, handler):
     if tenant_id is None:
         tenant = None
         if printable and not deps.unknown_keys.get(digest):
-            tenant = await deps.tenants.tenant_for_key(key)
+            tenant = await _key_lookup(deps, digest, key)
             if tenant is None:  # only a definite "unknown": a failed lookup raised and is not cached
                 deps.unknown_keys[digest] = True
         if tenant is None:
@@ -293,6 +296,23 @@ async def auth_middleware(request: web.Request, handler):
     request[TENANT] = tenant_id
     structlog.contextvars.bind_contextvars(tenant_id=tenant_id)
     return await handler(request)
+
+
+async def _key_lookup(deps: GatewayDeps, digest: str, key: str) -> Any:
+    """The tenant of `key` from Postgres, one lookup for every request that asks for the same key
+    at once (a client's burst, or a flood of one bogus key before it is cached as unknown)."""
+    pending = deps.key_lookups.get(digest)
+    if pending is None:
+        pending = asyncio.ensure_future(deps.tenants.tenant_for_key(key))
+        deps.key_lookups[digest] = pending
+
+        def forget(done: asyncio.Future) -> None:
+            deps.key_lookups.pop(digest, None)
+            if not done.cancelled():
+                done.exception()  # retrieved: every waiter may have gone (their requests cancelled)
+
+        pending.add_done_callback(forget)
+    return await asyncio.shield(pending)  # one waiter cancelled does not cancel the others' lookup
 
 
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # a JSON \u0000 escape (not an escaped backslash)

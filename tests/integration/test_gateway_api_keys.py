@@ -8,6 +8,7 @@ router is never reached (GET /v1/tools is answered from the ToolRepo).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -130,3 +131,20 @@ async def test_a_known_key_is_looked_up_once_per_ttl(gateway, make_tenant):
     for _ in range(5):
         assert await gateway.status(key.api_key) == 200
     assert gateway.tenants.lookups == 1
+
+
+async def test_requests_with_the_same_key_at_once_share_one_postgres_lookup(gateway, make_tenant):
+    # a flood of one bogus key (or a client's burst with a new key) before the first answer is
+    # cached: before, each request looked the key up itself
+    _tenant, key = await make_tenant("burst-key")
+    bogus = "ce_" + "z" * 43
+    real_lookup = gateway.tenants.tenant_for_key
+
+    async def slow_lookup(api_key: str) -> Any:
+        await asyncio.sleep(0.2)
+        return await real_lookup(api_key)
+
+    gateway.tenants.tenant_for_key = slow_lookup
+    statuses = await asyncio.gather(*(gateway.status(k) for k in [bogus] * 10 + [key.api_key] * 10))
+    assert statuses == [401] * 10 + [200] * 10
+    assert gateway.tenants.lookups == 2 and gateway.deps.key_lookups == {}
