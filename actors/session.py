@@ -129,6 +129,13 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     #: does its batch (Executor.refuse_changed). None: held before versions were kept; such a
     #: turn resumes against the catalog current at the decision, as it did
     tool_versions: list[int | None] | None = None
+    #: for each held call, in order, the names its tool declared `sensitive` when held ([]: none,
+    #: or no tool had its name): whatever is recorded of the call after the decision (refused as
+    #: changed, declined, expired, run) is redacted with these and the current definition's
+    #: (PreparedCall.sensitive), so a name dropped from `sensitive`, or a tool removed, while the
+    #: approval was pending does not put the value in clear. None: held before these were kept;
+    #: such a turn is redacted with the current definition's names, as it was
+    tool_sensitive: list[list[str]] | None = None
 
 
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -497,7 +504,8 @@ async def _handle_approval(
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
     # The held batch against the catalog current now: what the approver was shown runs, or nothing.
-    held = _prepare(state, env, pending.calls, message_id=pending.message_id, turn=turn, intent=pending.intent)
+    held = _prepare(state, env, pending.calls, message_id=pending.message_id, turn=turn, intent=pending.intent,
+                    held_sensitive=pending.tool_sensitive)
     ctx = _context(state, env, pending.message_id)
     refused = None
     if approve and not expired and pending.tool_versions is not None:
@@ -510,7 +518,8 @@ async def _handle_approval(
         plan = held
         if edited_arguments:
             plan = _prepare(state, env, _edited(pending.calls, held, edited_arguments),
-                            message_id=pending.message_id, turn=turn, intent=pending.intent)
+                            message_id=pending.message_id, turn=turn, intent=pending.intent,
+                            held_sensitive=pending.tool_sensitive)
         if approve and not expired:
             await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
         else:
@@ -684,17 +693,18 @@ def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:
 
 def _prepare(
     state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str, turn: _Turn | None = None,
-    intent: str | None = None,
+    intent: str | None = None, held_sensitive: list[list[str]] | None = None,
 ) -> BatchPlan:
     """The batch checked for this session, turn and intent: a call of a tool the turn's offer
-    left out (its intent's filter included) is refused in-band, never run."""
+    left out (its intent's filter included) is refused in-band, never run. `held_sensitive`: a
+    held batch's `PendingTurn.tool_sensitive`, kept sensitive whatever the tools declare now."""
     executor: Executor = env.executor
     turn_calls: dict[str, int] = {}
     for summary in turn.tool_calls if turn is not None else ():
         turn_calls[summary.name] = turn_calls.get(summary.name, 0) + 1
     return executor.prepare(
         calls, catalog=env.catalog, config=env.config, session=state.tool_state(turn_calls),
-        scope=_scope(state, env), intent=intent,
+        scope=_scope(state, env), intent=intent, held_sensitive=held_sensitive,
     )
 
 
@@ -799,6 +809,7 @@ async def _hold(
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
         deliveries=turn.deliveries, intent=intent,
         tool_versions=[p.tool.version if p.tool is not None else None for p in plan.calls],
+        tool_sensitive=[sorted(p.sensitive) for p in plan.calls],
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()

@@ -17,7 +17,11 @@ credentials the engine sent it taken out already: services.tools.webhook, servic
 a client tool's action goes to the client app whole (`ToolOutcome.client_action`), only its record
 is redacted. An approver sees a held call's arguments redacted as its record would be
 (`PreparedCall.shown_arguments`; the call runs with them whole), and an output-contract failure
-never quotes what the result holds under a sensitive or secret-looking name.
+never quotes what the result holds under a sensitive or secret-looking name. A held batch prepared
+again at the decision keeps the names each call's tool declared sensitive when it was held
+(`prepare`'s `held_sensitive`): its records are redacted with those and the current definition's,
+so a name dropped from `sensitive`, or a tool removed, while the approval was pending never puts the
+value in clear.
 """
 
 from __future__ import annotations
@@ -98,17 +102,26 @@ class PreparedCall(msgspec.Struct, frozen=True, kw_only=True):
     tool: CompiledTool | None = None
     error: ToolError | None = None
     needs_approval: bool = False
+    #: the names the call's tool declared `sensitive` when the call was held for approval (a held
+    #: batch prepared again at the decision; empty otherwise): still sensitive for this call, whatever
+    #: the tool declares now, or if it is gone
+    held_sensitive: frozenset[str] = frozenset()
 
     @property
     def mutability(self) -> str:
         return self.tool.definition.mutability if self.tool else "read"
 
+    @property
+    def sensitive(self) -> frozenset[str]:
+        """The names whose values the call's record, trace, failure text and approver's copy never
+        show (besides secret-looking ones): its tool's `sensitive` now and those it was held with."""
+        return self.held_sensitive.union(self.tool.definition.sensitive) if self.tool else self.held_sensitive
+
     def shown_arguments(self) -> dict[str, Any]:
         """The arguments as an approver sees them: redacted as the call's record is (sensitive and
         secret-looking names at any depth, and their values wherever another string repeats one).
         A copy: the call itself runs with `arguments`."""
-        sensitive = frozenset(self.tool.definition.sensitive) if self.tool else frozenset()
-        return redact(self.arguments, sensitive, _sensitive_values(self))
+        return redact(self.arguments, self.sensitive, _sensitive_values(self))
 
 
 class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,17 +188,22 @@ class Executor:
         session: SessionToolState,
         scope: dict[str, Any],
         intent: str | None = None,
+        held_sensitive: list[list[str]] | None = None,
     ) -> BatchPlan:
         """Check every call of a batch before any runs. Never raises for bad calls: each
         carries its error, to be returned in-band. Calls of one tool in the batch count toward
         its per-turn and per-session limits in order, and a one-shot tool (`completes_variable`)
         runs once per batch: a later call of it is refused. `intent`: the turn's detected intent;
         a call of a tool its offer left out is refused (toolset.gate_reason). A batch prepared
-        again on resuming an approval passes the intent the turn was held with."""
+        again on resuming an approval passes the intent the turn was held with, and in
+        `held_sensitive` (call order) the `sensitive` names of each call's tool when held
+        (`PreparedCall.sensitive`): the tool may have dropped one, or gone, since."""
         in_batch: dict[str, int] = {}
         prepared = []
-        for c in calls:
+        for i, c in enumerate(calls):
             p = self._prepare_one(c, catalog, config, session, scope, intent)
+            if held_sensitive and i < len(held_sensitive) and held_sensitive[i]:
+                p = msgspec.structs.replace(p, held_sensitive=frozenset(held_sensitive[i]))
             if p.error is None and p.tool is not None:
                 limit_error = _limit_error(p.tool, session, in_batch.get(p.tool.name, 0))
                 if limit_error is not None:
@@ -381,7 +399,7 @@ class Executor:
                 lambda: self._attempts(tool, prepared.arguments, call_ctx, call_deadline),
                 owner=ctx.tenant_id, gate=gate,
             )
-            _check_output(tool, timed.value)
+            _check_output(tool, timed.value, prepared.sensitive)
         except ToolError as exc:
             # Measured as a success is: by the limiter (on the error, or the run whose output
             # broke its contract); the wall clock only for an error that never went through it.
@@ -493,7 +511,7 @@ class Executor:
         latency_ms: int, queue_ms: int, values: frozenset[str] | None = None,
     ) -> ToolCallRecord:
         """The call's ce_tool_calls row, redacted; `values`: `_sensitive_values(p)` if known."""
-        sensitive = frozenset(p.tool.definition.sensitive) if p.tool else frozenset()
+        sensitive = p.sensitive
         source = p.arguments if p.tool else (p.call.arguments if isinstance(p.call.arguments, dict) else {})
         values = _sensitive_values(p) if values is None else values
         params = redact(source, sensitive, values)
@@ -508,7 +526,7 @@ class Executor:
 def _sensitive_values(p: PreparedCall) -> frozenset[str]:
     """The strings a record or failure text of `p` must not repeat: those of its sensitive (or
     secret-looking) arguments, as checked and as the model sent them."""
-    sensitive = p.tool.definition.sensitive if p.tool else ()
+    sensitive = p.sensitive
     sent = p.call.arguments if isinstance(p.call.arguments, dict) else {}
     return sensitive_values(p.arguments, sensitive) | sensitive_values(sent, sensitive)
 
@@ -557,18 +575,19 @@ def _ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-def _check_output(tool: CompiledTool, value: Any) -> None:
+def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> None:
     """A declared output schema is a contract: a result that breaks it is a failure, in-band.
     The problems never quote a value of the result under a sensitive or secret-looking name (the
     validator describes those by their rule; a string that still appears, in a sibling field or
-    a rule on the whole result, is scrubbed as a failure text's argument values are in `_failed`)."""
+    a rule on the whole result, is scrubbed as a failure text's argument values are in `_failed`).
+    `sensitive`: the call's names (`PreparedCall.sensitive`: the tool's, and those it was held with)."""
     validator = tool.output_validator
     if validator is None or isinstance(value, (ClientAction, JobStarted)):
         return
     result = msgspec.to_builtins(value.result if isinstance(value, SetVariables) else value)
     problems = validator.errors(result)
     if problems:
-        values = sensitive_values(result, tool.definition.sensitive)
+        values = sensitive_values(result, sensitive)
         raise OutputContractBroken(
             scrub_text("result does not match its declared output schema: " + "; ".join(problems[:3]), values),
             advice="Do not rely on this result; tell the customer you cannot confirm this right now.",
