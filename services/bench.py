@@ -1350,8 +1350,15 @@ def _median_known(values: Any) -> float | None:
 
 
 def _median_ways(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = rows[0].keys()
-    return {k: statistics.median(r[k] for r in rows) for k in keys}
+    """Each figure's median over the rounds; a breakdown (a dict of figures) by its parts."""
+    out: dict[str, Any] = {}
+    for k, first in rows[0].items():
+        if isinstance(first, dict):
+            parts = {part for r in rows for part in r.get(k, {})}
+            out[k] = {part: statistics.median(r.get(k, {}).get(part, 0.0) for r in rows) for part in sorted(parts)}
+        else:
+            out[k] = statistics.median(r[k] for r in rows)
+    return out
 
 
 def _aggregate(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -165,3 +165,12 @@ def test_sessions_per_host_counts_each_session_on_the_host_the_gateway_routes_it
     owners = [rendezvous_index(session_key("t_1", s), 2) for s in sessions]
     assert split == [owners.count(0), owners.count(1)] and sum(split) == 64
     assert bench.sessions_per_host("t_1", sessions, 1) == [64]
+
+
+def test_round_medians_take_a_breakdown_part_by_part():
+    # each round's run carries the CPU of Ray's own processes by name: a dict, not a figure
+    rows = [{"msgs_per_s": 100.0, "cpu_ray_other_ms_per_msg_by_process": {"raylet": 0.02, "gcs_server": 0.01}},
+            {"msgs_per_s": 300.0, "cpu_ray_other_ms_per_msg_by_process": {"raylet": 0.04}},
+            {"msgs_per_s": 200.0, "cpu_ray_other_ms_per_msg_by_process": {"raylet": 0.03, "gcs_server": 0.03}}]
+    assert bench._median_ways(rows) == {
+        "msgs_per_s": 200.0, "cpu_ray_other_ms_per_msg_by_process": {"gcs_server": 0.01, "raylet": 0.03}}
