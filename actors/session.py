@@ -473,7 +473,7 @@ async def _handle_approval(
     if not verify_approval_id(env.approval_keys, state.tenant_id, state.session_id, approval_id):
         raise SessionError("this approval id is not valid for this session; use the id from the reply",
                            kind="not_found")
-    if pending is None or not secrets.compare_digest(pending.approval_id, approval_id):
+    if pending is None or not secrets.compare_digest(pending.approval_id.encode(), approval_id.encode()):
         decided = decided_turn(state.snapshot, approval_id)
         stored = state.turns.get(decided) if decided is not None else None
         if stored is not None:

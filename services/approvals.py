@@ -35,7 +35,8 @@ def new_approval_id(keys: Sequence[bytes], tenant_id: str, session_id: str) -> s
 def verify_approval_id(keys: Sequence[bytes], tenant_id: str, session_id: str, approval_id: str) -> bool:
     """True when `approval_id` was signed for this tenant's session by one of `keys` (or, with
     no keys configured, when it is well formed)."""
-    if not approval_id.startswith("apr_") or len(approval_id) > 100:
+    # ids are ASCII (hmac.compare_digest raises on anything else: a forged id was a 500)
+    if not approval_id.startswith("apr_") or len(approval_id) > 100 or not approval_id.isascii():
         return False
     if not keys:
         return True

@@ -23,7 +23,7 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: pg_advisory_lock key shared by every migrator of this schema ("ce-migrate", as an int64).
 ADVISORY_LOCK_KEY = 0x63652D6D69677261
 
-_FILE_RE = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql$")
+_FILE_RE = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql\Z")
 
 _CREATE_TABLE = """
 CREATE TABLE IF NOT EXISTS ce_schema_migrations (

@@ -49,8 +49,8 @@ LIST_DAYS = 14  # how far ahead a listing looks
 MAX_AHEAD_DAYS = 366  # how far ahead a booking may be
 LIST_LIMIT = 12
 OFFER_LIMIT = 5
-_HHMM_RE = re.compile(r"^([01]\d|2[0-4]):([0-5]\d)$")
-_SERVICE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}$")
+_HHMM_RE = re.compile(r"^([01]\d|2[0-4]):([0-5]\d)\Z")
+_SERVICE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}\Z")
 
 _SERVICE_PROP = {"type": "string", "maxLength": 64,
                  "description": "the service to book, by name; may be left out when the business offers only one"}

@@ -28,7 +28,7 @@ from services.tools.validation import ArgumentValidator, check_schema
 
 HANDLER = "builtin.submit_form"
 EVENT = "form.submitted"
-FORM_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+FORM_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
 MAX_SCHEMA_BYTES = 64 * 1024
 
 DEFINITION = PythonTool(

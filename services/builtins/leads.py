@@ -56,8 +56,8 @@ DEFINITION = PythonTool(
 )
 
 _EMAIL_RE = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+$")
-_PHONE_CHARS_RE = re.compile(r"^\+?[0-9 ().\-/]+$")
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+\Z")
+_PHONE_CHARS_RE = re.compile(r"^\+?[0-9 ().\-/]+\Z")
 _EMAIL_ADVICE = "Ask the customer to spell their email address again, then call collect_lead again."
 _PHONE_ADVICE = ("Ask the customer for their phone number again (digits, optionally starting with + and the "
                  "country code), or call collect_lead without a phone.")

@@ -59,7 +59,7 @@ from services.wire import (
 
 log = structlog.get_logger(__name__)
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}\Z")
 MAX_TEXT = 16_000
 MAX_BODY = 256 * 1024
 #: how long a gateway trusts a key it found in Postgres: a revoked key is refused within this
@@ -409,6 +409,10 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         raise InvalidInput(f"text is longer than {MAX_TEXT} characters - at `$.text`", path="$.text")
     if body.message_id is not None and not 0 < len(body.message_id) <= 128:
         raise InvalidInput("message_id must be 1-128 characters - at `$.message_id`", path="$.message_id")
+    if body.message_id is not None and not body.message_id.isprintable():
+        # it becomes the Idempotency-Key header of the turn's tool calls, which cannot carry one
+        raise InvalidInput("message_id must not hold a line break, tab or other control character - at "
+                           "`$.message_id`; send the client's own id as printable text", path="$.message_id")
     structlog.contextvars.bind_contextvars(session_id=session_id)
     # Every turn gets a message id here, so a retry of the hop to the actor (a host that died
     # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.

@@ -63,6 +63,10 @@ log = structlog.get_logger(__name__)
 DEFAULT_MAX_RESULT_CHARS = 16_000
 DEFAULT_PROGRESS_AFTER_MS = 2_000
 RETRY_BASE_S = 0.1
+#: a call whose arguments nest deeper than this is refused in-band as it comes and its arguments
+#: are not kept (recording them, redacted at every depth, would run out of stack)
+MAX_ARGUMENT_DEPTH = 64
+_TOO_DEEP = {"_": f"the arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep and were not kept"}
 
 OnProgress = Callable[["PreparedCall", int, "str | None"], Awaitable[None]]
 
@@ -201,7 +205,13 @@ class Executor:
         in_batch: dict[str, int] = {}
         prepared = []
         for i, c in enumerate(calls):
-            p = self._prepare_one(c, catalog, config, session, scope, intent)
+            if _deeper_than(c.arguments, MAX_ARGUMENT_DEPTH):
+                p = PreparedCall(call=msgspec.structs.replace(c, arguments=_TOO_DEEP), arguments=dict(_TOO_DEEP),
+                                 tool=catalog.get(c.name), error=InvalidArguments(
+                                     f"the arguments nest more than {MAX_ARGUMENT_DEPTH} levels deep",
+                                     advice="Call the tool again with the arguments its schema describes."))
+            else:
+                p = self._prepare_one(c, catalog, config, session, scope, intent)
             if held_sensitive and i < len(held_sensitive) and held_sensitive[i]:
                 p = msgspec.structs.replace(p, held_sensitive=frozenset(held_sensitive[i]))
             if p.error is None and p.tool is not None:
@@ -621,6 +631,17 @@ def _without_keys(value: Any, keys: frozenset[str]) -> Any:
     if isinstance(value, list):
         return [_without_keys(v, keys) for v in value]
     return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` (a JSON value) nests more than `limit` levels, found without recursion."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())]
+        if not level:
+            return False
+    return True
 
 
 def _short(value: Any, limit: int = 60) -> str:

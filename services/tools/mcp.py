@@ -54,8 +54,8 @@ MAX_TOOLS_PER_SERVER = 64
 DEFAULT_TIMEOUT_MS = 10_000
 LIST_TIMEOUT_S = 5.0  # a catalog load waits at most this long for one server's tools/list
 
-SERVER_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9-]*(?:_[a-zA-Z0-9-]+)*$")
-_PLAIN_TOOL_RE = re.compile(r"^[a-zA-Z0-9_-]+$")
+SERVER_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9-]*(?:_[a-zA-Z0-9-]+)*\Z")
+_PLAIN_TOOL_RE = re.compile(r"^[a-zA-Z0-9_-]+\Z")
 _UNSAFE_RE = re.compile(r"[^a-zA-Z0-9_-]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
 

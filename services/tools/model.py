@@ -21,7 +21,7 @@ PROTECTED_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId", "account_id
 #: URL hole named by one of those could never be filled (registration refuses it).
 TRUSTED_SCOPE_KEYS: frozenset[str] = PROTECTED_KEYS
 
-TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
+TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}\Z")
 _TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
 
 

@@ -22,6 +22,10 @@ from services.tools.redaction import secret_name
 
 #: deeper than this a schema is refused when saved (and the checker's recursion never reached)
 MAX_SCHEMA_DEPTH = 64
+#: the most subschemas checking one value may visit with its `$ref`s unfolded (each counted where
+#: it is used): a 2 KB schema whose `$defs` each use the one before twice unfolds to 2^n, and
+#: checking a call against it would hold the session host's loop for hours
+MAX_SCHEMA_EXPANSION = 10_000
 #: keywords whose values are data, not schemas: never searched for refs or patterns
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
@@ -136,12 +140,63 @@ def _check(schema: dict[str, Any], where: str) -> None:
     for path, node in _schema_nodes(schema, where, 0):
         _check_node(node, path, resolver)
     try:
+        unfolded = _expansion(schema, resolver)
+    except RecursionError:  # a chain of $refs longer than the checker could follow either
+        raise InvalidInput(f"the schema's $refs chain too deeply - at `{where}`", path=where) from None
+    if unfolded > MAX_SCHEMA_EXPANSION:
+        raise InvalidInput(
+            f"the schema's $refs unfold to more than {MAX_SCHEMA_EXPANSION:,} subschemas (a $def that uses "
+            f"another twice doubles it), so checking one value would stall the session; refer to each $def "
+            f"fewer times, or write the schema out - at `{where}`", path=where,
+        )
+    try:
         cls.check_schema(schema)
     except SchemaError as exc:
         path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
         raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
     except RecursionError:
         raise InvalidInput(f"the schema nests too deeply - at `{where}`", path=where) from None
+
+
+def _expansion(schema: dict[str, Any], resolver: referencing.Resolver) -> int:
+    """How many subschemas checking one value may visit, `$ref`s unfolded where they are used
+    (`$defs` themselves only through their uses), counting stopped past MAX_SCHEMA_EXPANSION. A
+    `$ref` back into a schema being unfolded counts once: such recursion follows the value's
+    depth, not the schema's. Every `$ref` resolves (_check_node ran first)."""
+    memo: dict[int, int] = {}
+    unfolding: set[int] = set()
+
+    def cost(node: Any) -> int:
+        if isinstance(node, list):
+            total = 0
+            for item in node:
+                total += cost(item)
+                if total > MAX_SCHEMA_EXPANSION:
+                    break
+            return total
+        if not isinstance(node, dict):
+            return 0
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in unfolding:
+            return 1
+        unfolding.add(key)
+        total = 1
+        for keyword, value in node.items():
+            if keyword in _DATA_KEYWORDS or keyword in ("$defs", "definitions"):
+                continue
+            if keyword in ("$ref", "$dynamicRef") and isinstance(value, str):
+                total += cost(resolver.lookup(value).contents)
+            else:
+                total += cost(value)
+            if total > MAX_SCHEMA_EXPANSION:
+                break
+        unfolding.discard(key)
+        memo[key] = total
+        return total
+
+    return cost(schema)
 
 
 def _schema_nodes(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict]]:

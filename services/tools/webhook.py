@@ -91,9 +91,9 @@ _AUTHORITY_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*)(.*)$", re.DOTA
 # characters a template's literal text may keep as is; anything else is percent-encoded
 _LITERAL_SAFE = "/:@!$&'()*+,;=-._~%?"
 _DOT_SEGMENTS = frozenset({".", "..", "%2e", "%2e%2e", ".%2e", "%2e."})
-_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_MIME_RE = re.compile(r"^[a-z0-9.+-]{1,40}/[a-z0-9.+-]{1,60}$")
+_MIME_RE = re.compile(r"^[a-z0-9.+-]{1,40}/[a-z0-9.+-]{1,60}\Z")
 # headers a caller may not set: they would change framing, routing or the connection itself
 _FORBIDDEN_HEADERS = frozenset(
     {

@@ -276,11 +276,15 @@ async def test_every_answer_to_a_message_names_its_message_id_and_request_id(gat
     assert r.headers["X-Request-Id"] == "req-sse"  # a stream too, though its headers leave before the middleware's turn
     r = await client.get("/v1/sessions/s1", headers=headers)
     assert "X-Message-Id" not in r.headers
-    # a client's id a header cannot carry (it knows its own id): no header, never a header injection
-    for odd in ("a\r\nSet-Cookie: x=1", "tab\tin", "é"):
+    # a client's id with a control character is refused (it would be the Idempotency-Key of the
+    # turn's tool calls), never a header injection; a printable id a header cannot carry as is
+    # (non-ASCII) is taken, without the header (the client knows its own id)
+    for odd in ("a\r\nSet-Cookie: x=1", "tab\tin"):
         r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi", "message_id": odd})
-        assert r.status == 200 and "X-Message-Id" not in r.headers and "Set-Cookie" not in r.headers
-        assert (await r.json())["message_id"] == odd
+        assert r.status == 422 and "X-Message-Id" not in r.headers and "Set-Cookie" not in r.headers
+        assert "`$.message_id`" in (await r.json())["detail"]
+    r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi", "message_id": "é"})
+    assert r.status == 200 and "X-Message-Id" not in r.headers and (await r.json())["message_id"] == "é"
 
 
 async def test_an_unexpected_crash_is_500_with_the_request_id_and_no_internals(gateway):

@@ -192,3 +192,36 @@ async def test_a_tools_sensitive_arguments_stay_out_of_its_in_band_error_and_rec
     [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t", session_id="s", message_id="m"))
     assert not outcome.success and "does not match its pattern" in outcome.content
     assert "4111" not in outcome.content and "4111" not in (outcome.record.error or "")
+
+
+def _fanning(levels: int) -> dict:
+    """~70 bytes a level: each $def is allOf of the one before, twice (2^levels subschemas unfolded)."""
+    defs = {"d0": {"type": "object"}}
+    for i in range(1, levels + 1):
+        defs[f"d{i}"] = {"allOf": [{"$ref": f"#/$defs/d{i - 1}"}, {"$ref": f"#/$defs/d{i - 1}"}]}
+    return {"type": "object", "properties": {"q": {"type": "string"}}, "$defs": defs,
+            "allOf": [{"$ref": f"#/$defs/d{levels}"}]}
+
+
+def test_a_schema_whose_refs_unfold_past_the_budget_is_refused_when_saved():
+    # before: a 2 KB schema was saved (201), then checking one call took 2^30 steps on the host's
+    # event loop, stalling every session of every tenant on it
+    with pytest.raises(InvalidInput, match=r"unfold to more than 10,000 subschemas.*- at `\$.parameters`"):
+        check_schema(_fanning(30))
+    with pytest.raises(InvalidInput, match="unfold"):
+        check_any_schema(_fanning(30), where="$.output_schema")
+
+
+def test_refs_used_a_few_times_and_recursive_schemas_are_accepted():
+    check_schema(_fanning(8))  # 2^8 subschemas: cheap to check
+    tree = {"type": "object", "properties": {"node": {"$ref": "#/$defs/node"}},
+            "$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
+                                                                          "items": {"$ref": "#/$defs/node"}}}}}}
+    check_schema(tree)  # recursion follows the value's depth, not the schema's
+    assert ArgumentValidator(tree).errors({"node": {"children": [{"children": []}]}}) == []
+
+
+def test_a_chain_of_refs_longer_than_can_be_followed_is_refused_not_a_crash():
+    defs = {"d0": {"type": "string"}} | {f"d{i}": {"$ref": f"#/$defs/d{i - 1}"} for i in range(1, 3000)}
+    with pytest.raises(InvalidInput, match=r"chain too deeply|nests too deeply"):
+        check_schema({"type": "object", "properties": {"q": {"$ref": "#/$defs/d2999"}}, "$defs": defs})
