@@ -646,6 +646,9 @@ async def _loop(
             turn.rounds = round_no
             _count(turn, state, response)
             calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
+            if len({c.id for c in calls}) < len(calls):
+                response = msgspec.structs.replace(response, content=_unique_call_ids(response.content))
+                calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
             text = "".join(b.text for b in response.content if isinstance(b, TextBlock))
             if not calls or last:
                 final_text = text.strip() or (ROUND_CAP_REPLY if calls else "")
@@ -682,6 +685,25 @@ async def _relay_text(events: AsyncIterator[LLMEvent], emit: Emit) -> AsyncItera
         if isinstance(event, TextDelta) and event.text:
             await emit(StreamEvent(event="text", data={"text": event.text}))
         yield event
+
+
+def _unique_call_ids(content: list) -> list:
+    """`content` with each tool call's id unique (a repeat gets `_2`, `_3`, ...): a model or
+    provider that repeats an id would have the two calls' results (and approvals) mixed up, and
+    a model API refuses a conversation that holds a tool call id twice."""
+    seen: set[str] = set()
+    out = []
+    for block in content:
+        if isinstance(block, ToolUseBlock):
+            unique, n = block.id, 1
+            while unique in seen:
+                n += 1
+                unique = f"{block.id}_{n}"
+            if unique != block.id:
+                block = msgspec.structs.replace(block, id=unique)
+            seen.add(unique)
+        out.append(block)
+    return out
 
 
 def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:

@@ -53,3 +53,29 @@ async def test_a_forged_non_ascii_approval_id_is_not_found_with_a_turn_held(regi
     with pytest.raises(SessionError) as info:
         await handle_approval(state, "apr_é" + held.pending_approval.approval_id[5:], True, env)
     assert info.value.kind == "not_found" and registry.calls == []
+
+
+async def test_a_tool_call_id_repeated_in_one_answer_is_made_unique(registry):
+    # before: both calls and both results went back to the model under one id (a model API
+    # refuses that conversation), and approvals keyed by id mixed the two calls up
+    from services.llm.port import LLMResponse, TextBlock, ToolUseBlock, Usage
+
+    class RepeatsAnId(ScriptedLLM):
+        async def stream(self, request):
+            self.requests.append(request)
+            if len(self.requests) == 1:
+                content = [ToolUseBlock(id="same", name="lookup", input={"q": "a"}),
+                           ToolUseBlock(id="same", name="lookup", input={"q": "b"})]
+            else:
+                content = [TextBlock(text="both found")]
+            yield LLMResponse(content=content, stop_reason="end_turn", usage=Usage(input_tokens=1, output_tokens=1),
+                              model=request.model)
+
+    llm = RepeatsAnId([])
+    reply = await handle_message(new_state("t1", "s1"), "hi", "m1", make_env(llm, registry, [LOOKUP]))
+    assert reply.reply == "both found" and registry.calls == ["lookup", "lookup"]
+    assert [c.id for c in reply.tool_calls] == ["same", "same_2"]
+    history = llm.requests[1].messages
+    uses = [b.id for m in history for b in m.content if isinstance(b, ToolUseBlock)]
+    results = [b.tool_use_id for m in history for b in m.content if hasattr(b, "tool_use_id")]
+    assert uses == results == ["same", "same_2"]
