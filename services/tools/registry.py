@@ -17,6 +17,7 @@ from services.errors import InvalidInput
 from services.llm.port import ToolSpec
 from services.tools.context import TrustedContext
 from services.tools.model import (
+    TOOL_NAME_RE,
     BackendBindingTool,
     ClientTool,
     PythonTool,
@@ -165,6 +166,11 @@ def compile_tool(
     """Turn one definition into a CompiledTool. Raises CompileError when no handler fits or
     the parameter schema is unusable."""
     name = definition.name
+    if not TOOL_NAME_RE.match(name):
+        # refused on save since names are matched whole; one stored before (`"lookup\n"`) would
+        # make the model API refuse every request that offers it, every turn of the tenant
+        raise CompileError(f"the name {name[:70]!r} is not a tool name (a letter, then letters, digits, '_' or '-', "
+                           "64 at most); create the tool again under a valid name", tool_name=name)
     try:
         # Also checked on save; checked again here because a broken schema would otherwise
         # raise from argument validation mid-turn instead of failing in-band or in `problems`.

@@ -227,6 +227,24 @@ def test_a_tool_that_fails_to_compile_does_not_prevent_the_others() -> None:
     assert catalog.revision == 9
 
 
+def test_tools_stored_before_their_names_or_schemas_were_checked_whole_are_left_out_and_reported() -> None:
+    # a name ending in a line break (saved while `^...$` let it through) would make the model API
+    # refuse every request that offers it; a schema whose $refs fan out would stall the host
+    registry = registry_with(FakeHandler("lookup"))
+    defs = {"d0": {"type": "object"}} | {
+        f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i - 1}"}, {"$ref": f"#/$defs/d{i - 1}"}]} for i in range(1, 31)}
+    fanning = {"type": "object", "$defs": defs, "allOf": [{"$ref": "#/$defs/d30"}]}
+    catalog = build_catalog(
+        [],
+        [(python_tool("lookup\n", handler="lookup"), 1), (python_tool("lookup"), 2),
+         (python_tool("fan", handler="lookup", parameters=fanning), 1)],
+        registry=registry, backend=None,
+    )
+    assert catalog.names() == ["lookup"]
+    assert "is not a tool name" in catalog.problems["lookup\n"]
+    assert "unfold" in catalog.problems["fan"]
+
+
 def test_catalog_lists_builtins_before_tenant_tools() -> None:
     registry = registry_with(FakeHandler("recall_memory"), FakeHandler("lookup"))
     catalog = build_catalog(
