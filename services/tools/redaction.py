@@ -29,27 +29,31 @@ REDACTED = "[redacted]"
 _REDACTED_BYTES = REDACTED.encode()
 
 #: names whose values are never stored or shown, whatever the tool declares, wherever the name
-#: holds them (`client_secret`, `apiKey`, `Proxy-Authorization`, `credentials`). Short words that
-#: are in ordinary words (`pass`, `auth`, `pin`, `ssn`, `key`) and `token` are judged word by word
-#: instead: see `secret_name`.
+#: holds them (`client_secret`, `apiKey`, `Proxy-Authorization`, `credentials`, `newpassword`,
+#: `privatekey`). Short words that are in ordinary words (`pass`, `auth`, `pin`, `ssn`, `key`) and
+#: `token` are judged word by word instead: see `secret_name`.
 SECRET_NAME_RE = re.compile(
-    r"secret|api[_-]?key|authori[sz]ation|credential|cvv|cvc|card[_-]?number|cookie",
+    r"secret|api[_-]?key|authori[sz]ation|credential|cvv|cvc|card[_-]?number|cookie"
+    r"|passw(?:or)?d|passphrase|private[_-]?key",
     re.IGNORECASE,
 )
 #: a name's words: snake, kebab, dotted or camel case (`XCSRFToken` is `xcsrf` + `token`)
 _WORD_RE = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 #: secrets as words of their own (`card_pin`, `basicAuth`, `customerSSN`, `user_pwd`), not inside
 #: one (`spinner`, `author`, `oauth_provider`, `business_name`)
-_SECRET_WORDS = frozenset({"auth", "pin", "pincode", "ssn", "pwd", "passwd", "passcode", "otp", "jwt", "cvc2", "cvv2"})
+_SECRET_WORDS = frozenset({"auth", "pin", "pincode", "pwd", "passcode", "otp", "jwt"})
 #: words that start a secret's name whatever follows (`password_hash`, `passphrase`)
 _SECRET_PREFIXES = ("password", "passphrase")
 #: `access_key`, `signingKey`: a `key` after one of these is a credential (a plain `key`, `sort_key`
 #: or `idempotency_key` is not)
 _KEY_QUALIFIERS = frozenset({"api", "access", "secret", "private", "signing", "session", "encryption", "master",
                              "client", "auth", "license", "webhook", "sign", "hmac"})
-#: `security_code`, `social_security_number`, `pass_code`, `passWord`
+#: `security_code`, `social_security_number`, `pass_code`, `passWord`, `pass_key`
 _SECRET_PAIRS = frozenset({("security", "code"), ("security", "number"), ("pass", "code"), ("pass", "word"),
-                           ("pass", "phrase")})
+                           ("pass", "phrase"), ("pass", "key"), ("pass", "hash")})
+#: `userpass`, `dbpass`, `adminpass` written as one word (not `bypass`, `compass`, `overpass`)
+_PASS_OWNERS = frozenset({"user", "db", "admin", "root", "my", "new", "old", "wifi", "app", "mail", "smtp", "ftp",
+                          "sql", "login", "account", "master", "web", "sys", "ssh", "api", "auth", "proxy", "vpn"})
 #: `token_count`, `tokenLimit`, `tokencount`: what makes a singular `token` a number
 _COUNTS = frozenset({"count", "counts", "limit", "limits", "budget", "budgets", "usage", "total", "totals", "num"})
 #: `max_tokens`, `inputTokens`, `tokens_used`, `n_tokens`: a word that makes a plural `tokens` a count
@@ -72,8 +76,9 @@ def secret_name(name: Any) -> bool:
     """True when `name` looks like it holds a credential or card data: the one definition the
     record, the trace, the approver's copy, error texts and the dashboard share.
 
-    `pass` is a secret as the last word of a name (`db_pass`, `userPass`; not `passThrough`,
-    `bypassCache`, `passengers`), `password`/`passphrase` anywhere. `token` is a credential
+    `pass` is a secret as the last word of a name (`db_pass`, `userPass`, `pass1`, `dbpass`; not
+    `passThrough`, `bypassCache`, `bypass`, `passengers`) and before `key`/`hash`/`code`;
+    `password`/`passwd`/`passphrase`/`privatekey` anywhere, `ssn` at a word's end (`customerssn`). `token` is a credential
     (`access_token`, `idToken`, `tokenString`, `deviceTokens`, a bare `tokens`) except when it
     counts: a singular `token` with a count word (`token_count`, `tokenLimit`, `tokencount`) or a
     plural `tokens` with a count qualifier (`max_tokens`, `input_tokens`, `tokens_used`). A call
@@ -87,10 +92,13 @@ def secret_name(name: Any) -> bool:
 def _judge(text: str) -> bool:
     if SECRET_NAME_RE.search(text):
         return True
-    words = [word.lower() for word in _WORD_RE.findall(text)]
+    # a number ends the word before it (`pass1` is `pass`, `cvv2` is `cvv`)
+    words = [word.lower() for word in _WORD_RE.findall(text) if not word.isdigit()]
     last = len(words) - 1
     for i, word in enumerate(words):
-        if word in _SECRET_WORDS or word.startswith(_SECRET_PREFIXES) or (word == "pass" and i == last):
+        if word in _SECRET_WORDS or word.startswith(_SECRET_PREFIXES) or word.endswith("ssn"):
+            return True
+        if word.endswith("pass") and i == last and (word == "pass" or word[:-len("pass")] in _PASS_OWNERS):
             return True
         before = words[i - 1] if i else ""
         if word in ("key", "keys") and before in _KEY_QUALIFIERS or (before, word) in _SECRET_PAIRS:

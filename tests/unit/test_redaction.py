@@ -47,14 +47,18 @@ CAUGHT = ["token", "Token", "access_token", "refresh_token", "id_token", "sessio
           "deviceTokens", "push_tokens", "XCSRFToken", "basicAuth", "cardPin", "pinCode", "passCode", "customerSSN",
           "ssn_last4", "passcode", "device_passcode", "pwd", "security_code", "otp", "jwt", "cookie", "Set-Cookie",
           "access_key", "aws_access_key_id", "signing_key", "session_key", "social_security_number", "db_pass",
-          "userPass", "PASSWORD", "password_hash"]
+          "userPass", "PASSWORD", "password_hash",
+          # joined into one lowercase word, or with a number: caught by the rule before it went word by word
+          "newpassword", "oldpassword", "userpassword", "dbpassword", "USERPASSWORD", "privatekey", "PRIVATEKEY",
+          "userpass", "dbpass", "adminpass", "pass1", "pass2", "cvv2", "pass_key", "pass_hash", "customerssn"]
 #: kept: counts and limits of (LLM) tokens, and ordinary words that hold `auth` or `token`
 KEPT = ["max_tokens", "maxTokens", "input_tokens", "output_tokens", "inputTokens", "total_tokens", "prompt_tokens",
         "completion_tokens", "cache_read_input_tokens", "token_count", "tokenCount", "num_tokens", "tokens_used",
         "token_counts", "token_limit", "token_budget", "token_usage", "max_output_tokens", "author", "authority", "oauth_provider",
         "business_name", "businessName", "classname", "passengers", "passport", "passThrough", "bypassCache",
         "compassHeading", "passRate", "PASSENGER_COUNT", "PASSPORT_NO", "tokencount", "tokenlimit", "n_tokens",
-        "context_tokens", "thinking_tokens", "tokens_per_second", "key", "sort_key", "primary_key_column"]
+        "context_tokens", "thinking_tokens", "tokens_per_second", "key", "sort_key", "primary_key_column",
+        "bypass", "compass", "overpass", "boarding_pass_count", "pass_through"]
 
 
 @pytest.mark.parametrize("name", CAUGHT)
