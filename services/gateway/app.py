@@ -775,12 +775,14 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
+    # the hosts the shard count says exist: one that did not answer in time is reported down
+    expected = deps.router.host_names() if hasattr(deps.router, "host_names") else ()
     try:
-        # the hosts the shard count says exist: one that did not answer in time is reported down
-        expected = deps.router.host_names() if hasattr(deps.router, "host_names") else ()
-        deps.metrics.observe_hosts(await deps.router.stats(), expected=expected)
-    except Exception:  # noqa: BLE001 - metrics must render even when a host is down
-        log.warning("host_stats_unavailable")
+        stats = await deps.router.stats()
+    except Exception:  # noqa: BLE001 - metrics must render even when the stats read fails
+        log.warning("host_stats_unavailable", exc_info=True)
+        stats = []  # every expected host is then reported down, with its last values
+    deps.metrics.observe_hosts(stats, expected=expected)
     return web.Response(body=deps.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

@@ -88,12 +88,13 @@ class GatewayMetrics:
 
     def observe_hosts(self, stats: list[dict], expected: Iterable[str] = ()) -> None:
         """Set the per-host gauges from one scrape's host stats. A host `expected` (the shard
-        count says it exists) that did not answer keeps its last values, with `ce_host_up` 0: one
+        count says it exists) that did not answer keeps its last values, with `ce_host_up` 0 (also
+        one never seen, such as a host hung since this gateway started): one
         slow answer does not make its counters vanish and come back as resets. A host neither
         answering nor expected (retired by a scale-down) loses its label sets: Prometheus then
         marks its series stale instead of seeing its last values for ever."""
         answered = {s["host"] for s in stats}
-        silent = (set(expected) & self._hosts) - answered
+        silent = set(expected) - answered
         for host in silent:
             self.host_up.labels(host).set(0)
         hosts = answered | silent

@@ -319,6 +319,15 @@ async def test_metrics_render_when_the_hosts_are_down(gateway):
     assert r.status == 200 and 'ce_tool_calls_total{outcome="success",tool="check_order"} 1.0' in text
 
 
+async def test_expected_hosts_are_reported_down_when_the_stats_read_fails(gateway):
+    # the shard count says ce-host-0 and ce-host-1 exist; the stats read raised, and this gateway
+    # has never seen either answer: both are down, not absent (absent alerts on nothing)
+    client, router, _headers = gateway
+    router.host_names = lambda: ["ce-host-0", "ce-host-1"]  # type: ignore[attr-defined]
+    text = await (await client.get("/metrics")).text()
+    assert 'ce_host_up{host="ce-host-0"} 0.0' in text and 'ce_host_up{host="ce-host-1"} 0.0' in text
+
+
 async def test_the_tenant_comes_from_the_key_alone(gateway, pool):
     client, router, headers = gateway
     await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})

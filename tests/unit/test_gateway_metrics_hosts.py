@@ -64,3 +64,14 @@ def test_a_host_that_misses_one_scrape_keeps_its_series_and_is_reported_down():
     assert 'ce_host_up{host="ce-host-1"} 1.0' in metrics.render().decode()
     metrics.observe_hosts([_stats("ce-host-0", 7)], expected=["ce-host-0"])  # then retired by a scale-down
     assert "ce-host-1" not in metrics.render().decode()
+
+
+def test_an_expected_host_never_seen_is_reported_down():
+    # a gateway (re)started while ce-host-1 is hung: the shard count expects it, it never answered
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([_stats("ce-host-0", 1)], expected=["ce-host-0", "ce-host-1"])
+    text = metrics.render().decode()
+    assert 'ce_host_up{host="ce-host-1"} 0.0' in text and 'ce_host_up{host="ce-host-0"} 1.0' in text
+    assert 'ce_live_sessions{host="ce-host-1"}' not in text  # no values to keep: none are made up
+    metrics.observe_hosts([_stats("ce-host-0", 1), _stats("ce-host-1", 4)], expected=["ce-host-0", "ce-host-1"])
+    assert 'ce_live_sessions{host="ce-host-1"} 4.0' in metrics.render().decode()
