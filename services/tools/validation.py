@@ -7,7 +7,8 @@ a 422 for the tenant admin, never a crash in a contact's session.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import jsonschema
@@ -26,10 +27,29 @@ MAX_SCHEMA_DEPTH = 64
 #: it is used): a 2 KB schema whose `$defs` each use the one before twice unfolds to 2^n, and
 #: checking a call against it would hold the session host's loop for hours
 MAX_SCHEMA_EXPANSION = 10_000
+#: the keyword checks one value's check may run (about 0.4 s of the host's loop), plus
+#: CHECK_STEPS_PER_NODE for each object, list and scalar in the value (a long upstream result
+#: is checked whole): past it the check stops with an in-band problem. A schema that refers to
+#: itself twice per level (`allOf` of two `{"properties": {"a": {"$ref": "#"}}}`) doubles with
+#: each level of the value, which no count of the schema alone can see
+MAX_CHECK_STEPS = 100_000
+CHECK_STEPS_PER_NODE = 100
 #: keywords whose values are data, not schemas: never searched for refs or patterns
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+#: keywords whose values map names to schemas: the names are not keywords (a property may be
+#: called `default`, `enum` or `$ref`), the values are schemas
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas", "patternProperties"})
 
 _ENDLESS = "the arguments nest too deeply, or the schema refers to itself without end: they cannot be checked"
+_TOO_MUCH = ("checking the {subject} took more than {steps:,} steps, so it was stopped: the schema refers to "
+             "itself more than once per level, and each level of the value doubles the work; send a less deeply "
+             "nested value, or have the tool's schema refer to itself once per level")
+#: the steps left to the check running now (None outside ArgumentValidator.errors)
+_steps_left: ContextVar[list[int] | None] = ContextVar("schema_steps_left", default=None)
+
+
+class _TooMuchWork(Exception):
+    """A value's check ran past MAX_CHECK_STEPS keyword checks."""
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
 
@@ -73,10 +93,26 @@ def _pattern_properties(validator: Any, patterns: dict, instance: Any, schema: d
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
+def _counted(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    """`keyword`'s check, counted against the steps left to the check running now."""
+
+    def check(validator: Any, value: Any, instance: Any, schema: dict) -> Any:
+        left = _steps_left.get()
+        if left is not None:
+            left[0] -= 1
+            if left[0] < 0:
+                raise _TooMuchWork
+        return keyword(validator, value, instance, schema)
+
+    return check
+
+
 @functools.cache
 def _safe(cls: type) -> type:
-    """The dialect's validator with `pattern` and `patternProperties` matched by RE2."""
-    return jsonschema.validators.extend(cls, validators={"pattern": _pattern, "patternProperties": _pattern_properties})
+    """The dialect's validator with `pattern` and `patternProperties` matched by RE2, and every
+    keyword's check counted (MAX_CHECK_STEPS)."""
+    keywords = {**cls.VALIDATORS, "pattern": _pattern, "patternProperties": _pattern_properties}
+    return jsonschema.validators.extend(cls, validators={k: _counted(v) for k, v in keywords.items()})
 
 
 def _validator_class(schema: dict[str, Any]) -> type:
@@ -103,15 +139,34 @@ class ArgumentValidator:
     def errors(self, arguments: dict[str, Any]) -> list[str]:
         """Readable problems with `arguments`, most useful first; empty when valid. A schema
         stored before it was checked as now (a `$ref` that resolves nowhere, one that refers to
-        itself without end) is a problem here, never an exception."""
+        itself without end, one whose check would run past MAX_CHECK_STEPS) is a problem here,
+        never an exception."""
+        try:
+            steps = MAX_CHECK_STEPS + CHECK_STEPS_PER_NODE * _nodes(arguments)
+        except RecursionError:
+            return [_ENDLESS]
+        token = _steps_left.set([steps])
         try:
             found = sorted(self._validator.iter_errors(arguments), key=_error_rank)
         except RecursionError:
             return [_ENDLESS]
+        except _TooMuchWork:
+            return [_TOO_MUCH.format(subject=self._subject, steps=steps)]
         except referencing.exceptions.Unresolvable as exc:
             ref = _shown(str(getattr(exc, "ref", "")))
             return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
+        finally:
+            _steps_left.reset(token)
         return [_describe(error, self._sensitive, self._all_sensitive, self._subject) for error in found]
+
+
+def _nodes(value: Any) -> int:
+    """How many objects, lists and scalars `value` holds, itself included."""
+    if isinstance(value, dict):
+        return 1 + sum(_nodes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return 1 + sum(_nodes(item) for item in value)
+    return 1
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None:
@@ -188,6 +243,8 @@ def _expansion(schema: dict[str, Any], resolver: referencing.Resolver) -> int:
                 continue
             if keyword in ("$ref", "$dynamicRef") and isinstance(value, str):
                 total += cost(resolver.lookup(value).contents)
+            elif keyword in _SCHEMA_MAPS and isinstance(value, dict):
+                total += cost(list(value.values()))  # names, then schemas: a property called `default` counts
             else:
                 total += cost(value)
             if total > MAX_SCHEMA_EXPANSION:
@@ -200,13 +257,17 @@ def _expansion(schema: dict[str, Any], resolver: referencing.Resolver) -> int:
 
 
 def _schema_nodes(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict]]:
-    """Every object in a schema with its path, data keywords' values left out."""
+    """Every object in a schema with its path, data keywords' values left out. The values of a
+    name-to-schema map (`properties`) are schemas whatever their names (a property `default`)."""
     if depth > MAX_SCHEMA_DEPTH:
         raise InvalidInput(f"the schema nests too deeply (more than {MAX_SCHEMA_DEPTH} levels) - at `{path}`", path=path)
     if isinstance(node, dict):
         yield path, node
         for key, value in node.items():
-            if key not in _DATA_KEYWORDS:
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _schema_nodes(sub, f"{path}.{key}.{name}", depth + 2)
+            elif key not in _DATA_KEYWORDS:
                 yield from _schema_nodes(value, f"{path}.{key}", depth + 1)
     elif isinstance(node, list):
         for i, value in enumerate(node):

@@ -5,6 +5,7 @@ fails the test through `no_network`)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -210,6 +211,57 @@ def test_a_schema_whose_refs_unfold_past_the_budget_is_refused_when_saved():
         check_schema(_fanning(30))
     with pytest.raises(InvalidInput, match="unfold"):
         check_any_schema(_fanning(30), where="$.output_schema")
+
+
+@pytest.mark.parametrize("name", ["default", "enum", "const", "examples", "$defs", "definitions"])
+def test_a_property_named_like_a_keyword_is_still_counted_and_checked(name):
+    # before: the names under `properties` were read as keywords, so a property called `default`
+    # hid the 2^30 unfolding (and any pattern or $ref) beneath it from the checks on save
+    schema = _fanning(30)
+    schema["properties"] = {name: schema.pop("allOf")[0]}
+    with pytest.raises(InvalidInput, match="unfold"):
+        check_schema(schema)
+    with pytest.raises(InvalidInput, match=rf"RE2 syntax\) - at `\$.parameters.properties.{re.escape(name)}.pattern`"):
+        check_schema({"type": "object", "properties": {name: {"type": "string", "pattern": "(a)\\1"}}})
+    with pytest.raises(InvalidInput, match="does not resolve"):
+        check_schema({"type": "object", "properties": {name: {"$ref": "#/$defs/none"}}})
+
+
+def test_properties_named_after_keywords_are_accepted():
+    # a name is data under `properties`: `patternProperties` or `$ref` there is a property
+    schema = {"type": "object", "properties": {"patternProperties": {"type": "string"}, "$ref": {"type": "integer"}}}
+    check_schema(schema)
+    assert ArgumentValidator(schema).errors({"patternProperties": "x", "$ref": "y"}) == ["'$ref': 'y' is not of type 'integer'"]
+
+
+def _deep(levels: int) -> dict:
+    value: dict = {}
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_a_schema_that_refers_to_itself_twice_per_level_is_stopped_in_band():
+    # each level of the value doubles the work (2^64 steps at the 64 levels arguments may nest):
+    # no count of the schema sees it, so the check itself stops past its step budget
+    schema = {"type": "object", "allOf": [{"properties": {"a": {"$ref": "#"}}}, {"properties": {"a": {"$ref": "#"}}}]}
+    check_schema(schema)
+    validator = ArgumentValidator(schema)
+    assert validator.errors(_deep(6)) == []  # 2^6: cheap, checked
+    [problem] = validator.errors(_deep(40))
+    assert problem.startswith("checking the arguments took more than 104,100 steps") and "refers to itself" in problem
+    [problem] = ArgumentValidator(schema, subject="result").errors(_deep(40))
+    assert problem.startswith("checking the result took")
+
+
+def test_a_long_value_gets_steps_in_proportion_to_its_size():
+    # an upstream's long result is checked whole: the budget grows with the value, not only the schema
+    schema = {"type": "object", "properties": {"rows": {"type": "array", "items": {
+        "type": "object", "properties": {f"f{i}": {"type": "string", "minLength": 1} for i in range(10)}}}}}
+    rows = [{f"f{i}": "x" for i in range(10)} for _ in range(5_000)]  # ~270,000 keyword checks
+    assert ArgumentValidator(schema, subject="result").errors({"rows": rows}) == []
+    rows[-1]["f9"] = ""
+    assert ArgumentValidator(schema).errors({"rows": rows}) == ["'rows.4999.f9': '' should be non-empty"]
 
 
 def test_refs_used_a_few_times_and_recursive_schemas_are_accepted():
