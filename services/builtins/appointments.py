@@ -46,7 +46,9 @@ BOOK_HANDLER = "builtin.book_appointment"
 EVENT = "appointment.booked"
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 LIST_DAYS = 14  # how far ahead a listing looks
-MAX_AHEAD_DAYS = 366  # how far ahead a booking may be
+# how far ahead a booking may be: any slot on a local day up to today + MAX_AHEAD_DAYS (the last
+# bookable day, whole), so that a listing and a booking of that day agree
+MAX_AHEAD_DAYS = 366
 LIST_LIMIT = 12
 OFFER_LIMIT = 5
 _HHMM_RE = re.compile(r"^([01]\d|2[0-4]):([0-5]\d)\Z")
@@ -158,7 +160,13 @@ def service_from_body(name: str, body: dict[str, Any]) -> ServiceRecord:
 
     Raises InvalidInput naming the field: unknown fields, a duration outside 5..1440 minutes,
     an unknown IANA time zone, malformed opening hours, a name that is not 1-64 letters, digits,
-    spaces or . _ -."""
+    spaces or . _ -, or one that starts or ends with a space (the model's service names are
+    trimmed, so "haircut " could never be named)."""
+    if isinstance(name, str) and name != name.strip(" ") and _SERVICE_NAME_RE.match(name.strip(" ")):
+        where = "starts and ends" if name[0] == name[-1] == " " else ("starts" if name[0] == " " else "ends")
+        shown = name if len(name) <= 70 else clip(name, 70)  # clip would trim the very spaces at fault
+        raise InvalidInput(f"service name {shown!r} {where} with a space; name it {name.strip(' ')!r} "
+                           "(the assistant names services without surrounding spaces)")
     if not _SERVICE_NAME_RE.match(name or ""):
         raise InvalidInput(f"service name {clip(name, 70)!r} must be 1-64 letters, digits, spaces or . _ - "
                            "and start with a letter or digit")
@@ -355,7 +363,9 @@ class AppointmentService:
                 advice="Tell the customer you cannot book appointments here and offer another way to help.",
             )
         if wanted is not None:
-            folded = [s for s in services if s.name.lower() == wanted.lower()]
+            # trimmed on both sides: the admin routes refuse a name with surrounding spaces, but a
+            # service saved before they did ("haircut ") must still be found by its name
+            folded = [s for s in services if s.name.strip().lower() == wanted.lower()]
             if len(folded) == 1:
                 return Schedule(folded[0])
         if wanted is None and len(services) == 1:
@@ -369,7 +379,11 @@ class AppointmentService:
 
     async def _free(self, tenant_id: str, schedule: Schedule, *, first_day: date, days: int, limit: int,
                     after: datetime | None = None) -> list[datetime]:
-        """Free slots on `days` days from `first_day`, later than now (and than `after`)."""
+        """Free slots on `days` days from `first_day`, but none after the last bookable day (every
+        slot offered can be booked), later than now (and than `after`)."""
+        days = min(days, (self._bookable_days(schedule)[1] - first_day).days + 1)
+        if days <= 0:
+            return []
         after = max(self._now(), after) if after is not None else self._now()
         window_start = max(after, datetime.combine(first_day - timedelta(days=1), time(0), tzinfo=schedule.zone))
         window_end = datetime.combine(first_day + timedelta(days=days + 1), time(0), tzinfo=schedule.zone)
@@ -378,7 +392,8 @@ class AppointmentService:
         return schedule.free_slots(busy, after=after, first_day=first_day, days=days, limit=limit)
 
     def _bookable_days(self, schedule: Schedule) -> tuple[date, date]:
-        """The first and the last local day a booking may fall on (today to MAX_AHEAD_DAYS ahead)."""
+        """The first and the last local day a booking may fall on (today to MAX_AHEAD_DAYS ahead):
+        every slot of the last one is bookable, whatever the time of day now."""
         now = self._now()
         return schedule.local_day(now), schedule.local_day(now + timedelta(days=MAX_AHEAD_DAYS))
 
@@ -432,9 +447,16 @@ class AppointmentService:
             if not slots:
                 later = await self._free(ctx.tenant_id, schedule, first_day=day + timedelta(days=1),
                                          days=LIST_DAYS, limit=OFFER_LIMIT)
-                result["note"] = "no free slots that day" + ("; offer the next free slots" if later else "")
+                last = self._bookable_days(schedule)[1]
                 if later:
+                    result["note"] = "no free slots that day; offer the next free slots"
                     result["summary"] = "next free: " + schedule.describe(later)
+                elif day >= last:
+                    result["note"] = "no free slots that day, the last day that can be booked yet"
+                elif day + timedelta(days=LIST_DAYS) > last:  # the search stopped at the last bookable day
+                    result["note"] = f"no free slots that day nor on any day up to {last}, the last day that can be booked yet"
+                else:
+                    result["note"] = "no free slots that day"
                 result["free_slots"] = []
                 result["next_free_slots"] = [schedule.show(s) for s in later]
                 return result
@@ -471,7 +493,7 @@ class AppointmentService:
                 f"'start' {schedule.show(start)} is in the past",
                 advice=await self._offer(ctx, schedule, "Ask the customer for a later time"),
             )
-        if start > now + timedelta(days=MAX_AHEAD_DAYS):
+        if schedule.local_day(start) > self._bookable_days(schedule)[1]:
             raise self._far_off(schedule, "start", schedule.show(start), f"is more than {MAX_AHEAD_DAYS} days ahead")
         if not schedule.is_slot_start(start):
             raise InvalidArguments(
@@ -524,6 +546,10 @@ class AppointmentService:
         slots = await self._free(ctx.tenant_id, schedule, first_day=first, days=LIST_DAYS, limit=OFFER_LIMIT,
                                  after=near)
         if not slots:
+            last = self._bookable_days(schedule)[1]
+            if first + timedelta(days=LIST_DAYS) > last:  # the search stopped at the last bookable day
+                return (f"Tell the customer there are no free slots for {schedule.service.name} from {first} "
+                        f"to {last}, the last day that can be booked yet.")
             return f"Tell the customer there are no free slots for {schedule.service.name} in the next {LIST_DAYS} days."
         shown = ", ".join(schedule.show(s) for s in slots)
         return f"{lead_in}: {shown} ({schedule.service.timezone}); book the one they choose."

@@ -9,7 +9,10 @@ describes the form's fields so the model knows what to ask for.
 The answers (`data`) are `sensitive`: stored whole in ce_form_submissions for the tenant, shown
 as [redacted] in call records, traces and the dashboard. One submission of a form per message:
 the idempotency key names the form only, so a turn re-run after a crash, whose model words an
-answer differently, finds the row the first run wrote.
+answer differently, finds the row the first run wrote and stores nothing. Only a call with the
+same answers is told "submitted" then; one with other answers (a re-run's rewording, or a second
+person's form in the same message) is told in-band that they were not stored, so the model never
+says answers were submitted that were dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
 from services.tools.model import PythonTool
 from services.tools.validation import ArgumentValidator, check_schema
+from storage.pool import storable_text
 
 HANDLER = "builtin.submit_form"
 EVENT = "form.submitted"
@@ -113,7 +117,9 @@ class FormService:
 
     async def submit(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
         """The handler of submit_form. Returns the stored submission's id, or the form's fields
-        when `data` is absent. Raises InvalidArguments naming the form or the fields at fault."""
+        when `data` is absent. Raises InvalidArguments naming the form or the fields at fault,
+        PolicyDenied when this message already submitted the form with other answers (stored
+        once per message: these are not)."""
         name = str(args.get("form") or "").strip()
         form = await self._store.get(ctx.tenant_id, name) if name else None
         if form is None:
@@ -146,7 +152,37 @@ class FormService:
             ctx.tenant_id, ctx.session_id, form.name, data, idempotency_key=ctx.idempotency_key, announce=announce,
         )
         announce.done()
+        if not created and not same_answers(submission.data, data):
+            raise PolicyDenied(
+                f"form '{form.name}' was already submitted in this message, with other answers; "
+                "these answers were not stored",
+                advice=("If they are for another submission (say, another person), ask the customer to send "
+                        "them in a new message and call submit_form then; if they restate the earlier "
+                        "answers, tell the customer the form is already submitted."),
+            )
         if created and self._memory is not None:
             answers = ", ".join(f"{k}: {clip(str(v), 80)}" for k, v in list(data.items())[:10])
             await self._memory.remember_quietly(ctx, f"Submitted form {form.name}: {answers}")
         return {"submission_id": submission.id, "status": "submitted", "form": form.name}
+
+
+def same_answers(stored: Any, given: Any) -> bool:
+    """True when `given` (a call's answers) is what Postgres kept of `stored` (a submission's
+    JSONB `data`): equal once each string is as the pool's codec stores it (NUL and lone
+    surrogates replaced), numbers compared by value (JSONB gives 1e300 back as a 301-digit
+    integer), true and 1 told apart."""
+    if isinstance(stored, bool) or isinstance(given, bool):
+        return type(stored) is type(given) and stored == given
+    if isinstance(stored, int | float) and isinstance(given, int | float):
+        try:
+            return stored == given or float(stored) == float(given)
+        except OverflowError:  # an integer past float's range, compared exactly above
+            return False
+    if isinstance(stored, str) and isinstance(given, str):
+        return stored == storable_text(given)
+    if isinstance(stored, dict) and isinstance(given, dict):
+        given = {storable_text(k): v for k, v in given.items()}
+        return stored.keys() == given.keys() and all(same_answers(stored[k], given[k]) for k in stored)
+    if isinstance(stored, list) and isinstance(given, list | tuple):
+        return len(stored) == len(given) and all(same_answers(a, b) for a, b in zip(stored, given, strict=True))
+    return stored == given

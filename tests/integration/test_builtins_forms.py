@@ -174,9 +174,13 @@ async def test_a_turn_re_run_with_reworded_answers_stores_one_submission(pool, m
         data = {"email": "jane@example.com", "rooms": 3}
         first = await through_the_executor(svc, c, "toolu_1", {"form": "quote", "data": data})
         # the host died before the turn was stored: the retried message m1 runs it again, and the
-        # model words an answer differently this time
+        # model words an answer differently this time: nothing is stored twice, and the model is
+        # told the form was already submitted in this message (a second person's form in the same
+        # message looks the same, and must not be reported stored)
         again = await through_the_executor(svc, c, "toolu_7", {"form": "quote", "data": {**data, "service": "painting"}})
-        assert first.success and again.success and again.record.result == first.record.result
+        assert first.success and not again.success and "already submitted in this message" in again.content
+        same = await through_the_executor(svc, c, "toolu_8", {"form": "quote", "data": data})
+        assert same.success and same.record.result == first.record.result  # the same answers: the stored one
         assert [r.data for r in await svc.repos.forms.submissions(tenant.id, "quote")] == [data]
         # another form in the same message is another submission
         other = await through_the_executor(svc, c, "toolu_2", {"form": "callback", "data": data})
