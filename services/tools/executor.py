@@ -52,6 +52,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
+from services.tools.model import MAX_VALUE_DEPTH, is_protected, nests_deeper_than, protected_forms
 from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
@@ -65,7 +66,7 @@ DEFAULT_PROGRESS_AFTER_MS = 2_000
 RETRY_BASE_S = 0.1
 #: a call whose arguments nest deeper than this is refused in-band as it comes and its arguments
 #: are not kept (recording them, redacted at every depth, would run out of stack)
-MAX_ARGUMENT_DEPTH = 64
+MAX_ARGUMENT_DEPTH = MAX_VALUE_DEPTH
 _TOO_DEEP = {"_": f"the arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep and were not kept"}
 
 OnProgress = Callable[["PreparedCall", int, "str | None"], Awaitable[None]]
@@ -205,7 +206,7 @@ class Executor:
         in_batch: dict[str, int] = {}
         prepared = []
         for i, c in enumerate(calls):
-            if _deeper_than(c.arguments, MAX_ARGUMENT_DEPTH):
+            if nests_deeper_than(c.arguments, MAX_ARGUMENT_DEPTH):
                 p = PreparedCall(call=msgspec.structs.replace(c, arguments=_TOO_DEEP), arguments=dict(_TOO_DEEP),
                                  tool=catalog.get(c.name), error=InvalidArguments(
                                      f"the arguments nest more than {MAX_ARGUMENT_DEPTH} levels deep",
@@ -436,6 +437,18 @@ class Executor:
             # A handler returned something that cannot be JSON-encoded: a bug in the tool, in-band.
             log.exception("tool_result_unencodable", tool_name=d.name)
             return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), run_ms, queue_ms)
+        except RecursionError:
+            # A result nested past what encoding or redacting its record can walk (the webhook and
+            # MCP clients refuse those as they decode them; a handler in code may still return one).
+            # No traceback: it would be a thousand frames of the same line.
+            log.warning("tool_result_too_deep", tool_name=d.name)
+            return self._failed(prepared, ctx, ToolCrashed("the result nests too deeply to be read"), run_ms, queue_ms)
+        except Exception:
+            # Anything else building the outcome or its record: the call ran, so its turn must go on
+            # with an in-band failure (raised, it would end the turn, be recorded as interrupted
+            # and be met again on every retry of the message).
+            log.exception("tool_result_unrecordable", tool_name=d.name)
+            return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), run_ms, queue_ms)
 
     async def _attempts(self, tool: CompiledTool, args: dict[str, Any], ctx: TrustedContext, deadline: float) -> Any:
         """Call the handler; an idempotent read retries a retryable failure with exponential
@@ -608,7 +621,9 @@ def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, pr
     """Seed 001's overwrite semantics: protected keys never come from the model; trusted wins.
 
     Stripped at every depth: a nested `{"filter": {"account_id": ...}}` would otherwise reach a
-    JSON body, and a backend may read it there. Raises RecursionError for absurdly deep input."""
+    JSON body, and a backend may read it there; and in every spelling (`Account_ID`, `ACCOUNTID`,
+    `account-id`: services.tools.model.is_protected), which a case-insensitive backend reads as the
+    same key. Raises RecursionError for absurdly deep input."""
     clean = _without_keys(model_args, protected)
     return {**clean, **trusted_scope}
 
@@ -626,22 +641,18 @@ def declared_only(args: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any
 
 
 def _without_keys(value: Any, keys: frozenset[str]) -> Any:
+    """`value` without the `keys` at any depth, in every spelling of them `is_protected` accepts
+    (`Account_ID`, `TENANTID`, `account-id`): a backend that binds names case-insensitively reads
+    those as the protected key itself."""
+    return _without_forms(value, protected_forms(keys))
+
+
+def _without_forms(value: Any, forms: frozenset[str]) -> Any:
     if isinstance(value, dict):
-        return {k: _without_keys(v, keys) for k, v in value.items() if k not in keys}
+        return {k: _without_forms(v, forms) for k, v in value.items() if not is_protected(k, forms)}
     if isinstance(value, list):
-        return [_without_keys(v, keys) for v in value]
+        return [_without_forms(v, forms) for v in value]
     return value
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether `value` (a JSON value) nests more than `limit` levels, found without recursion."""
-    level: list[Any] = [value]
-    for _ in range(limit + 1):
-        level = [child for node in level
-                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())]
-        if not level:
-            return False
-    return True
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -11,7 +11,8 @@ Owns the rules, pure of I/O frameworks:
   server itself says it is destructive; everything else is `write`, so the executor holds it for
   approval like any other write tool. A `readOnlyHint` never lowers a tool to `read`;
 - results (`result_value`): structured content is the result (JSON for the model); otherwise the
-  text blocks are joined; an `isError` result is an in-band `McpToolFailed`;
+  text blocks are joined; an `isError` result is an in-band `McpToolFailed`, and structured
+  content nested more than `MAX_VALUE_DEPTH` levels an in-band `UpstreamMalformed`;
 - compilation (`compile_server_tools`): listed tools become `CompiledTool`s (origin `mcp`) whose
   handler calls the tool through an `McpConnector`, under the same executor pipeline as every
   other tool (gating, intents, breaker, approvals, limits, analytics);
@@ -37,8 +38,8 @@ import structlog
 
 from services.errors import InvalidInput
 from services.tools.context import TrustedContext
-from services.tools.errors import ToolError
-from services.tools.model import Mutability, ToolBase
+from services.tools.errors import ToolError, UpstreamMalformed
+from services.tools.model import MAX_VALUE_DEPTH, Mutability, ToolBase, nests_deeper_than
 from services.tools.registry import Catalog, CompiledTool
 from services.tools.validation import check_schema
 from storage.records import McpServerRecord
@@ -60,6 +61,8 @@ _UNSAFE_RE = re.compile(r"[^a-zA-Z0-9_-]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
 
 _FAILED_ADVICE = "Tell the customer you cannot complete this right now and offer another way to help."
+_TOO_DEEP_ADVICE = ("Tell the customer you cannot read the answer from the service right now; calling it again "
+                    "will not help until the business fixes what it returns.")
 
 
 class McpTool(ToolBase, tag="mcp"):
@@ -180,12 +183,19 @@ def _hints(tool: McpToolInfo) -> dict[str, bool]:
 def result_value(result: McpCallResult) -> Any:
     """What the model reads: the structured content when there is some, else the text joined
     (None for an empty result). Raises McpToolFailed for an `isError` result, carrying the
-    server's text (cleaned, cut to 300 characters)."""
+    server's text (cleaned, cut to 300 characters), and UpstreamMalformed for structured content
+    nested more than MAX_VALUE_DEPTH levels (the call record, redacted recursively, could not be
+    made of it; the SDK itself decodes some 200 levels)."""
     text = "\n".join(t for t in result.texts if t)
     if result.is_error:
         shown = _clip(_CONTROL_RE.sub(" ", text), 300) or "no details given"
         raise McpToolFailed(f"the tool reported an error: {shown}", advice=_FAILED_ADVICE)
     if result.structured is not msgspec.UNSET and result.structured is not None:
+        if nests_deeper_than(result.structured, MAX_VALUE_DEPTH):
+            raise UpstreamMalformed(
+                f"the tool's structured result nests more than {MAX_VALUE_DEPTH} levels deep, which is not read",
+                advice=_TOO_DEEP_ADVICE,
+            )
         return result.structured
     return text or None
 

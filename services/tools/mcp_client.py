@@ -60,6 +60,7 @@ from services.tools.ssrf import (
     blocked,
     check_destination,
 )
+from services.tools.webhook import idempotency_header
 
 log = structlog.get_logger(__name__)
 
@@ -262,7 +263,8 @@ class McpHttpClient:
     ) -> McpCallResult:
         """The result of `tools/call` for `name` (an `isError` result is returned, not raised).
 
-        `idempotency_key` (write tools) goes out as the `Idempotency-Key` header, as for webhooks.
+        `idempotency_key` (write tools) goes out as the `Idempotency-Key` header, as for webhooks
+        (`services.tools.webhook.idempotency_header`: as it is when printable ASCII, else percent-encoded).
 
         Raises DestinationBlocked (before any connection), UpstreamTimeout, UpstreamUnreachable,
         UpstreamTooLarge or UpstreamMalformed.
@@ -282,7 +284,9 @@ class McpHttpClient:
         if auth_header:
             headers["Authorization"] = auth_header
         if idempotency_key:
-            headers["Idempotency-Key"] = idempotency_key
+            # as a webhook's: the client's message id in it may hold any printable text, and
+            # httpx2 encodes header values as ASCII (it raised before anything was sent)
+            headers["Idempotency-Key"] = idempotency_header(idempotency_key)
         if self._ssl_context is None:
             self._ssl_context = httpx2.create_ssl_context(trust_env=False)
         transport = _PinnedTransport(backend, ssl_context=self._ssl_context, max_body_bytes=self._max_body_bytes,

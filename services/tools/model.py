@@ -2,11 +2,16 @@
 
 A definition is inert data. `services.tools.registry` compiles a published definition into a
 handler with a known compiler; nothing in a definition is ever evaluated as code.
+
+Also the rules every family's values share, so the executor, the schema the model is offered and
+the backends apply them alike: which argument names are protected (`is_protected`: compared
+case-insensitively, `_` and `-` ignored) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -20,6 +25,11 @@ PROTECTED_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId", "account_id
 #: each protected key (actors.session._scope). A tool's own `protected` names are not in it, so a
 #: URL hole named by one of those could never be filled (registration refuses it).
 TRUSTED_SCOPE_KEYS: frozenset[str] = PROTECTED_KEYS
+#: how deeply a tool's arguments or result may nest (objects and arrays): deeper is refused in-band
+#: as it comes (services.tools.executor for arguments; services.tools.webhook and
+#: services.tools.mcp for results). The call record redacts a value recursively, two stack frames a
+#: level: a 1 KB body 600 levels deep ran the turn out of stack. No real API's answer nests so deep.
+MAX_VALUE_DEPTH = 64
 
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}\Z")
 _TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
@@ -115,6 +125,37 @@ ToolDefinition = WebhookTool | BackendBindingTool | PythonTool | WorkflowTool | 
 tool_decoder = msgspec.json.Decoder(ToolDefinition)
 
 
+def protected_form(name: str) -> str:
+    """`name` as the protected-key checks compare it: case-folded, `_` and `-` left out. Backends
+    that bind JSON names case-insensitively (Go's encoding/json, ASP.NET Core's web defaults) or
+    that normalise separators read `Account_ID`, `ACCOUNTID` or `account-id` as `account_id`, so
+    every such spelling of a protected name is that name. casefold, not lower: Go folds the
+    Kelvin sign into `k` and the long s into `s`, and so does casefold."""
+    return name.casefold().replace("_", "").replace("-", "")
+
+
+def protected_forms(names: Iterable[str]) -> frozenset[str]:
+    """The `protected_form`s of `names`, for `is_protected`."""
+    return frozenset(protected_form(n) for n in names)
+
+
+def is_protected(name: Any, forms: frozenset[str]) -> bool:
+    """Whether `name` is a spelling of one of the names whose `protected_forms` are `forms`."""
+    return isinstance(name, str) and protected_form(name) in forms
+
+
+def nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` (a JSON value) nests more than `limit` levels of objects and arrays, found
+    without recursion (a value deep enough to matter would exhaust the stack of a recursive walk)."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())]
+        if not level:
+            return False
+    return True
+
+
 def template_holes(template: str) -> list[str]:
     """The `{param}` names of a URL or path template, in order."""
     return _TEMPLATE_HOLE_RE.findall(template)
@@ -122,8 +163,10 @@ def template_holes(template: str) -> list[str]:
 
 def unfillable_holes(holes: list[str], protected: frozenset[str]) -> list[str]:
     """The URL-template holes no call can fill: named by a protected name (`PROTECTED_KEYS` or
-    the tool's own `protected`), so never taken from the model, and not held by the trusted scope."""
-    return [h for h in holes if h in PROTECTED_KEYS | protected and h not in TRUSTED_SCOPE_KEYS]
+    the tool's own `protected`, in any spelling `is_protected` accepts), so never taken from the
+    model, and not held by the trusted scope (which holds the exact spellings only)."""
+    forms = protected_forms(PROTECTED_KEYS | protected)
+    return [h for h in holes if is_protected(h, forms) and h not in TRUSTED_SCOPE_KEYS]
 
 
 #: schema keywords whose values are data, not schemas: never searched for properties
@@ -131,42 +174,43 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 
 
 def model_facing_parameters(schema: dict[str, Any], protected: frozenset[str]) -> dict[str, Any]:
-    """`schema` as the model is offered it: every `protected` name left out of `properties`,
-    `required`, `dependentRequired` and `dependentSchemas`, at any depth (the executor strips them from the model's arguments at any depth,
-    so a model shown one would supply a value that is silently replaced or dropped). Returns
-    `schema` itself when it names no protected property, else a copy; never changes `schema`."""
-    shown = _without_protected(schema, protected)
+    """`schema` as the model is offered it: every `protected` name, in any spelling `is_protected`
+    accepts, left out of `properties`, `required`, `dependentRequired` and `dependentSchemas`, at
+    any depth (the executor strips them from the model's arguments at any depth, so a model shown
+    one would supply a value that is silently replaced or dropped). Returns `schema` itself when
+    it names no protected property, else a copy; never changes `schema`."""
+    shown = _without_protected(schema, protected_forms(protected))
     return schema if shown == schema else shown
 
 
-def _without_protected(node: Any, protected: frozenset[str]) -> Any:
+def _without_protected(node: Any, forms: frozenset[str]) -> Any:
     if isinstance(node, list):
-        return [_without_protected(item, protected) for item in node]
+        return [_without_protected(item, forms) for item in node]
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in ("properties", "dependentSchemas") and isinstance(value, dict):
             # a map of property name -> schema: its keys are names, never keywords
-            out[key] = {k: _without_protected(v, protected) for k, v in value.items() if k not in protected}
+            out[key] = {k: _without_protected(v, forms) for k, v in value.items() if not is_protected(k, forms)}
         elif key in ("$defs", "definitions") and isinstance(value, dict):
             # a map of definition name -> schema: a definition may be named like a keyword
-            out[key] = {k: _without_protected(v, protected) for k, v in value.items()}
+            out[key] = {k: _without_protected(v, forms) for k, v in value.items()}
         elif key == "dependentRequired" and isinstance(value, dict):
             # `{"a": ["account_id"]}`: the model cannot meet a dependency on a name it is not shown
-            kept_deps = {k: [n for n in v if n not in protected] if isinstance(v, list) else v
-                         for k, v in value.items() if k not in protected}
+            kept_deps = {k: [n for n in v if not is_protected(n, forms)] if isinstance(v, list) else v
+                         for k, v in value.items() if not is_protected(k, forms)}
             kept_deps = {k: v for k, v in kept_deps.items() if v != []}
             if kept_deps:
                 out[key] = kept_deps
         elif key == "required" and isinstance(value, list):
-            kept = [name for name in value if name not in protected]
+            kept = [name for name in value if not is_protected(name, forms)]
             if kept:
                 out[key] = kept
         elif key in _DATA_KEYWORDS:
             out[key] = value
         else:
-            out[key] = _without_protected(value, protected)
+            out[key] = _without_protected(value, forms)
     return out
 
 

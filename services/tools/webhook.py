@@ -7,6 +7,7 @@ Owns
 - the backend binding contract (`binding_arguments`, seed 001): `parameter_map` renames model
   arguments to backend names, protected keys are dropped, `scope` keys come from trusted context;
 - `WebhookToolBackend`: the registry's `ToolBackend` port (services.tools.registry) over the client;
+- `idempotency_header`: a write's idempotency key as a header can carry it (the MCP client's too);
 - `WebhookClient`: one aiohttp ClientSession per process. Every call is SSRF-checked
   (`services.tools.ssrf.check_destination`: host resolved once, every address checked), then
   connects only to the checked addresses through `_CheckedAddressResolver`; redirects are not
@@ -14,7 +15,8 @@ Owns
   runs under one deadline, so a server that drips bytes cannot hold the call open. A 2xx body has
   every credential the call sent (the decrypted `Authorization`, any header with a secret-looking
   name) replaced by [redacted] before it is decoded: an upstream that echoes its request headers
-  cannot hand the credential to the model, the call record or a log.
+  cannot hand the credential to the model, the call record or a log. A tool's 2xx body nested
+  more than `MAX_VALUE_DEPTH` levels is refused as malformed (its call record could not be made).
 
 Protected keys (tenant/account, a tool's own `protected`) reach a webhook only in the URL holes
 they name, with the trusted scope's value (`WebhookClient.call_webhook`).
@@ -34,6 +36,7 @@ import contextvars
 import errno
 import re
 import socket
+import string
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Self
@@ -58,7 +61,14 @@ from services.tools.errors import (
     UpstreamTooLarge,
     UpstreamUnreachable,
 )
-from services.tools.model import BackendBindingTool, WebhookTool
+from services.tools.model import (
+    MAX_VALUE_DEPTH,
+    BackendBindingTool,
+    WebhookTool,
+    is_protected,
+    nests_deeper_than,
+    protected_forms,
+)
 from services.tools.redaction import (
     scrub_bytes,
     scrub_text,
@@ -93,6 +103,9 @@ _LITERAL_SAFE = "/:@!$&'()*+,;=-._~%?"
 _DOT_SEGMENTS = frozenset({".", "..", "%2e", "%2e%2e", ".%2e", "%2e."})
 _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# an idempotency key sent as it is (`idempotency_header`); any other has these kept and the rest encoded
+_PLAIN_KEY_RE = re.compile(r"[\t\x20-\x7e]*\Z")
+_ENCODED_KEY_SAFE = "".join(c for c in string.punctuation if c != "%")
 _MIME_RE = re.compile(r"^[a-z0-9.+-]{1,40}/[a-z0-9.+-]{1,60}\Z")
 # headers a caller may not set: they would change framing, routing or the connection itself
 _FORBIDDEN_HEADERS = frozenset(
@@ -118,6 +131,10 @@ _TIMEOUT_ADVICE = (
     "Tell the customer you cannot retrieve this right now; they can try again in a few minutes."
 )
 _MALFORMED_ADVICE = "Tell the customer you cannot read the answer from the service right now."
+_TOO_DEEP_ADVICE = (
+    "Tell the customer you cannot read the answer from the service right now; calling it again will "
+    "not help until the business fixes what it returns."
+)
 _MISCONFIGURED_ADVICE = (
     "This is a configuration problem of the business, not a detail the customer can give: tell them "
     "this action is unavailable right now and offer another way to help."
@@ -269,18 +286,18 @@ def binding_arguments(
 ) -> dict[str, Any]:
     """The backend's arguments for a binding call, by backend name (seed 001).
 
-    Protected keys from the model are dropped (also when `parameter_map` would rename a model
-    argument onto one), `parameter_map` renames the rest, then every `scope` key is set from
-    `trusted_scope`, overwriting whatever the model sent. Raises PolicyDenied when the trusted
-    scope lacks a key the binding needs.
+    Protected keys from the model are dropped in any spelling (`is_protected`; also when
+    `parameter_map` would rename a model argument onto one), `parameter_map` renames the rest,
+    then every `scope` key is set from `trusted_scope`, overwriting whatever the model sent.
+    Raises PolicyDenied when the trusted scope lacks a key the binding needs.
     """
-    protected = tool.protected_keys
+    forms = protected_forms(tool.protected_keys)
     mapped: dict[str, Any] = {}
     for name, value in model_args.items():
-        if name in protected:
+        if is_protected(name, forms):
             continue
         backend_name = tool.parameter_map.get(name, name)
-        if backend_name in protected:
+        if is_protected(backend_name, forms):
             continue
         mapped[backend_name] = value
     for key in tool.scope:
@@ -505,17 +522,19 @@ class WebhookClient:
         `args` are the executor's prepared arguments (services.tools.executor.scoped_args): the
         model's protected keys were stripped at every depth and the trusted scope's values merged
         in, so a protected key in them holds the trusted value. That value fills a URL hole of its
-        name (`{account_id}`); protected keys are sent nowhere else. The auth header is decrypted
-        here, at call time, and sent as `Authorization`. The time limit is the tool's
+        name (`{account_id}`); protected keys, in any spelling (`is_protected`), are sent nowhere
+        else, and a hole named by another spelling (`{AccountId}`, which the trusted scope does
+        not hold) is the PolicyDenied below. The auth header is decrypted here, at call time,
+        and sent as `Authorization`. The time limit is the tool's
         `timeout_ms`, or `timeout_s` when that is shorter (the executor's remaining deadline).
         Raises as `call`, plus PolicyDenied when a protected hole has no trusted value (the tool
         is misconfigured: the customer cannot supply it) and ToolError when the stored auth header
         cannot be decrypted; errors carry `tool_name`.
         """
-        protected = tool.protected_keys
-        clean = {k: v for k, v in args.items() if k not in protected}
+        forms = protected_forms(tool.protected_keys)
+        clean = {k: v for k, v in args.items() if not is_protected(k, forms)}
         for hole in _HOLE_RE.findall(tool.webhook_url):
-            if hole not in protected:
+            if not is_protected(hole, forms):
                 continue
             if args.get(hole) is None:
                 raise PolicyDenied(
@@ -567,13 +586,25 @@ class WebhookClient:
         self, tool: WebhookTool | BackendBindingTool, url_template: str, args: Mapping[str, Any],
         headers: Mapping[str, str], timeout_s: float | None, idempotency_key: str | None,
     ) -> WebhookResponse:
-        """`call` for one tool: its method, its time budget, and its name on any error."""
+        """`call` for one tool: its method, its time budget, and its name on any error. Its 2xx
+        JSON is the tool's result: one nested more than MAX_VALUE_DEPTH levels is UpstreamMalformed
+        (the call record, redacted recursively, could not be made of it). Only here: a
+        notification's or a workflow start's answer is never read, so its depth does not matter."""
         try:
-            return await self.call(
+            response = await self.call(
                 url_template=url_template, method=tool.method, args=args, headers=headers,
                 timeout_s=_budget(tool.timeout_ms, timeout_s), idempotency_key=idempotency_key,
                 tool_name=tool.name,
             )
+            if nests_deeper_than(response.json, MAX_VALUE_DEPTH):
+                structlog.get_logger(__name__).info(
+                    "webhook_result_too_deep", tool_name=tool.name, limit=MAX_VALUE_DEPTH
+                )
+                raise UpstreamMalformed(
+                    f"upstream returned json nested more than {MAX_VALUE_DEPTH} levels deep, which is not read",
+                    advice=_TOO_DEEP_ADVICE,
+                )
+            return response
         except ToolError as error:
             error.tool_name = error.tool_name or tool.name
             raise
@@ -612,9 +643,9 @@ class WebhookClient:
             secret = name.lower() == "authorization" or secret_name(name)
             out[name] = _Redacted(value) if secret else value
         if idempotency_key is not None:
-            if _HEADER_VALUE_BAD_RE.search(idempotency_key) or not idempotency_key:
+            if not idempotency_key:
                 raise ToolError("idempotency key is invalid")
-            out["Idempotency-Key"] = idempotency_key
+            out["Idempotency-Key"] = idempotency_header(idempotency_key)
         if has_body:
             out["Content-Type"] = "application/json"
         return out
@@ -934,3 +965,20 @@ def _decode_json(raw: bytes, content_type: str) -> Any:
         ) from None
     except RecursionError:  # msgspec gives up past ~1,000 levels: a tool error like any bad body
         raise UpstreamMalformed("upstream returned json nested too deeply", advice=_MALFORMED_ADVICE) from None
+
+
+def idempotency_header(key: str) -> str:
+    """`key` as an `Idempotency-Key` header value, for webhooks, bindings and MCP servers alike.
+
+    A key of printable ASCII (tabs too) goes out as it is, byte for byte as it always has, so an
+    upstream that dedups on it still finds the keys it has seen. Any other key (the client's
+    message id may hold any printable text: `commande-é-1`) has every character but ASCII
+    letters, digits and punctuation, and `%` itself, percent-encoded as UTF-8
+    (`commande-%C3%A9-1`; a lone surrogate as its three bytes): a header carries ASCII only, and
+    the MCP client's HTTP stack refused anything else before sending. A control character, which
+    the gateway refuses in a message id, is encoded the same way rather than refused. Escaping `%`
+    keeps two encoded keys apart; a client whose own ASCII message id spells another's encoded
+    form can only collide with its own messages (the key's digest holds the tenant and session)."""
+    if _PLAIN_KEY_RE.match(key):
+        return key
+    return quote(key, safe=_ENCODED_KEY_SAFE, errors="surrogatepass")
