@@ -6,8 +6,10 @@ change as part of the next flush delta. The Ray shells in `actors.host` run it o
 
 Loop: at most MAX_ROUNDS model calls. Tools are offered in every round but the last, which is
 forced to text (`tool_choice="none"`), so the contact always gets a reply and a sixth round never
-happens. The main model answers the contact's message; the cheaper model writes the mechanical
-rounds that follow a tool result.
+happens. A round with no tool left to offer (used up, switched off, at a limit) whose history holds
+tool calls is forced to text the same way, with the history's tools defined: the Messages API
+refuses tool blocks in a request that defines no tools. The main model answers the contact's
+message; the cheaper model writes the mechanical rounds that follow a tool result.
 """
 
 from __future__ import annotations
@@ -34,16 +36,25 @@ from services.llm.port import (
     TextBlock,
     TextDelta,
     ToolResultBlock,
+    ToolSpec,
     ToolUseBlock,
     final_response,
 )
 from services.tools.context import TrustedContext
+from services.tools.errors import (
+    ApprovalDenied,
+    InvalidArguments,
+    PolicyDenied,
+    QueueTimeout,
+    UnknownTool,
+)
 from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
 from services.tools.toolset import (
     SessionToolState,
     breaker_open,
     build_tool_set,
     detect_intent,
+    gate_reason,
     tool_specs,
 )
 from services.tracing import tracer
@@ -76,7 +87,21 @@ HANDOFF_TOOL = "escalate_to_human"
 MARKER_HANDOFF_REASON = "the assistant asked for a human"
 HANDOFF_RECORD_S = 10.0  # how long a [[HANDOFF]] waits to record its handoff
 JOBS_KEY = "jobs"  # snapshot.extra: workflow jobs this session waits for
-CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session (per-session limits)
+CALLS_KEY = "calls"  # snapshot.extra: calls per tool this session that ran (per-session limits)
+#: how a call refused before its tool did anything ends (by the executor's checks or by the
+#: handler's own: bad arguments, not allowed, declined, a name no tool has, never out of the
+#: queue): it counts toward no call limit, and a made-up name is never kept in the snapshot. An
+#: interrupted call may have run: it counts
+NOT_RUN_KINDS = frozenset({
+    UnknownTool.kind, InvalidArguments.kind, PolicyDenied.kind, ApprovalDenied.kind, QueueTimeout.kind,
+})
+#: the tool a request defines, with use forbidden, when its history holds tool blocks, nothing
+#: may be offered and no tool that history names is in the catalog any more: the Messages API
+#: refuses a request whose messages hold tool_use or tool_result blocks and which defines no tools
+NO_TOOL_SPEC = ToolSpec(
+    name="no_tool_available", description="No tool may be used now: answer in text.",
+    input_schema={"type": "object", "properties": {}},
+)
 DECIDED_KEY = "decided"  # snapshot.extra: [approval id, message id] of the latest decided approvals
 DECIDED_KEPT = 32
 HANDED_OFF_REPLY = (
@@ -136,6 +161,9 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     #: approval was pending does not put the value in clear. None: held before these were kept;
     #: such a turn is redacted with the current definition's names, as it was
     tool_sensitive: list[list[str]] | None = None
+    #: calls per tool that ran in the held turn's rounds so far (`_Turn.ran`): the per-turn limits
+    #: after the decision count them. None: held before these were kept; every call counts then
+    ran: dict[str, int] | None = None
 
 
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,6 +242,9 @@ class SessionState:
         #: whole turns' changes not yet taken by a flush, one delta per turn, oldest first: kept
         #: apart so that a turn Postgres refuses for good takes none of the turns before it along
         self._sealed: list[SessionDelta] = []
+        #: the turns the latest flush took: written, unless it hands them back (`restore_turns`)
+        #: before the next take (a host runs one flush at a time)
+        self._taken: list[SessionDelta] = []
         self._attempted = 0  # leading turns of `_sealed` a failed flush held (their usage kept apart)
         #: turns sealed in this activation: the newest one's number (the host's gate counts by it)
         self.sealed_turns = 0
@@ -237,7 +268,7 @@ class SessionState:
         if not self._sealed:
             return None
         taken = SealedTurns(self._sealed, attempted=self._attempted, last=self.sealed_turns)
-        self._sealed, self._attempted = [], 0
+        self._taken, self._sealed, self._attempted = self._sealed, [], 0
         return taken
 
     def take_delta(self) -> SessionDelta | None:
@@ -250,6 +281,7 @@ class SessionState:
         usage rows stay as they were tried from now on (see SealedTurns.joined)."""
         self._sealed = taken.turns + self._sealed
         self._attempted = len(taken.turns)
+        self._taken = []  # unwritten again, in `_sealed`
 
     def restore_delta(self, delta: SessionDelta) -> None:
         """Put back one delta whose flush failed (as one turn), before anything newer."""
@@ -339,17 +371,39 @@ class SessionState:
         self.turns_complete = complete
 
     def cache_turn(self, message_id: str, response: dict[str, Any]) -> None:
-        """Keep an answer in the turn cache (its latest TURN_CACHE answers)."""
+        """Keep an answer in the turn cache: its latest TURN_CACHE answers, and every answer
+        whose turn is not written yet, however many. Evicted, an answer is looked up in Postgres
+        when its message id comes again (`turns_complete` False); an unwritten one is not there,
+        and its turn (and its tools) would run a second time.
+
+        Past TURN_CACHE, the cache holds one entry per unwritten turn beyond it, each the very
+        answer that turn's delta holds (TurnRecord.response) until a flush writes it: it grows with
+        the unwritten turns, by a dict slot each, and is back to TURN_CACHE at the first eviction
+        after they are written."""
         self.turns[message_id] = response
-        while len(self.turns) > TURN_CACHE:
-            self.turns.pop(next(iter(self.turns)))
-            self.turns_complete = False
+        if len(self.turns) <= TURN_CACHE:
+            return
+        kept = self._unwritten_turns()
+        kept.add(message_id)  # the answer just cached: a stored one read for a retry is about to be used
+        for cached in list(self.turns):  # oldest first
+            if len(self.turns) <= TURN_CACHE:
+                break
+            if cached not in kept:
+                del self.turns[cached]
+                self.turns_complete = False
+
+    def _unwritten_turns(self) -> set[str]:
+        """The message ids of the answers not written yet: sealed, taken by a flush that has not
+        settled, or of the turn in progress."""
+        ids = {t.message_id for d in (*self._taken, *self._sealed) for t in d.turns}
+        ids.update(t.message_id for t in self._turns)
+        return ids
 
     def remember_turn(self, message_id: str, reply: TurnReply) -> None:
         self.taken_jobs = []  # delivered with this answer (or held with it for approval)
         response = msgspec.to_builtins(reply)
-        self.cache_turn(message_id, response)
         self._turns.append(TurnRecord(message_id=message_id, response=response))
+        self.cache_turn(message_id, response)
         self._touch()
         self._seal()  # the last thing a turn does (finished, or held for approval)
 
@@ -374,6 +428,8 @@ class _Turn:
         self.rounds = 0
         self.text_parts: list[str] = []
         self.deliveries: list[dict[str, Any]] = []
+        #: calls per tool this turn that ran (NOT_RUN_KINDS do not count): per-turn limits
+        self.ran: dict[str, int] = {}
 
     def reply(self, state: SessionState, text: str, pending: PendingApproval | None = None) -> TurnReply:
         return TurnReply(
@@ -501,6 +557,7 @@ async def _handle_approval(
     turn.client_actions = list(pending.client_actions)
     turn.deliveries = list(pending.deliveries)  # the final answer replaces the held one, stored
     turn.rounds = pending.round
+    turn.ran = dict(pending.ran) if pending.ran is not None else _per_tool(pending.tool_calls)
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
     # The held batch against the catalog current now: what the approver was shown runs, or nothing.
@@ -623,16 +680,23 @@ async def _loop(
     final_text = ""
     for round_no in range(first_round, MAX_ROUNDS + 1):
         last = round_no == MAX_ROUNDS
-        offered = build_tool_set(env.config, intent, state.tool_state(), env.catalog)
+        offered = build_tool_set(env.config, intent, state.tool_state(turn.ran), env.catalog)
+        messages = _window(state.history)
+        tools, choice = tool_specs(offered), "none" if last else "auto"
+        if not offered and _has_tool_blocks(messages):
+            # The Messages API refuses tool_use/tool_result blocks in a request that defines no
+            # tools: the history's tools stay defined and the model may call none of them (a call
+            # made anyway is refused by the same gate that left them out of the offer).
+            tools, choice = _history_specs(messages, env.catalog, env.config), "none"
         request = LLMRequest(
             model=env.main_model if round_no == 1 else env.cheap_model,
             system=env.config.persona,
-            messages=_window(state.history),
-            tools=tool_specs(offered) if offered or _has_tool_blocks(state.history) else [],
-            tool_choice="none" if last else "auto",
+            messages=messages,
+            tools=tools,
+            tool_choice=choice,
         )
         with tracer().start_as_current_span("round", attributes={
-            "ce.round": round_no, "ce.model": request.model, "ce.tools_offered": len(request.tools),
+            "ce.round": round_no, "ce.model": request.model, "ce.tools_offered": len(offered),
         }) as span:
             try:
                 response = await _ask(env.llm, request, emit)
@@ -721,11 +785,9 @@ def _prepare(
     left out (its intent's filter included) is refused in-band, never run. `held_sensitive`: a
     held batch's `PendingTurn.tool_sensitive`, kept sensitive whatever the tools declare now."""
     executor: Executor = env.executor
-    turn_calls: dict[str, int] = {}
-    for summary in turn.tool_calls if turn is not None else ():
-        turn_calls[summary.name] = turn_calls.get(summary.name, 0) + 1
     return executor.prepare(
-        calls, catalog=env.catalog, config=env.config, session=state.tool_state(turn_calls),
+        calls, catalog=env.catalog, config=env.config,
+        session=state.tool_state(turn.ran if turn is not None else None),
         scope=_scope(state, env), intent=intent, held_sensitive=held_sensitive,
     )
 
@@ -791,9 +853,10 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
         state.record_call(o.record)
         summary = ToolCallSummary(id=o.call_id, name=o.name, success=o.success, latency_ms=o.latency_ms, error=o.error)
         turn.tool_calls.append(summary)
-        if o.error_kind != "policy_denied":
+        if o.success or o.error_kind not in NOT_RUN_KINDS:  # it ran: it counts toward the tool's limits
             counts = state.snapshot.extra.setdefault(CALLS_KEY, {})
             counts[o.name] = counts.get(o.name, 0) + 1
+            turn.ran[o.name] = turn.ran.get(o.name, 0) + 1
         if o.success:
             waiting = state.snapshot.extra.setdefault(JOBS_KEY, []) if o.job_id is not None else None
             if waiting is not None and o.job_id not in waiting:  # a turn run again finds its job
@@ -829,7 +892,7 @@ async def _hold(
         message_id=turn.message_id, calls=calls,
         round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
-        deliveries=turn.deliveries, intent=intent,
+        deliveries=turn.deliveries, intent=intent, ran=turn.ran,
         tool_versions=[p.tool.version if p.tool is not None else None for p in plan.calls],
         tool_sensitive=[sorted(p.sensitive) for p in plan.calls],
     )
@@ -917,8 +980,33 @@ def _window(history: list[ChatMessage]) -> list[ChatMessage]:
     return window[start:] or history[-1:]
 
 
-def _has_tool_blocks(history: list[ChatMessage]) -> bool:
-    return any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in history[-HISTORY_WINDOW:] for b in m.content)
+def _has_tool_blocks(messages: list[ChatMessage]) -> bool:
+    return any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in messages for b in m.content)
+
+
+def _history_specs(messages: list[ChatMessage], catalog: Any, config: BotConfig) -> list[ToolSpec]:
+    """For a request that must define tools but lets the model call none: the definitions of the
+    tools the messages' calls name, in the order first called, that the agent's configuration
+    offers (left out now only for what this session did: used up, switched off, at a limit), or
+    NO_TOOL_SPEC when there is none (removed since, hidden by the configuration, or a name the
+    model made up: a tool the model was never offered is not shown to it here either)."""
+    specs: dict[str, ToolSpec] = {}
+    fresh = SessionToolState()
+    for m in messages:
+        for b in m.content:
+            if isinstance(b, ToolUseBlock) and b.name not in specs:
+                tool = catalog.get(b.name)
+                if tool is not None and gate_reason(tool, config, fresh) is None:
+                    specs[b.name] = tool.spec
+    return list(specs.values()) or [NO_TOOL_SPEC]
+
+
+def _per_tool(calls: list[ToolCallSummary]) -> dict[str, int]:
+    """Calls per tool name."""
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c.name] = counts.get(c.name, 0) + 1
+    return counts
 
 
 def _to_chat(record: MessageRecord) -> ChatMessage:

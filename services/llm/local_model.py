@@ -9,7 +9,9 @@ the production client code. Any API key is accepted; none is checked or logged.
 
 A bad body is answered the way the real API answers it: HTTP 400 with
 `{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`, the message
-naming the offending field (`... - at $.messages[0].role`).
+naming the offending field (`... - at $.messages[0].role`). The API's rules on tool blocks are
+kept too: each tool_use answered by a tool_result in the next message, and none in a request that
+defines no tools.
 
 Fault knob, for reliability tests. A request header `x-ce-fault: <fault>`, or a line
 `/fault <fault>` in the last user message (so a test can reach the model through the gateway),
@@ -170,6 +172,12 @@ def decode_request(body: bytes) -> tuple[LLMRequest, bool]:
         names.add(tool.name)
         tools.append(
             ToolSpec(name=tool.name, description=tool.description, input_schema=tool.input_schema)
+        )
+    if not tools and any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in messages for b in m.content):
+        # The real API refuses this (400), whatever tool_choice says: a client that drops the
+        # tools once none may be used (a one-shot tool done, a limit reached) must fail here too.
+        raise InvalidRequest(
+            "requests which include `tool_use` or `tool_result` blocks must define tools - at $.tools"
         )
     system = wire.system if isinstance(wire.system, str) else "\n".join(b.text for b in wire.system)
     choice = "none" if wire.tool_choice is not None and wire.tool_choice.type == "none" else "auto"

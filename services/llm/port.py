@@ -57,7 +57,10 @@ class LLMRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     tools: list[ToolSpec] = []
     max_tokens: int = 1024
-    #: "none": tools stay defined (history holds tool_use blocks) but the model must answer in text
+    #: "none": tools stay defined (history holds tool_use blocks) but the model must answer in text.
+    #: The Messages API refuses (400) a request whose messages hold tool_use or tool_result blocks
+    #: and which defines no tools, whatever this says: such a request names tools even when none
+    #: may be used (the session then defines the history's, with "none")
     tool_choice: Literal["auto", "none"] = "auto"
 
 

@@ -1,8 +1,9 @@
 """Seed 000's `buildToolSet`: which tools the model is offered for this message.
 
 The model never sees a tool it cannot use: disabled tools, tools outside the agent allowlist,
-tools whose breaker is open and one-shot tools already completed this session are left out; when
-an intent is detected only its tools are offered. Nor does it see a protected argument
+tools whose breaker is open, one-shot tools already completed this session and tools at their
+per-message or per-conversation call limit are left out; when an intent is detected only its
+tools are offered. Nor does it see a protected argument
 (tenant/account keys, a tool's own `protected` names): the trusted scope supplies those.
 """
 
@@ -27,8 +28,10 @@ class SessionToolState(msgspec.Struct, frozen=True, kw_only=True):
 
     variables: Mapping[str, str] = {}
     breakers: Mapping[str, int] = {}  # tool name -> failures this session
-    calls: Mapping[str, int] = {}  # tool name -> calls this session (limits)
-    turn_calls: Mapping[str, int] = {}  # tool name -> calls in the current turn (limits)
+    #: tool name -> calls this session that ran (limits); a call refused before its tool did
+    #: anything (invalid arguments, not allowed, declined, never out of the queue) is not counted
+    calls: Mapping[str, int] = {}
+    turn_calls: Mapping[str, int] = {}  # tool name -> calls in the current turn that ran, as `calls`
 
 
 def breaker_open(breakers: Mapping[str, int], tool_name: str) -> bool:
@@ -78,6 +81,9 @@ def gate_reason(
         return "this assistant may not change records"
     if is_completed(tool, session.variables):
         return "this was already done in this conversation"
+    if d.max_calls_per_turn is not None and session.turn_calls.get(d.name, 0) >= d.max_calls_per_turn:
+        return (f"this tool was used as often as allowed for this message: at most {d.max_calls_per_turn} "
+                "call(s) per message")
     if d.max_calls_per_session is not None and session.calls.get(d.name, 0) >= d.max_calls_per_session:
         return "this tool was used as often as allowed in this conversation"
     if intent is not None:

@@ -32,7 +32,13 @@ from services.tools.errors import (
     UpstreamTimeout,
 )
 from services.tools.executor import Executor, ToolCall, scoped_args
-from services.tools.model import PROTECTED_KEYS, BackendBindingTool, PythonTool, is_protected, protected_forms
+from services.tools.model import (
+    PROTECTED_KEYS,
+    BackendBindingTool,
+    PythonTool,
+    is_protected,
+    protected_forms,
+)
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy, check_destination
 from services.tools.toolset import BREAKER_THRESHOLD, SessionToolState
@@ -344,8 +350,10 @@ async def _run_breaker_turns(turns: list[list[str]]) -> None:
         for round_no, (name, summary) in enumerate(zip(rounds, reply.tool_calls, strict=True)):
             offered = [t.name for t in llm.requests[round_no].tools]
             if counted >= BREAKER_THRESHOLD:
-                # open: not offered, not run, refused in-band without counting again
-                assert offered == [] and not summary.success, (turns, index, round_no)
+                # open: not offered (defined only for the history's calls, its use forbidden), not
+                # run, refused in-band without counting again
+                request = llm.requests[round_no]
+                assert (offered == [] or request.tool_choice == "none") and not summary.success, (turns, index, round_no)
                 assert "switched off" in (summary.error or "")
                 continue
             assert offered == ["flaky"], (turns, index, round_no, counted)

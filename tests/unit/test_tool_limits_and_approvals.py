@@ -93,7 +93,8 @@ async def test_the_per_session_limit_stops_calls_and_then_the_offer(reg):
     await handle_message(state, "a", "m1", env_for(llm, reg, [t]))
     llm = ScriptedLLM([[("lookup", {"q": "2"})], "ok"])
     reply = await handle_message(state, "b", "m2", env_for(llm, reg, [t]))
-    assert llm.requests[0].tools == [] and not reply.tool_calls[0].success
+    # the history holds the first turn's call, so the tool stays defined, its use forbidden
+    assert llm.requests[0].tool_choice == "none" and not reply.tool_calls[0].success
     assert "per conversation" in reply.tool_calls[0].error or "allowed" in reply.tool_calls[0].error
     assert len(reg.log) == 1
 
