@@ -386,7 +386,7 @@ class SessionHost:
             return None
         durable = self._mark_dirty(key)
         try:
-            await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
+            await self._until_durable(key, durable)
         except TimeoutError:
             raise Overloaded(
                 f"session {session_id!r} has changes that could not be saved yet (database "
@@ -511,17 +511,21 @@ class SessionHost:
                     raise _lease_lost(session_id)
                 # Also when clean but in flight: a replayed answer is released only once durable.
                 unsaved = entry.state.dirty or key in self._inflight
-                durable = self._mark_dirty(key) if unsaved else None
+                durable = None
+                if unsaved and self._settings.output_gate:
+                    durable = self._mark_dirty(key)
+                elif unsaved:  # no gate: nobody waits, so no future is left for the flush to resolve
+                    self._queue_flush(key)
                 upto = entry.state.sealed_turns  # the newest turn this reply reports
         finally:
             entry.lock.release()
         if evicted:  # passivated or taken over while we waited: activate again
             return await self._admitted_turn(tenant_id, session_id, run)
         gate_s = 0.0
-        if durable is not None and self._settings.output_gate:
+        if durable is not None:
             gated = time.perf_counter()
             try:
-                await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
+                await self._until_durable(key, durable)
             except TimeoutError:
                 raise Overloaded(
                     "the reply is ready but could not be saved yet (database unavailable); "
@@ -631,9 +635,34 @@ class SessionHost:
         turn it holds now is durable (failed if Postgres refuses one of them)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = self._sessions.get(key)
-        self._waiters.setdefault(key, []).append((entry.state.sealed_turns if entry else 0, future))
+        waiting = [w for w in self._waiters.get(key, ()) if not w[1].done()]  # given up: dropped
+        waiting.append((entry.state.sealed_turns if entry else 0, future))
+        self._waiters[key] = waiting
         self._queue_flush(key)
         return future
+
+    async def _until_durable(self, key: Key, durable: asyncio.Future[None]) -> None:
+        """Wait for a `_mark_dirty` future at most `gate_timeout_s`; raises TimeoutError then, or
+        what the future raises. A caller that gives up (timed out, or cancelled) cancels its own
+        future and takes it out of the session's waiters: while Postgres is away no flush
+        succeeds to clear them, and a client polling the session every second would otherwise
+        add one for good each time."""
+        try:
+            await asyncio.wait_for(asyncio.shield(durable), self._settings.gate_timeout_s)
+        except BaseException:
+            self._forget_waiter(key, durable)
+            raise
+
+    def _forget_waiter(self, key: Key, durable: asyncio.Future[None]) -> None:
+        """Drop one waiter nobody awaits any more. A flush running now holds its own list of the
+        waiters it took: a cancelled future is skipped there (resolved ones are `done`), and not
+        put back should that flush fail."""
+        durable.cancel()
+        waiting = [w for w in self._waiters.get(key, ()) if w[1] is not durable]
+        if waiting:
+            self._waiters[key] = waiting
+        else:
+            self._waiters.pop(key, None)
 
     def _queue_flush(self, key: Key) -> None:
         """Have the flusher write this session's sealed changes (no one waits for them)."""
@@ -757,7 +786,10 @@ class SessionHost:
             for entry, taken in deltas.values():
                 entry.state.restore_turns(taken)
             for key, fs in waiters.items():
-                self._waiters.setdefault(key, [])[:0] = fs
+                # not the ones given up on while this flush ran (`_forget_waiter`)
+                kept = [w for w in fs if not w[1].done()]
+                if kept:
+                    self._waiters.setdefault(key, [])[:0] = kept
             self._dirty |= keys
             raise
         finally:

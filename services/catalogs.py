@@ -33,6 +33,15 @@ log = structlog.get_logger(__name__)
 MAX_CACHED = 1024
 
 
+class _Load:
+    """One catalog load running; `stale` once its tenant was invalidated while it ran."""
+
+    __slots__ = ("stale",)
+
+    def __init__(self) -> None:
+        self.stale = False
+
+
 class TenantCatalogs:
     _mcp: Any = None  # services.tools.mcp.McpCatalogSource, set by attach_mcp
 
@@ -72,16 +81,25 @@ class TenantCatalogs:
         self._stamp = stamp if stamp is not None else getattr(tools, "catalog_stamp", None)
         self._cache: dict[str, tuple[TurnEnv, float, str | None]] = {}
         self._loading: dict[str, tuple[str | None, asyncio.Future[TurnEnv]]] = {}
-        self._generation = 0
+        # every load running now, per tenant (an entry only while one runs): an invalidate marks
+        # that tenant's loads stale, so what they read before the change is not cached; a load
+        # of another tenant is left alone (one counter for all let one tenant's MCP retry timer,
+        # every 10 s, keep every other tenant's loads out of the cache)
+        self._running: dict[str, list[_Load]] = {}
         self.reloads = 0
 
     def invalidate(self, tenant_id: str | None = None) -> None:
-        """Forget one tenant's environment (or all); the next turn reloads it."""
-        self._generation += 1
+        """Forget one tenant's environment (or all); the next turn reloads it, and a load of it
+        running now is not cached."""
         if tenant_id is None:
             self._cache.clear()
+            running: Iterable[list[_Load]] = self._running.values()
         else:
             self._cache.pop(tenant_id, None)
+            running = (self._running.get(tenant_id, []),)
+        for loads in running:
+            for load in loads:
+                load.stale = True
 
     async def env_for(self, tenant_id: str) -> TurnEnv:
         # Read first, on every turn: a stamp read that began before this turn arrived could miss
@@ -95,12 +113,13 @@ class TenantCatalogs:
             return await asyncio.shield(loading[1])
         future: asyncio.Future[TurnEnv] = asyncio.get_running_loop().create_future()
         self._loading[tenant_id] = (stamp, future)
-        generation = self._generation
+        load = _Load()
+        self._running.setdefault(tenant_id, []).append(load)
         try:
             # The rows are read after the stamp: a change committed in between makes the next
             # turn load once more, never keeps a stale catalog.
             env = await self._load(tenant_id)
-            if generation == self._generation:  # not invalidated while loading
+            if not load.stale:  # not invalidated while loading
                 self._remember(tenant_id, (env, time.monotonic() + self._ttl, stamp))
             future.set_result(env)
             return env
@@ -111,6 +130,11 @@ class TenantCatalogs:
         finally:
             if self._loading.get(tenant_id, (None, None))[1] is future:
                 del self._loading[tenant_id]
+            others = [other for other in self._running.get(tenant_id, []) if other is not load]
+            if others:
+                self._running[tenant_id] = others
+            else:
+                self._running.pop(tenant_id, None)
 
     def _remember(self, tenant_id: str, entry: tuple[TurnEnv, float, str | None]) -> None:
         """Cache an environment as the most recently loaded; past MAX_CACHED drop the oldest."""

@@ -19,10 +19,13 @@ from services.catalogs import TenantCatalogs
 from services.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.settings import Settings
-from services.tools.crypto import SecretBox
+from services.tools.context import TrustedContext
+from services.tools.crypto import SecretBox, SecretDecryptError
+from services.tools.errors import ToolError
 from services.tools.executor import Executor
 from services.tools.limiter import ResourceLimiter
-from services.tools.registry import HandlerRegistry
+from services.tools.model import BackendBindingTool, WebhookTool
+from services.tools.registry import HandlerRegistry, ToolBackend
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from services.workflows import WorkflowRunner
@@ -90,6 +93,44 @@ def _ray_unreachable(address: str, why: str) -> ConfigError:
     )
 
 
+#: why a binding call fails when the bot config's backend auth header cannot be opened: the
+#: tool-call record an admin reads says what to do, the advice what the model tells the contact
+BACKEND_HEADER_UNDECRYPTABLE = (
+    "the backend auth header of the bot config cannot be decrypted with the current secret keys "
+    "(CE_SECRET_KEY was rotated without the key it was saved under): an admin must enter "
+    "backend.auth_header in the bot config again"
+)
+BACKEND_HEADER_NO_KEYS = (
+    "the backend auth header of the bot config cannot be decrypted: no CE_SECRET_KEY is set on "
+    "this host; set the key it was saved under, or have an admin enter backend.auth_header in "
+    "the bot config again"
+)
+_BACKEND_CREDENTIALS_ADVICE = (
+    "Tell the customer you cannot access this right now; the business has to update its backend's "
+    "credentials."
+)
+
+
+class _BindingsWithoutCredentials:
+    """A ToolBackend whose bindings fail in-band (ToolError `reason`) because the backend's auth
+    header could not be opened; webhook tools, which carry their own headers, go through."""
+
+    def __init__(self, backend: WebhookToolBackend, reason: str) -> None:
+        self._backend = backend
+        self._reason = reason
+
+    async def call_webhook(
+        self, tool: WebhookTool, args: dict[str, Any], *, timeout_s: float, idempotency_key: str | None
+    ) -> Any:
+        return await self._backend.call_webhook(tool, args, timeout_s=timeout_s, idempotency_key=idempotency_key)
+
+    async def call_binding(
+        self, tool: BackendBindingTool, args: dict[str, Any], *, ctx: TrustedContext, timeout_s: float,
+        idempotency_key: str | None,
+    ) -> Any:
+        raise ToolError(self._reason, advice=_BACKEND_CREDENTIALS_ADVICE, tool_name=tool.name)
+
+
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -155,15 +196,31 @@ class Runtime:
             return none
         return install(self)
 
-    def _backend_for(self, config: BotConfig) -> WebhookToolBackend:
+    def _backend_for(self, config: BotConfig) -> ToolBackend:
+        """The tool backend of a tenant's catalog: its webhooks, and its bindings sent to the bot
+        config's backend with its auth header. Called while the catalog loads, so it never
+        raises: a header the keys cannot open (CE_SECRET_KEY rotated without the key it was
+        saved under) fails each binding call in-band, as a webhook tool's does; every other tool
+        of the tenant works."""
         headers: dict[str, str] = {}
         base_url = None
+        unopened: str | None = None
         if config.backend is not None:
             base_url = config.backend.base_url
-            if config.backend.auth_header_enc and self.secret_box is not None:
-                headers["Authorization"] = self.secret_box.decrypt(config.backend.auth_header_enc)
-        return WebhookToolBackend(self.webhooks, secret_box=self.secret_box,
-                                  binding_base_url=base_url, binding_headers=headers)
+            if config.backend.auth_header_enc:
+                if self.secret_box is None:
+                    unopened = BACKEND_HEADER_NO_KEYS
+                else:
+                    try:
+                        headers["Authorization"] = self.secret_box.decrypt(config.backend.auth_header_enc)
+                    except SecretDecryptError:
+                        unopened = BACKEND_HEADER_UNDECRYPTABLE
+        backend = WebhookToolBackend(self.webhooks, secret_box=self.secret_box,
+                                     binding_base_url=base_url, binding_headers=headers)
+        if unopened is None:
+            return backend
+        log.warning("backend_auth_header_undecryptable", keys_set=self.secret_box is not None)
+        return _BindingsWithoutCredentials(backend, unopened)
 
     async def contract_report(self, tenant_id: str) -> dict:
         """The tool-contract report against this process's running catalog."""

@@ -2,6 +2,13 @@
 
 The schema itself is checked when a definition is saved (`check_schema`), so a broken schema is
 a 422 for the tenant admin, never a crash in a contact's session.
+
+`format` is checked (not only an annotation) for every format JSON Schema 2020-12 defines, in
+any dialect (`_format_checker`; the checks of date-time, uri, hostname, duration... come with
+jsonschema's `format-nongpl` extra, a dependency of the project). A schema naming one of them
+that this host could not check is refused when saved. Any other format name (`phone`, or an MCP
+server's `binary`, `int64`, `password`) is an annotation, as JSON Schema says unknown formats
+are: it is not checked, unless the caller asks for checked formats only (`checked_formats_only`).
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import re2
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
+import structlog
 from jsonschema.exceptions import SchemaError, ValidationError
 
 from services.errors import InvalidInput
 from services.tools.redaction import secret_name
+
+log = structlog.get_logger(__name__)
 
 #: deeper than this a schema is refused when saved (and the checker's recursion never reached)
 MAX_SCHEMA_DEPTH = 64
@@ -39,6 +49,25 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 #: keywords whose values map names to schemas: the names are not keywords (a property may be
 #: called `default`, `enum` or `$ref`), the values are schemas
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas", "patternProperties"})
+#: keywords that name or find a schema resource: jsonschema and referencing call string methods
+#: on them (a `"$id": 5` was an AttributeError, a 500 for the admin), so they must be strings
+_STRING_KEYWORDS = ("$schema", "$id", "$anchor", "$dynamicAnchor", "$ref", "$dynamicRef", "$recursiveRef")
+#: dialects in which `id` (not `$id`) names a resource, and so must be a string too
+_LEGACY_ID_DIALECTS = frozenset({
+    "http://json-schema.org/draft-03/schema", "http://json-schema.org/draft-04/schema",
+})
+#: the formats JSON Schema 2020-12 defines (section 7.3 of its validation vocabulary): every one
+#: is checked in a value, whatever the schema's dialect; a schema naming one this host cannot
+#: check (an optional library missing) is refused when saved
+STANDARD_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex",
+})
+_UNCHECKABLE = ("the schema cannot be read, so the value cannot be checked: a keyword holds a value of a type it "
+                "cannot have; the business has to fix the schema")
+_UNREADABLE = ("the schema cannot be read: a keyword holds a value of a type it cannot have (look at `$schema`, "
+               "`$id`, `$anchor` and `$ref`, which must be strings) - at `{where}`")
 
 _ENDLESS = "the arguments nest too deeply, or the schema refers to itself without end: they cannot be checked"
 _TOO_MUCH = ("checking the {subject} took more than {steps:,} steps, so it was stopped: the schema refers to "
@@ -116,7 +145,31 @@ def _safe(cls: type) -> type:
 
 
 def _validator_class(schema: dict[str, Any]) -> type:
+    dialect = schema.get("$schema")
+    if not isinstance(dialect, str):  # refused on save; never a TypeError from the lookup here
+        return _safe(jsonschema.Draft202012Validator)
     return _safe(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
+
+
+def _dialect(schema: dict[str, Any]) -> str:
+    """The schema's `$schema` without its empty fragment ("" when there is none, or it is not a
+    string: that is refused on save)."""
+    dialect = schema.get("$schema")
+    return dialect.rstrip("#") if isinstance(dialect, str) else ""
+
+
+@functools.cache
+def _format_checker(cls: type) -> jsonschema.FormatChecker:
+    """The dialect's format checks, with 2020-12's for the formats the dialect does not define
+    (a draft-07 schema's `uuid`, `duration`): an older `$schema` does not turn checks off."""
+    checker = jsonschema.FormatChecker(())
+    checker.checkers = {**jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers, **cls.FORMAT_CHECKER.checkers}
+    return checker
+
+
+def checked_formats(schema: dict[str, Any] | None = None) -> frozenset[str]:
+    """The format names checked in values of `schema` (of a schema without `$schema` when None)."""
+    return frozenset(_format_checker(_validator_class(schema or {})).checkers)
 
 
 class ArgumentValidator:
@@ -130,8 +183,12 @@ class ArgumentValidator:
 
     def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset(),
                  all_sensitive: bool = False, subject: str = "arguments") -> None:
-        cls = _validator_class(schema)
-        self._validator = cls(schema, registry=NO_RETRIEVAL, format_checker=cls.FORMAT_CHECKER)
+        try:
+            cls = _validator_class(schema)
+            self._validator: Any = cls(schema, registry=NO_RETRIEVAL, format_checker=_format_checker(cls))
+        except Exception as exc:  # noqa: BLE001 - one stored before it was checked as now: `errors` says so
+            log.warning("schema_unreadable", error=type(exc).__name__)
+            self._validator = None
         self._sensitive = frozenset(sensitive)
         self._all_sensitive = all_sensitive
         self._subject = subject
@@ -139,8 +196,10 @@ class ArgumentValidator:
     def errors(self, arguments: dict[str, Any]) -> list[str]:
         """Readable problems with `arguments`, most useful first; empty when valid. A schema
         stored before it was checked as now (a `$ref` that resolves nowhere, one that refers to
-        itself without end, one whose check would run past MAX_CHECK_STEPS) is a problem here,
-        never an exception."""
+        itself without end, one whose check would run past MAX_CHECK_STEPS, a `$id` that is not
+        a string) is a problem here, never an exception."""
+        if self._validator is None:
+            return [_UNCHECKABLE]
         try:
             steps = MAX_CHECK_STEPS + CHECK_STEPS_PER_NODE * _nodes(arguments)
         except RecursionError:
@@ -155,6 +214,9 @@ class ArgumentValidator:
         except referencing.exceptions.Unresolvable as exc:
             ref = _shown(str(getattr(exc, "ref", "")))
             return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
+        except Exception as exc:  # noqa: BLE001 - a schema stored before it was checked as now
+            log.warning("schema_unreadable", error=type(exc).__name__)
+            return [_UNCHECKABLE]
         finally:
             _steps_left.reset(token)
         return [_describe(error, self._sensitive, self._all_sensitive, self._subject) for error in found]
@@ -169,31 +231,65 @@ def _nodes(value: Any) -> int:
     return 1
 
 
-def check_schema(schema: dict[str, Any], *, where: str = "$.parameters") -> None:
-    """Raise InvalidInput naming what is wrong when `schema` is not a usable object schema."""
+def check_schema(schema: dict[str, Any], *, where: str = "$.parameters", checked_formats_only: bool = False) -> None:
+    """Raise InvalidInput naming what is wrong when `schema` is not a usable object schema.
+    With `checked_formats_only` a `format` this engine does not check (`phone`) is refused too,
+    naming the ones it checks (otherwise it is an annotation, as JSON Schema says)."""
     if not isinstance(schema, dict) or schema.get("type") != "object":
         raise InvalidInput(f"parameters must be a JSON-schema object (\"type\": \"object\") - at `{where}`", path=where)
-    _check(schema, where)
+    _check(schema, where, checked_formats_only)
 
 
-def check_any_schema(schema: dict[str, Any], *, where: str) -> None:
-    """Raise InvalidInput when `schema` is not a valid JSON schema (of any type)."""
+def check_any_schema(schema: dict[str, Any], *, where: str, checked_formats_only: bool = False) -> None:
+    """Raise InvalidInput when `schema` is not a valid JSON schema (of any type); formats as
+    `check_schema`."""
     if not isinstance(schema, dict):
         raise InvalidInput(f"a JSON schema must be an object - at `{where}`", path=where)
-    _check(schema, where)
+    _check(schema, where, checked_formats_only)
 
 
-def _check(schema: dict[str, Any], where: str) -> None:
-    """The dialect's own check, then what this engine adds: bounded depth, `$ref`s that resolve
-    within the schema, patterns RE2 can run, no `patternProperties`."""
+def _check(schema: dict[str, Any], where: str, checked_formats_only: bool = False) -> None:
+    """`_check_readable`, and never an exception other than InvalidInput: jsonschema and
+    referencing assume what they read was checked (a hostile or odd schema could raise
+    AttributeError or TypeError from deep inside them, a 500 for the admin)."""
+    try:
+        _check_readable(schema, where, checked_formats_only)
+    except InvalidInput:
+        raise
+    except RecursionError:
+        raise InvalidInput(f"the schema nests too deeply - at `{where}`", path=where) from None
+    except Exception as exc:  # noqa: BLE001 - anything the checks above did not foresee is a 422
+        log.warning("schema_unreadable", error=type(exc).__name__, where=where)
+        raise InvalidInput(_UNREADABLE.format(where=where), path=where) from None
+
+
+def _check_readable(schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
+    """Bounded depth and resource keywords that are strings, the dialect's own check, then what
+    this engine adds: `$ref`s that resolve within the schema (to a schema), patterns RE2 can
+    run, no `patternProperties`, formats that are checked, a bounded unfolding of `$ref`s."""
+    nodes = list(_schema_nodes(schema, where, 0))
+    legacy_id = _dialect(schema) in _LEGACY_ID_DIALECTS
+    for path, node in nodes:  # before anything reads them: jsonschema and referencing would raise
+        _check_strings(node, path, legacy_id)
     cls = _validator_class(schema)
+    # the dialect's check before any `$ref` is looked up: finding an anchor (`#a`) walks every
+    # subschema, and one that is no schema (`"not": null`) is an AttributeError inside referencing
+    try:
+        cls.check_schema(schema)
+    except SchemaError as exc:
+        path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
+        raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
+    except RecursionError:
+        raise InvalidInput(f"the schema nests too deeply - at `{where}`", path=where) from None
     resolver = NO_RETRIEVAL.resolver_with_root(
         referencing.jsonschema.specification_with(
             schema.get("$schema", ""), default=referencing.jsonschema.DRAFT202012,
         ).create_resource(schema)
     )
-    for path, node in _schema_nodes(schema, where, 0):
+    checked = frozenset(_format_checker(cls).checkers)
+    for path, node in nodes:
         _check_node(node, path, resolver)
+        _check_format(node, path, checked, checked_formats_only)
     try:
         unfolded = _expansion(schema, resolver)
     except RecursionError:  # a chain of $refs longer than the checker could follow either
@@ -204,13 +300,6 @@ def _check(schema: dict[str, Any], where: str) -> None:
             f"another twice doubles it), so checking one value would stall the session; refer to each $def "
             f"fewer times, or write the schema out - at `{where}`", path=where,
         )
-    try:
-        cls.check_schema(schema)
-    except SchemaError as exc:
-        path = where + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in exc.absolute_path)
-        raise InvalidInput(f"invalid JSON schema: {exc.message} - at `{path}`", path=path) from None
-    except RecursionError:
-        raise InvalidInput(f"the schema nests too deeply - at `{where}`", path=where) from None
 
 
 def _expansion(schema: dict[str, Any], resolver: referencing.Resolver) -> int:
@@ -274,6 +363,33 @@ def _schema_nodes(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict]
             yield from _schema_nodes(value, f"{path}[{i}]", depth + 1)
 
 
+def _check_strings(node: dict, path: str, legacy_id: bool) -> None:
+    """Refuse a resource keyword (`$schema`, `$id`, `$ref`...; `id` in draft-03/04) whose value
+    is not a string."""
+    for keyword in (*_STRING_KEYWORDS, "id") if legacy_id else _STRING_KEYWORDS:
+        if keyword in node and not isinstance(node[keyword], str):
+            at = f"{path}.{keyword}"
+            raise InvalidInput(f"{keyword} must be a string (a URI or a fragment), not "
+                               f"{_shown(node[keyword])} - at `{at}`", path=at)
+
+
+def _check_format(node: dict, path: str, checked: frozenset[str], checked_only: bool) -> None:
+    """Refuse a `format` the engine cannot check: a standard one whose library is missing here
+    (values would pass unchecked while the schema says otherwise), or with `checked_only` any."""
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or fmt in checked:  # not a string: the dialect's own check says so
+        return
+    if fmt in STANDARD_FORMATS:
+        why = "is a standard format, but this host cannot check it (a library jsonschema needs is missing)"
+    elif checked_only:
+        why = "is not a format this engine checks; use a `pattern` for it"
+    else:
+        return
+    at = f"{path}.format"
+    raise InvalidInput(f"format {_shown(fmt)} {why}; the formats checked are {', '.join(sorted(checked))} "
+                       f"- at `{at}`", path=at)
+
+
 def _check_node(node: dict, path: str, resolver: referencing.Resolver) -> None:
     if "patternProperties" in node:
         raise InvalidInput(f"patternProperties is not supported in a tool's schema: list the properties, or give "
@@ -291,10 +407,15 @@ def _check_node(node: dict, path: str, resolver: referencing.Resolver) -> None:
             raise InvalidInput(f"{keyword} {_shown(ref)}: a $ref may only refer to this schema (\"#/$defs/...\"); "
                                f"nothing is fetched - at `{path}`", path=path)
         try:
-            resolver.lookup(ref)
-        except referencing.exceptions.Unresolvable:
+            target = resolver.lookup(ref).contents
+        except (referencing.exceptions.Unresolvable, LookupError, TypeError, ValueError):
+            # a pointer through a value that is no object or list (`#/a/0` with `"a": 5`) is a
+            # TypeError or ValueError inside referencing, not an Unresolvable
             raise InvalidInput(f"$ref {_shown(ref)} does not resolve to anything in this schema - at `{path}`",
                                path=path) from None
+        if not isinstance(target, dict | bool):
+            raise InvalidInput(f"$ref {_shown(ref)} resolves to {_shown(target)}, which is not a schema (an object "
+                               f"or true/false) - at `{path}`", path=path)
 
 
 def _shown(value: Any, limit: int = 60) -> str:
