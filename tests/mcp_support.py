@@ -105,25 +105,34 @@ class ShopMcpServer:
         return guarded
 
     def start(self) -> ShopMcpServer:
-        config = uvicorn.Config(self._app(), host=self.host, port=0, log_level="critical", lifespan="on")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="mcp-test-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the test MCP server did not start")
-            time.sleep(0.02)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.port = port
-        self.url = f"http://{self.host}:{port}/mcp"
+        self._server, self._thread, self.port = serve_in_thread(self._app(), self.host, "mcp-test-server")
+        self.url = f"http://{self.host}:{self.port}/mcp"
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        stop_served(self._server, self._thread)
 
     def called(self, tool: str) -> list[dict[str, Any]]:
         return [args for name, args in self.calls if name == tool]
+
+
+def serve_in_thread(app: Any, host: str, name: str) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """`app` served by uvicorn on `host` (a port the OS picks) in a daemon thread of its own,
+    once it listens: the server, its thread and the port."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="critical", lifespan="on"))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the test server {name} did not start")
+        time.sleep(0.02)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def stop_served(server: uvicorn.Server | None, thread: threading.Thread | None) -> None:
+    """Stop what `serve_in_thread` started (either may be None: never started)."""
+    if server is not None:
+        server.should_exit = True
+    if thread is not None:
+        thread.join(timeout=10)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -34,7 +33,7 @@ from services.tools.ssrf import DestinationPolicy
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from storage.records import McpServerRecord
-from tests.mcp_support import ShopMcpServer
+from tests.mcp_support import ShopMcpServer, serve_in_thread, stop_served
 from tests.net_fakes import LoopbackOnlySockets, MapResolver
 from tests.unit.test_session_loop import ScriptedLLM
 
@@ -199,23 +198,12 @@ class DeepMcpServer:
 
         app = mcp.streamable_http_app(host="127.0.0.2", transport_security=TransportSecuritySettings(
             enable_dns_rebinding_protection=True, allowed_hosts=["127.0.0.2:*"]))
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.2", port=0, log_level="critical",
-                                                     lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, name="deep-mcp-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the deep MCP server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.2:{self._server.servers[0].sockets[0].getsockname()[1]}/mcp"
+        self._server, self._thread, port = serve_in_thread(app, "127.0.0.2", "deep-mcp-server")
+        self.url = f"http://127.0.0.2:{port}/mcp"
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        stop_served(self._server, self._thread)
 
 
 @pytest.fixture(scope="module")
