@@ -3,9 +3,12 @@
 The cache is the TenantSource of the session hosts. A change to a tenant's tools or bot config is
 announced on Postgres's `ce_catalog` channel; every host process listens and drops that tenant's
 entry. A notification reaches a host a moment after the write commits, so a message sent right
-after the write can overtake it; to keep "live sessions see the change on their next message"
-true, every turn also compares its cached entry with the tenant's catalog stamp (one small
-indexed read) and reloads on a difference. A TTL bounds the staleness should both fail. At most
+after the write could overtake it. Writers close that gap by waiting until every listening
+process has acknowledged the change (services.catalog_sync): while `trusted()` says this process
+is one of them, a turn uses its cached entry as it is. Otherwise (the LISTEN connection is down,
+its beats do not reach Postgres, CE_CATALOG_CHECK=read, a process that does not listen), every
+turn compares its cached entry with the tenant's catalog stamp (one small indexed read) and
+reloads on a difference. A TTL bounds the staleness should both fail. At most
 MAX_CACHED tenants' environments are kept, the least recently loaded dropped first: a host sees
 many tenants over its life, and an environment holds a whole compiled catalog.
 """
@@ -79,6 +82,9 @@ class TenantCatalogs:
         # the ToolRepo's fingerprint of the tenant's tools, config and MCP servers (a `stamp`
         # given here must cover what its catalogs are built from); None: trust NOTIFY alone
         self._stamp = stamp if stamp is not None else getattr(tools, "catalog_stamp", None)
+        # True while writers wait for this process to drop a changed catalog (see the docstring)
+        self._trusted: Callable[[], bool] | None = None
+        self.stamp_reads = 0
         self._cache: dict[str, tuple[TurnEnv, float, str | None]] = {}
         self._loading: dict[str, tuple[str | None, asyncio.Future[TurnEnv]]] = {}
         # every load running now, per tenant (an entry only while one runs): an invalidate marks
@@ -88,23 +94,31 @@ class TenantCatalogs:
         self._running: dict[str, list[_Load]] = {}
         self.reloads = 0
 
+    def trust_while(self, trusted: Callable[[], bool]) -> None:
+        """Skip the per-turn stamp read while `trusted()` (services.catalog_sync.CatalogSync)."""
+        self._trusted = trusted
+
     def invalidate(self, tenant_id: str | None = None) -> None:
         """Forget one tenant's environment (or all); the next turn reloads it, and a load of it
         running now is not cached."""
+        # A load running now read the rows before the change: no later turn may join it either.
         if tenant_id is None:
             self._cache.clear()
+            self._loading.clear()
             running: Iterable[list[_Load]] = self._running.values()
         else:
             self._cache.pop(tenant_id, None)
+            self._loading.pop(tenant_id, None)
             running = (self._running.get(tenant_id, []),)
         for loads in running:
             for load in loads:
                 load.stale = True
 
     async def env_for(self, tenant_id: str) -> TurnEnv:
-        # Read first, on every turn: a stamp read that began before this turn arrived could miss
-        # a change committed just before it, so it is neither cached nor shared.
-        stamp = await self._current_stamp(tenant_id)
+        # Unless trusted, read first, on every turn: a stamp read that began before this turn
+        # arrived could miss a change committed just before it, so it is neither cached nor shared.
+        trusted = self._trusted is not None and self._trusted()
+        stamp = None if trusted else await self._current_stamp(tenant_id)
         cached = self._cache.get(tenant_id)
         if cached is not None and cached[1] > time.monotonic() and stamp in (None, cached[2]):
             return cached[0]
@@ -148,6 +162,7 @@ class TenantCatalogs:
         (then the NOTIFY and the TTL decide, as they did before stamps)."""
         if self._stamp is None:
             return None
+        self.stamp_reads += 1
         try:
             return await self._stamp(tenant_id)
         except Exception as exc:  # noqa: BLE001 - a missed check must not fail the turn

@@ -15,6 +15,7 @@ import structlog
 
 from services.approvals import approval_keys
 from services.botconfig import BotConfig
+from services.catalog_sync import CatalogSync
 from services.catalogs import TenantCatalogs
 from services.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
@@ -38,6 +39,7 @@ from storage.repos import (
     ToolRepo,
     listen_catalog,
 )
+from storage.repos.catalog_sync import fence_number
 from storage.repos.jobs import JobRepo
 
 log = structlog.get_logger(__name__)
@@ -136,6 +138,7 @@ class Runtime:
         self.settings = settings
         self.pool: Any = None
         self.listener: Any = None
+        self.catalog_sync: CatalogSync | None = None
         self.webhooks: WebhookClient | None = None
         self.light = False  # a dedicated session actor: background work kept small
         self._closing = False
@@ -173,8 +176,21 @@ class Runtime:
         )
         rt._install_mcp()
         if listen:
-            rt.listener = await listen_catalog(rt.pool, rt.tenants.invalidate, on_lost=rt._listener_lost)
+            # A dedicated session actor (light) reads the stamp every turn rather than beat on its
+            # own: there may be thousands of them.
+            if settings.catalog_check == "notify" and not light:
+                rt.catalog_sync = CatalogSync(rt.pool, rt.tenants.invalidate)
+                rt.tenants.trust_while(rt.catalog_sync.trusted)
+            rt.listener = await listen_catalog(rt.pool, rt._catalog_notified, on_lost=rt._listener_lost)
+            if rt.catalog_sync is not None:
+                rt.catalog_sync.listener_up(rt.listener.server_pid)
         return rt
+
+    def _catalog_notified(self, payload: str) -> None:
+        if self.catalog_sync is not None:
+            self.catalog_sync.notified(payload)
+        elif fence_number(payload) is None:  # a fence is for acknowledging listeners only
+            self.tenants.invalidate(payload)
 
     def _install_mcp(self) -> None:
         """MCP servers as a tool source: the same SSRF policy as webhooks (CE_WEBHOOK_ALLOW)."""
@@ -247,6 +263,8 @@ class Runtime:
         # Notifications sent while the connection was down are lost: forget every cached
         # catalog, then subscribe again (Postgres may be restarting: back off until it is back).
         log.warning("catalog_listener_lost")
+        if self.catalog_sync is not None:
+            self.catalog_sync.listener_lost()
         self.tenants.invalidate()
         if not self._closing:
             self._resubscribe = asyncio.get_running_loop().create_task(self._listen_again())
@@ -259,8 +277,10 @@ class Runtime:
                 old, self.listener = self.listener, None
                 if old is not None:
                     await old.close()
-                self.listener = await listen_catalog(self.pool, self.tenants.invalidate, on_lost=self._listener_lost)
+                self.listener = await listen_catalog(self.pool, self._catalog_notified, on_lost=self._listener_lost)
                 self.tenants.invalidate()  # anything changed while we were deaf
+                if self.catalog_sync is not None:
+                    self.catalog_sync.listener_up(self.listener.server_pid)
                 log.info("catalog_listener_restored")
                 return
             except Exception as exc:  # noqa: BLE001 - Postgres still away: try again later
@@ -269,6 +289,8 @@ class Runtime:
 
     async def close(self) -> None:
         self._closing = True
+        if self.catalog_sync is not None:
+            await self.catalog_sync.close()
         if self.listener is not None:
             await self.listener.close()
         if getattr(self, "workflows", None) is not None:

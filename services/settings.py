@@ -22,6 +22,8 @@ from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, check_app
 from services.errors import ConfigError, InvalidInput
 
 Placement = Literal["sharded", "dedicated"]
+#: how a turn knows its cached catalog is current (CE_CATALOG_CHECK; see services.catalogs)
+CatalogCheck = Literal["notify", "read"]
 
 #: CE_LOG_LEVEL's accepted values (structlog's filtering levels)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -61,6 +63,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
     host_max_sessions: int = 10_000  # live sessions per host; beyond, the least recently used passivate
     host_lane: bool = True  # gateways send turns to shard hosts over their lane, not Ray's task path
+    catalog_check: CatalogCheck = "notify"  # "read": every turn reads its tenant's catalog stamp
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -150,6 +153,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             host_max_inflight=_int(get, "CE_HOST_MAX_INFLIGHT", 256, minimum=1),
             host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
             host_lane=_switch(get, "CE_HOST_LANE", True),
+            catalog_check=_catalog_check(get),
             log_format=log_format,  # type: ignore[arg-type]
             log_level=log_level,
         )
@@ -157,6 +161,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir)
+
+
+def _catalog_check(get) -> CatalogCheck:
+    value = (get("CE_CATALOG_CHECK") or "notify").lower()
+    if value not in ("notify", "read"):
+        raise ConfigError(
+            f"CE_CATALOG_CHECK must be 'notify' (writers wait for the hosts' acknowledgement) or 'read' "
+            f"(every turn reads the catalog stamp), got {get('CE_CATALOG_CHECK')!r}",
+            variable="CE_CATALOG_CHECK",
+        )
+    return value  # type: ignore[return-value]
 
 
 def _is_tty() -> bool:

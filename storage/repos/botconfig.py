@@ -13,6 +13,7 @@ import asyncpg
 
 from services.errors import InvalidInput
 from storage.errors import translate
+from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 
 
 class BotConfigRepo:
@@ -38,4 +39,5 @@ class BotConfigRepo:
                     "ON CONFLICT (tenant_id) DO UPDATE SET config = EXCLUDED.config, updated_at = now()",
                     tenant_id, config,
                 )
-                await conn.execute("SELECT pg_notify('ce_catalog', $1)", tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)

@@ -28,6 +28,7 @@ from services.errors import ChatEngineError, NotFound
 from storage.errors import translate
 from storage.pool import storable_text as _text
 from storage.records import session_uid
+from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.notifications import NewNotification, NotificationRepo, insert_notification
 
 # ------------------------------------------------------------------------------------ records
@@ -326,14 +327,18 @@ class FormRepo:
         self._pool = pool
 
     async def put(self, tenant_id: str, name: str, schema: dict[str, Any]) -> FormRecord:
-        """Create or replace the form `name` (its JSON schema)."""
+        """Create or replace the form `name` (its JSON schema). Announced as a catalog change:
+        the first form adds submit_form to the tenant's catalog."""
         with translate("saving a form"):
-            row = await self._pool.fetchrow(
-                "INSERT INTO ce_forms (tenant_id, name, schema) VALUES ($1, $2, $3) "
-                "ON CONFLICT (tenant_id, name) DO UPDATE SET schema = EXCLUDED.schema, updated_at = now() "
-                "RETURNING name, schema, created_at, updated_at",
-                tenant_id, name, schema,
-            )
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "INSERT INTO ce_forms (tenant_id, name, schema) VALUES ($1, $2, $3) "
+                    "ON CONFLICT (tenant_id, name) DO UPDATE SET schema = EXCLUDED.schema, updated_at = now() "
+                    "RETURNING name, schema, created_at, updated_at",
+                    tenant_id, name, schema,
+                )
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return FormRecord(**dict(row))
 
     async def get(self, tenant_id: str, name: str) -> FormRecord | None:
@@ -355,11 +360,15 @@ class FormRepo:
     async def delete(self, tenant_id: str, name: str) -> None:
         """Remove the form (its submissions stay). Raises NotFound."""
         with translate("deleting a form"):
-            done = await self._pool.fetchval(
-                "DELETE FROM ce_forms WHERE tenant_id = $1 AND name = $2 RETURNING true", tenant_id, _text(name)
-            )
+            async with self._pool.acquire() as conn, conn.transaction():
+                done = await conn.fetchval(
+                    "DELETE FROM ce_forms WHERE tenant_id = $1 AND name = $2 RETURNING true", tenant_id, _text(name)
+                )
+                if done:
+                    await conn.execute(NOTIFY_CHANGE, tenant_id)
         if not done:
             raise NotFound(f"form {name!r} does not exist for this tenant", kind="form", key=name)
+        await announce_change(self._pool)
 
     async def submit(
         self, tenant_id: str, session_id: str | None, form_name: str, data: dict[str, Any],
@@ -413,15 +422,19 @@ class AppointmentRepo:
         self._pool = pool
 
     async def put_service(self, tenant_id: str, service: ServiceRecord) -> ServiceRecord:
-        """Create or replace a bookable service."""
+        """Create or replace a bookable service. Announced as a catalog change: the first service
+        adds the booking tools to the tenant's catalog."""
         with translate("saving an appointment service"):
-            await self._pool.execute(
-                "INSERT INTO ce_appointment_services (tenant_id, name, duration_minutes, timezone, opening_hours) "
-                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, name) DO UPDATE SET "
-                "duration_minutes = EXCLUDED.duration_minutes, timezone = EXCLUDED.timezone, "
-                "opening_hours = EXCLUDED.opening_hours, updated_at = now()",
-                tenant_id, service.name, service.duration_minutes, service.timezone, service.opening_hours,
-            )
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(
+                    "INSERT INTO ce_appointment_services (tenant_id, name, duration_minutes, timezone, opening_hours) "
+                    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, name) DO UPDATE SET "
+                    "duration_minutes = EXCLUDED.duration_minutes, timezone = EXCLUDED.timezone, "
+                    "opening_hours = EXCLUDED.opening_hours, updated_at = now()",
+                    tenant_id, service.name, service.duration_minutes, service.timezone, service.opening_hours,
+                )
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return service
 
     async def get_service(self, tenant_id: str, name: str) -> ServiceRecord | None:
@@ -445,13 +458,17 @@ class AppointmentRepo:
     async def delete_service(self, tenant_id: str, name: str) -> None:
         """Remove a service (its bookings stay). Raises NotFound."""
         with translate("deleting an appointment service"):
-            done = await self._pool.fetchval(
-                "DELETE FROM ce_appointment_services WHERE tenant_id = $1 AND name = $2 RETURNING true",
-                tenant_id, _text(name),
-            )
+            async with self._pool.acquire() as conn, conn.transaction():
+                done = await conn.fetchval(
+                    "DELETE FROM ce_appointment_services WHERE tenant_id = $1 AND name = $2 RETURNING true",
+                    tenant_id, _text(name),
+                )
+                if done:
+                    await conn.execute(NOTIFY_CHANGE, tenant_id)
         if not done:
             raise NotFound(f"appointment service {name!r} does not exist for this tenant",
                            kind="appointment_service", key=name)
+        await announce_change(self._pool)
 
     async def busy(self, tenant_id: str, service: str, start: datetime, end: datetime) -> list[tuple[datetime, datetime]]:
         """(starts_at, ends_at) of the service's bookings overlapping [start, end), in order."""

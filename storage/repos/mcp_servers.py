@@ -17,9 +17,8 @@ import asyncpg
 from services.errors import InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import McpServerRecord
+from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.quotas import TenantCap, claim_slot
-
-_NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
 
 #: The most MCP servers (enabled or not) a tenant may register. Every catalog load on every
 #: session host holding one of the tenant's sessions lists all its enabled servers at once, one
@@ -84,7 +83,8 @@ class McpServerRepo:
                     f"VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING {_COLUMNS}",
                     record.tenant_id, record.name, *_params(record),
                 )
-                await conn.execute(_NOTIFY, record.tenant_id)
+                await conn.execute(NOTIFY_CHANGE, record.tenant_id)
+        await announce_change(self._pool)
         return _record(row)
 
     async def get(self, tenant_id: str, name: str) -> McpServerRecord:
@@ -141,7 +141,8 @@ class McpServerRepo:
                 )
                 if row is None:
                     raise _not_found(name)
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return _record(row)
 
     async def delete(self, tenant_id: str, name: str) -> None:
@@ -153,5 +154,6 @@ class McpServerRepo:
                 )
                 if not gone:
                     raise _not_found(name)
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
 

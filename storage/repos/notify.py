@@ -35,6 +35,11 @@ class ChannelListener:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 
+    @property
+    def server_pid(self) -> int:
+        """The Postgres server process of the LISTEN connection."""
+        return self._conn.get_server_pid()
+
     # asyncpg runs these in the context the connection was opened in: often a turn's, with its
     # tenant and session bound for the log lines. Each runs in an empty context instead, and so
     # do the tasks it starts, so that nothing they log carries a stranger's ids.

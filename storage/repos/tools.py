@@ -21,11 +21,11 @@ import asyncpg
 from services.errors import InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import PublishedTool, ToolVersion
+from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.notify import ChannelListener, listen
 from storage.repos.quotas import TenantCap, claim_slot
 
 CATALOG_CHANNEL = "ce_catalog"
-_NOTIFY = "SELECT pg_notify('ce_catalog', $1)"
 
 #: The most live tools (enabled or not) a tenant may have; their versions and the history of
 #: deleted tools do not count. Every live tool is compiled into the tenant's catalog on each
@@ -146,7 +146,8 @@ class ToolRepo:
                     str(uuid.uuid4()), tenant_id, name, *cols, type, version, d,
                 )
                 row = await _insert_version(conn, tenant_id, name, version, d)
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return _version(row, published=True)
 
     async def new_version(
@@ -178,7 +179,9 @@ class ToolRepo:
                         "WHERE tenant_id = $1 AND name = $2",
                         tenant_id, name, *cols, type_, version, d,
                     )
-                    await conn.execute(_NOTIFY, tenant_id)
+                    await conn.execute(NOTIFY_CHANGE, tenant_id)
+        if publish:
+            await announce_change(self._pool)
         return _version(row, published=publish)
 
     async def publish(self, tenant_id: str, name: str, version: int) -> PublishedTool:
@@ -217,7 +220,8 @@ class ToolRepo:
                     f"WHERE tenant_id = $1 AND name = $2 RETURNING {_LIVE_COLUMNS}",
                     tenant_id, name, *cols, type_, version, d,
                 )
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return _published(row)
 
     async def list_published(self, tenant_id: str) -> list[PublishedTool]:
@@ -268,7 +272,8 @@ class ToolRepo:
                 )
                 if not gone:
                     raise _not_found(name)
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
 
     async def catalog_stamp(self, tenant_id: str) -> str:
         """A fingerprint of everything a tenant's catalog is built from: its live tools (name,
@@ -291,7 +296,8 @@ class ToolRepo:
                 )
                 if row is None:
                     raise _not_found(name)
-                await conn.execute(_NOTIFY, tenant_id)
+                await conn.execute(NOTIFY_CHANGE, tenant_id)
+        await announce_change(self._pool)
         return _published(row)
 
 

@@ -10,6 +10,7 @@ import pytest
 from services.errors import Conflict, InvalidInput, NotFound
 from storage.records import McpServerRecord
 from storage.repos import ToolRepo, listen_catalog
+from storage.repos.catalog_sync import fence_number
 from storage.repos.mcp_servers import McpServerRepo
 
 
@@ -71,8 +72,9 @@ async def test_every_change_moves_the_catalog_stamp_and_is_announced(pool, make_
         stamps.append(await stamp(tenant.id))
         await repo.delete(tenant.id, "shop")
         stamps.append(await stamp(tenant.id))
-        got = [await asyncio.wait_for(received.get(), 5) for _ in range(3)]
-        assert got == [tenant.id] * 3
+        got = [await asyncio.wait_for(received.get(), 5) for _ in range(6)]
+        assert got[::2] == [tenant.id] * 3
+        assert all(fence_number(payload) is not None for payload in got[1::2])  # each change's fence
         assert len(set(stamps[:3])) == 3 and stamps[3] == stamps[0]  # back to none registered
     finally:
         await listener.close()

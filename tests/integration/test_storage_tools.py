@@ -8,6 +8,7 @@ import pytest
 
 from services.errors import Conflict, InvalidInput, NotFound
 from storage.repos import ToolRepo, listen_catalog
+from storage.repos.catalog_sync import fence_number
 
 CHECK_ORDER = {
     "description": "Look up a customer order by order number.",
@@ -137,8 +138,8 @@ async def test_every_change_notifies_the_catalog_channel_after_commit(tools, poo
     other, _ = await make_tenant()
     received: asyncio.Queue[str] = asyncio.Queue()
 
-    async def on_change(tenant_id: str) -> None:
-        await received.put(tenant_id)
+    async def on_change(payload: str) -> None:
+        await received.put("fence" if fence_number(payload) is not None else payload)
 
     listener = await listen_catalog(pool, on_change)
     try:
@@ -151,8 +152,9 @@ async def test_every_change_notifies_the_catalog_channel_after_commit(tools, poo
         await tools.create(other.id, "t1", "webhook", CHECK_ORDER)
         with pytest.raises(Conflict):  # rolled back: must not be announced
             await tools.create(other.id, "t1", "webhook", CHECK_ORDER)
-        got = [await asyncio.wait_for(received.get(), 5) for _ in range(6)]
-        assert got == [tenant.id] * 5 + [other.id]
+        got = [await asyncio.wait_for(received.get(), 5) for _ in range(12)]
+        # each change is followed by the fence its writer waited on (storage/repos/catalog_sync.py)
+        assert got == [tenant.id, "fence"] * 5 + [other.id, "fence"]
         await asyncio.sleep(0.1)
         assert received.empty()
     finally:
