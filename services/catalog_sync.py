@@ -92,7 +92,7 @@ class CatalogSync:
         that comes back after a gap (or a writer's lagging mark) first drops every catalog."""
         sent = self._clock()
         was_trusted = self.trusted()
-        lagging = await self._row.beat(self._backend_pid)
+        lagging = await self._row.beat(self._backend_pid, self._ack_target)
         if not self._listening:
             return
         if lagging or not was_trusted:

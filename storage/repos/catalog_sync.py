@@ -58,8 +58,9 @@ _LIVE = (
 _WAITING = f"SELECT count(*) FROM ce_catalog_listeners WHERE seen < $1 AND {_LIVE}"
 _MARK_LAGGING = f"UPDATE ce_catalog_listeners SET lagging = true WHERE seen < $1 AND {_LIVE} RETURNING listener_id"
 _BEAT = (
-    "INSERT INTO ce_catalog_listeners (listener_id, backend_pid) VALUES ($1, $2) "
-    "ON CONFLICT (listener_id) DO UPDATE SET beat_at = now(), lagging = false, backend_pid = $2"
+    "INSERT INTO ce_catalog_listeners (listener_id, backend_pid, seen) VALUES ($1, $2, $3) "
+    "ON CONFLICT (listener_id) DO UPDATE SET beat_at = now(), lagging = false, backend_pid = $2, "
+    "seen = greatest(ce_catalog_listeners.seen, $3)"
 )
 _ACK = "UPDATE ce_catalog_listeners SET seen = greatest(seen, $2) WHERE listener_id = $1"
 _FORGET = "DELETE FROM ce_catalog_listeners WHERE beat_at < now() - make_interval(secs => $1)"
@@ -106,16 +107,17 @@ class ListenerRow:
         self._pool = pool
         self.listener_id = listener_id
 
-    async def beat(self, backend_pid: int) -> bool:
+    async def beat(self, backend_pid: int, seen: int = 0) -> bool:
         """Record that this listener is alive, listening on the connection of server process
-        `backend_pid` (creating its row); True when a writer marked it lagging since the last
-        beat (the mark is cleared)."""
+        `backend_pid` (creating its row), and has handled every fence up to `seen` (a fence
+        acknowledged before the row existed, or whose acknowledgement failed, counts from here);
+        True when a writer marked it lagging since the last beat (the mark is cleared)."""
         with translate("recording a catalog listener's beat"):
             async with self._pool.acquire() as conn, conn.transaction():
                 # locked first: a writer's mark lands before this read or after the beat
                 lagging = await conn.fetchval(
                     "SELECT lagging FROM ce_catalog_listeners WHERE listener_id = $1 FOR UPDATE", self.listener_id)
-                await conn.execute(_BEAT, self.listener_id, backend_pid)
+                await conn.execute(_BEAT, self.listener_id, backend_pid, seen)
         return bool(lagging)
 
     async def ack(self, fence: int) -> None:

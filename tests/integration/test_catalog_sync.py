@@ -269,3 +269,21 @@ async def test_trust_needs_a_recent_beat_and_comes_back_with_every_catalog_dropp
     finally:
         await sync.close()
         await pool.close()
+
+
+async def test_a_fence_handled_before_the_listener_registered_counts_at_its_first_beat(fresh_db):
+    url = await fresh_db()
+    pool = await create_pool(url, max_size=2)
+    sync = CatalogSync(pool, lambda tenant=None: None, beat_s=3600, listener_id="early")
+    try:
+        fence = await pool.fetchval("SELECT nextval('ce_catalog_fence')")
+        sync.notified(f"fence:{fence}")  # arrives between LISTEN and the first beat: no row to mark yet
+        await asyncio.sleep(0.1)
+        assert await pool.fetchval("SELECT count(*) FROM ce_catalog_listeners") == 0
+        sync.listener_up(await pool.fetchval("SELECT pg_backend_pid()"))
+        await wait_for(sync.trusted)
+        # else every writer of the next fences below it would wait 2 s and mark it lagging
+        assert await pool.fetchval("SELECT seen FROM ce_catalog_listeners WHERE listener_id = 'early'") == fence
+    finally:
+        await sync.close()
+        await pool.close()
