@@ -19,7 +19,13 @@ from typing import Any
 
 import structlog
 
-from storage.repos.catalog_sync import BEAT_S, TRUST_S, ListenerRow, fence_number
+from storage.repos.catalog_sync import (
+    BEAT_S,
+    TRUST_S,
+    ListenerNotVisible,
+    ListenerRow,
+    fence_number,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +51,7 @@ class CatalogSync:
         self._listening = False
         self._beat_sent: float | None = None  # when the last successful beat was sent
         self._backend_pid = 0  # the server process of the LISTEN connection
+        self._epoch = 0  # moves on every listener_up/listener_lost: a beat begun before is void
         self._acked = 0
         self._ack_target = 0
         self._acking: asyncio.Task[None] | None = None
@@ -76,12 +83,14 @@ class CatalogSync:
         """The LISTEN connection (server process `backend_pid`) is (again) up: trusted from the
         next successful beat on."""
         self._backend_pid = backend_pid
+        self._epoch += 1
         self._listening = True
         self._beat_sent = None
         if self._beating is None or self._beating.done():
             self._beating = asyncio.get_running_loop().create_task(self._beat_loop())
 
     def listener_lost(self) -> None:
+        self._epoch += 1
         self._listening = False
         self._beat_sent = None
 
@@ -89,16 +98,26 @@ class CatalogSync:
 
     async def beat(self) -> None:
         """One beat: on success the process is trusted for TRUST_S from when it was sent. Trust
-        that comes back after a gap (or a writer's lagging mark) first drops every catalog."""
+        that comes back after a gap, or a writer's lagging mark, first drops every catalog
+        (before the beat commits: a writer waiting on the mark stops when it is cleared)."""
         sent = self._clock()
-        was_trusted = self.trusted()
-        lagging = await self._row.beat(self._backend_pid, self._ack_target)
-        if not self._listening:
-            return
-        if lagging or not was_trusted:
-            self._invalidate()
+        epoch, previous = self._epoch, self._beat_sent
+        dropped = False
+
+        def drop_all(lagging: bool) -> bool:
+            nonlocal dropped
+            if lagging or not self.trusted():
+                self._invalidate()
+                dropped = True
+            return dropped
+
+        lagging = await self._row.beat(self._backend_pid, self._ack_target, drop_all=drop_all)
+        if epoch != self._epoch or not self._listening:
+            return  # the listener went or came back meanwhile: this beat speaks for the old one
         if lagging:
             log.warning("catalog_listener_was_lagging", listener_id=self.listener_id)
+        if not dropped and (previous is None or self._clock() - previous >= self._trust_s):
+            self._invalidate()  # trust lapsed while the beat ran: writers may have left us out
         self._beat_sent = sent
 
     async def _beat_loop(self) -> None:
@@ -109,6 +128,8 @@ class CatalogSync:
         while not self._closed and self._listening:
             try:
                 await self.beat()
+            except ListenerNotVisible as exc:  # a pooler between us and Postgres: stay untrusted
+                log.warning("catalog_listener_not_visible", detail=str(exc))
             except Exception as exc:  # noqa: BLE001 - untrusted until a beat gets through
                 log.info("catalog_listener_beat_failed", error=type(exc).__name__)
             await asyncio.sleep(self._beat_s)

@@ -35,10 +35,9 @@ class ChannelListener:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
 
-    @property
-    def server_pid(self) -> int:
-        """The Postgres server process of the LISTEN connection."""
-        return self._conn.get_server_pid()
+    #: the Postgres server process of the LISTEN connection, as that process reports it
+    #: (`pg_backend_pid()`: a pooler hands its clients made-up ids in the start-up message)
+    server_pid: int = 0
 
     # asyncpg runs these in the context the connection was opened in: often a turn's, with its
     # tenant and session bound for the log lines. Each runs in an empty context instead, and so
@@ -88,6 +87,7 @@ async def listen(
     listener = ChannelListener(conn, channel, callback, pool=pool, on_lost=on_lost)
     try:
         with translate(doing):
+            listener.server_pid = await conn.fetchval("SELECT pg_backend_pid()")
             await conn.add_listener(channel, listener._notified)
             conn.add_termination_listener(listener._terminated)
     except BaseException:

@@ -19,7 +19,13 @@ from services.tools.crypto import generate_key
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo, listen_catalog
 from storage.repos.builtins import AppointmentRepo, FormRepo
-from storage.repos.catalog_sync import LIVE_S, ListenerRow, announce_change, fence_number
+from storage.repos.catalog_sync import (
+    LIVE_S,
+    ListenerNotVisible,
+    ListenerRow,
+    announce_change,
+    fence_number,
+)
 
 WEBHOOK = {
     "type": "webhook", "name": "check_order", "description": "Look up an order",
@@ -284,6 +290,49 @@ async def test_a_fence_handled_before_the_listener_registered_counts_at_its_firs
         await wait_for(sync.trusted)
         # else every writer of the next fences below it would wait 2 s and mark it lagging
         assert await pool.fetchval("SELECT seen FROM ce_catalog_listeners WHERE listener_id = 'early'") == fence
+    finally:
+        await sync.close()
+        await pool.close()
+
+
+async def test_a_listener_whose_server_process_cannot_be_seen_is_never_trusted(fresh_db):
+    # behind a pooler the start-up message carries a made-up id: writers could not tell whether
+    # the listener is alive, so it must not skip the stamp read
+    url = await fresh_db()
+    pool = await create_pool(url, max_size=2)
+    sync = CatalogSync(pool, lambda tenant=None: None, beat_s=3600, listener_id="pooled")
+    try:
+        sync.listener_up(2_000_000_000)
+        with pytest.raises(ListenerNotVisible, match="CE_CATALOG_CHECK=read"):
+            await sync.beat()
+        assert not sync.trusted()
+        assert await pool.fetchval("SELECT count(*) FROM ce_catalog_listeners") == 0
+    finally:
+        await sync.close()
+        await pool.close()
+
+
+async def test_a_writer_past_its_timeout_waits_until_the_lagging_listener_has_dropped_its_catalogs(fresh_db):
+    url = await fresh_db()
+    pool = await create_pool(url, max_size=4)
+    dropped: list[object] = []
+    # trusted, but deaf: nothing hands it the notifications, so it never acknowledges
+    sync = CatalogSync(pool, lambda tenant=None: dropped.append(tenant), beat_s=3600, listener_id="deaf")
+    try:
+        sync.listener_up(await pool.fetchval("SELECT pg_backend_pid()"))
+        await wait_for(sync.trusted)
+        dropped.clear()
+        writer = asyncio.get_running_loop().create_task(announce_change(pool, timeout_s=0.3))
+        await asyncio.sleep(0.8)
+        # marked lagging at 0.3 s, but it still trusts its cache: answering now would let the
+        # next message use the old catalog
+        assert not writer.done()
+        assert await pool.fetchval("SELECT lagging FROM ce_catalog_listeners WHERE listener_id = 'deaf'")
+        await sync.beat()  # finds the mark: drops every catalog before it commits
+        assert dropped == [None]
+        assert await asyncio.wait_for(writer, 3) is False
+        fence = await pool.fetchval("SELECT last_value FROM ce_catalog_fence")
+        assert await pool.fetchval("SELECT seen FROM ce_catalog_listeners WHERE listener_id = 'deaf'") == fence
     finally:
         await sync.close()
         await pool.close()
