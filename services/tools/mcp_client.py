@@ -8,9 +8,11 @@ httpcore2) gets a transport whose network backend connects only to those checked
 (`_PinnedBackend`): a host the guard did not check, a second DNS answer (rebinding) or a proxy from
 the environment can never be reached. TLS keeps verifying the certificate against the host name.
 Response bodies are capped, and the whole exchange runs under one deadline. The server's auth
-header (decrypted for this call) is replaced by [redacted] in every response body as it streams
-in, before the SDK decodes it: a server that echoes its request headers into a tool's result or
-a tool description cannot hand the credential to the model, the call record or a log.
+header (decrypted for this call) and every credential its URL carries (`redaction.url_secrets`: a
+key in the query, a token as a path segment, as hosted servers' `/s/<key>/mcp`) are replaced by
+[redacted] in every response body as it streams in, before the SDK decodes it: a server that
+echoes its request headers or its URL into a tool's result, an error or a tool description cannot
+hand the credential to the model, the call record or a log.
 
 One MCP session per operation (discover or initialize, then `tools/list` or `tools/call`): MCP
 servers are the tenant's, the host processes are many, and a fresh check per call keeps the DNS
@@ -51,7 +53,7 @@ from services.tools.errors import (
     UpstreamUnreachable,
 )
 from services.tools.mcp import McpCallResult, McpToolInfo
-from services.tools.redaction import StreamScrubber, secret_forms, url_query_secrets
+from services.tools.redaction import StreamScrubber, secret_forms, url_secrets
 from services.tools.ssrf import (
     AresResolver,
     CheckedDestination,
@@ -182,7 +184,7 @@ class _PinnedTransport(httpx2.AsyncHTTPTransport):
             ssl_context=ssl_context, max_connections=4, network_backend=backend
         )
         self._max_body_bytes = max_body_bytes
-        self._secrets = secrets  # secret_forms of the auth header: never passed on in a body
+        self._secrets = secrets  # secret_forms of the auth header and the url: never passed on in a body
         #: the first HTTP error status seen: the SDK turns it into a JSON-RPC error without it
         self.error_status: int | None = None
 
@@ -291,7 +293,7 @@ class McpHttpClient:
             self._ssl_context = httpx2.create_ssl_context(trust_env=False)
         transport = _PinnedTransport(backend, ssl_context=self._ssl_context, max_body_bytes=self._max_body_bytes,
                                      secrets=secret_forms([*([auth_header] if auth_header else []),
-                                                           *url_query_secrets(url)]))
+                                                           *url_secrets(url)]))
         try:
             async with asyncio.timeout(timeout_s):
                 async with httpx2.AsyncClient(

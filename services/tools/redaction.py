@@ -13,7 +13,9 @@ Owns
 - `scrub_text`: a text (an in-band error) with each sensitive value it quotes replaced;
 - `secret_forms` / `scrub_bytes` / `StreamScrubber`: a response body with a credential the engine
   sent (a decrypted auth header) replaced before it is decoded, so an upstream that echoes its
-  request headers cannot hand the credential to the model, the call record or the logs.
+  request headers cannot hand the credential to the model, the call record or the logs;
+- `url_secrets`: the credentials a tool's URL carries itself (userinfo, a token-like path
+  segment, a key in the query), scrubbed from the answer the same way.
 """
 
 from __future__ import annotations
@@ -205,17 +207,42 @@ def secret_forms(secrets: Iterable[str]) -> tuple[bytes, ...]:
 #: (`?key=` of many public APIs, Azure Functions' `?code=`, signed URLs' `?sig=`)
 _QUERY_CREDENTIAL_NAMES = frozenset({"key", "code", "sig", "signature", "hash", "hmac", "access", "auth", "k"})
 _HOLE_RE = re.compile(r"\{[a-zA-Z_][a-zA-Z0-9_]*\}")
+#: a URL's authority, path and query (RFC 3986, appendix B; the fragment is never sent). It
+#: matches any text, a URL template's too, where `urlsplit` raises on a bad port or bracket
+_URL_PARTS_RE = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?")
+#: what a URL's literal text keeps as is when sent; the rest goes out percent-encoded
+_URL_SAFE = "/:@!$&'()*+,;=-._~"
+#: what looks random (`_looks_random`): as long as a short API key, letters and digits mixed
+_RANDOM_MIN_CHARS = 16
 
 
-def url_query_secrets(url: str) -> list[str]:
-    """The values a URL (or URL template) sets in its query that look like credentials, as
-    written, decoded (`+` as `+` and as a space) and encoded as sent: what a body echoing the
-    request URL must not hand back. A value counts under a secret-looking name (`api_key`,
-    `access_token`) or a credential's conventional one (`key`, `code`, `sig`), or when it looks
-    random (16 characters or more, letters and digits mixed); `expand=customer` or
-    `api-version=2024-10-21` do not. A `{hole}`'s value comes from the call's arguments: none."""
-    query = url.split("#", 1)[0].partition("?")[2]
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL (or URL template) carries itself, each as written, decoded and
+    encoded as sent: what a body echoing the request URL, or quoting the secret alone, must not
+    hand back (`secret_forms` makes the byte forms a body is scrubbed of). They are
+    - its userinfo's password (`https://user:s3cretpass@shop.example/...`), and its user when
+      that looks random (a token as the user: `https://ghp_...@host`). The SSRF guard refuses a
+      URL with userinfo before anything is sent, so none can be echoed today; it is listed so
+      that a client that ever sends one cannot have it handed back;
+    - a path segment that looks random: the token of a Slack- or Discord-style webhook URL
+      (`/services/T000/B000/<token>`), a hosted MCP server's `/s/<key>/mcp`, `/api/<40 hex>/`;
+      `orders`, `v1`, `2024-10-21` or a Slack `T000` id do not;
+    - a query value under a secret-looking name (`api_key`, `access_token`) or a credential's
+      conventional one (`key`, `code`, `sig`), or one that looks random; `expand=customer` or
+      `api-version=2024-10-21` do not. A query's `+` is read as `+` and as a space.
+    Looks random: `_RANDOM_MIN_CHARS` characters or more, letters and digits mixed. Nothing with a
+    `{hole}` in it counts: a hole's value comes from the call's arguments, not from the tenant."""
+    parts = _URL_PARTS_RE.match(url)  # every text matches: each part may be empty
+    authority, path, query = (part or "" for part in parts.groups()) if parts else ("", "", "")
     found: list[str] = []
+    user, _, password = authority.rpartition("@")[0].partition(":")
+    if password and not _HOLE_RE.search(password):
+        found.extend(_sent_forms(password))
+    if user and not _HOLE_RE.search(user) and _looks_random(unquote(user)):
+        found.extend(_sent_forms(user))
+    for segment in path.split("/"):
+        if segment and not _HOLE_RE.search(segment) and _looks_random(unquote(segment)):
+            found.extend(_sent_forms(segment))
     for pair in query.split("&") if query else ():
         name, _, value = pair.partition("=")
         if not value or _HOLE_RE.search(value):
@@ -223,12 +250,22 @@ def url_query_secrets(url: str) -> list[str]:
         if not (secret_name(unquote_plus(name)) or unquote_plus(name).lower() in _QUERY_CREDENTIAL_NAMES
                 or _looks_random(unquote_plus(value))):
             continue
-        found.extend({value, unquote(value), unquote_plus(value), quote(unquote(value), safe="/:@!$&'()*+,;=-._~")})
+        found.extend(_sent_forms(value, plus=True))
     return found
 
 
+def _sent_forms(value: str, *, plus: bool = False) -> set[str]:
+    """`value` from a URL as written, decoded (with `plus`, a query's `+` as a space too) and
+    encoded as the request sends it."""
+    decoded = unquote(value)
+    forms = {value, decoded, quote(decoded, safe=_URL_SAFE)}
+    if plus:
+        forms.add(unquote_plus(value))
+    return forms
+
+
 def _looks_random(value: str) -> bool:
-    return len(value) >= 16 and any(c.isalpha() for c in value) and any(c.isdigit() for c in value)
+    return len(value) >= _RANDOM_MIN_CHARS and any(c.isalpha() for c in value) and any(c.isdigit() for c in value)
 
 
 def scrub_bytes(raw: bytes, forms: tuple[bytes, ...]) -> bytes:

@@ -14,8 +14,9 @@ Owns
   followed; the response body is capped and the whole call (resolution, connect, headers, body)
   runs under one deadline, so a server that drips bytes cannot hold the call open. A 2xx body has
   every credential the call sent (the decrypted `Authorization`, any header with a secret-looking
-  name) replaced by [redacted] before it is decoded: an upstream that echoes its request headers
-  cannot hand the credential to the model, the call record or a log. A tool's 2xx body nested
+  name, a credential the url template carries itself: `redaction.url_secrets`) replaced by
+  [redacted] before it is decoded: an upstream that echoes its request headers or its url cannot
+  hand the credential to the model, the call record or a log. A tool's 2xx body nested
   more than `MAX_VALUE_DEPTH` levels is refused as malformed (its call record could not be made).
 
 Protected keys (tenant/account, a tool's own `protected`) reach a webhook only in the URL holes
@@ -74,7 +75,7 @@ from services.tools.redaction import (
     scrub_text,
     secret_forms,
     secret_name,
-    url_query_secrets,
+    url_secrets,
 )
 from services.tools.ssrf import (
     AresResolver,
@@ -458,10 +459,11 @@ class WebhookClient:
             headers, idempotency_key, has_body=body_bytes is not None
         )
         # what the body must not echo back: the credentials this call sends (not Accept & co.),
-        # in its headers or written into its url's query by the tenant (`?api_key=...`)
+        # in its headers or written into its url by the tenant: a key in the query
+        # (`?api_key=...`), a token as a path segment (`/services/T000/B000/<token>`)
         secrets = secret_forms(
             [v for v in request_headers.values() if isinstance(v, _Redacted)]
-            + url_query_secrets(url_template)
+            + url_secrets(url_template)
         )
 
         log = structlog.get_logger(__name__)

@@ -18,7 +18,7 @@ from services.tools.redaction import (
     secret_forms,
     secret_name,
     sensitive_values,
-    url_query_secrets,
+    url_secrets,
 )
 
 SECRET = "Bearer sk_live_TOPSECRET42"
@@ -156,7 +156,7 @@ def test_long_names_are_judged_but_not_remembered():
     ("https://api.test/o", set()),
 ])
 def test_url_query_secrets_are_the_credential_looking_literals(url, secrets):
-    found = set(url_query_secrets(url))
+    found = set(url_secrets(url))
     assert found >= secrets
     if not secrets:
         assert found == set()
