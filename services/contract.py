@@ -8,7 +8,12 @@ Findings, each with what to fix: dead route, ignored argument, missing required 
 handler override, handler not loaded, absent from the allowlist, intent naming an unknown tool,
 a malformed part of the backend's OpenAPI document (named by where it is, never an exception), a
 webhook URL hole named by a protected key the trusted scope never holds (every call fails), a
-protected webhook parameter that fills no hole (never sent).
+protected webhook parameter that fills no hole (never sent), a parameter named by another spelling
+of a tenant/account key (`AccountId`: never filled; every call fails when it is required).
+
+Protected names are judged as the executor and the backends treat them: in any spelling
+`is_protected` accepts (`Account_ID`, `account-id`), and filled from the trusted scope only in the
+spellings it holds.
 """
 
 from __future__ import annotations
@@ -24,8 +29,13 @@ from services.tools.model import (
     BackendBindingTool,
     ToolDefinition,
     WebhookTool,
+    held_spellings,
+    is_protected,
+    protected_form,
+    protected_forms,
     template_holes,
     unfillable_holes,
+    unheld_spellings,
 )
 from services.tools.registry import Catalog
 
@@ -158,6 +168,7 @@ def _tool(
             fix="add it to `allowlist` in PUT /v1/bot-config, or delete the tool",
         ))
     fields = _fields(definition)
+    findings += _spelling_findings(definition)
     if isinstance(definition, WebhookTool):
         findings += _webhook_findings(definition)
     if isinstance(definition, BackendBindingTool):
@@ -195,26 +206,39 @@ def _type(definition: ToolDefinition) -> str:
 
 
 def _fields(definition: ToolDefinition) -> list[FieldMapping]:
+    """Where each parameter comes from and under which name it is sent. A protected parameter
+    (in any spelling: services.tools.executor strips every one from the model's arguments) comes
+    from the trusted scope when the scope holds it as it is spelled, and is not listed when nothing
+    fills it or it is never sent (a webhook sends protected keys only into URL holes; a binding
+    sends what `scope` lists, and drops a `parameter_map` rename onto a protected name)."""
     props = definition.parameters.get("properties", {})
     required = set(definition.parameters.get("required", []))
-    protected = definition.protected_keys
+    forms = protected_forms(definition.protected_keys)
+    #: what a trusted scope may hold: the tenant/account keys, and the tool's own `protected`
+    #: names, exactly as spelled (services.tools.executor merges it by exact name)
+    held = TRUSTED_SCOPE_KEYS | frozenset(definition.protected)
     out: list[FieldMapping] = []
     holes: set[str] = set()
     if isinstance(definition, WebhookTool):
         holes = set(template_holes(definition.webhook_url))
     elif isinstance(definition, BackendBindingTool):
         holes = set(template_holes(definition.path))
-    pmap = definition.parameter_map if isinstance(definition, BackendBindingTool) else {}
+    binding = isinstance(definition, BackendBindingTool)
+    pmap = definition.parameter_map if binding else {}
     for model_name in props:
-        if isinstance(definition, WebhookTool) and model_name in protected and (
-            model_name not in holes or model_name not in TRUSTED_SCOPE_KEYS
-        ):
-            continue  # never sent: see _webhook_findings
-        if model_name in protected:
+        if is_protected(model_name, forms):
+            if model_name not in held:
+                continue  # another spelling: never filled (_spelling_findings)
+            if isinstance(definition, WebhookTool) and (model_name not in holes or model_name not in TRUSTED_SCOPE_KEYS):
+                continue  # never sent: see _webhook_findings
+            if binding:
+                continue  # sent only as `scope` lists it: added below
             out.append(FieldMapping(model_name=None, backend_name=model_name, source="trusted_scope",
                                     required_by_backend=model_name in required))
             continue
         backend_name = pmap.get(model_name, model_name)
+        if binding and is_protected(backend_name, forms):
+            continue  # renamed onto a protected name: dropped (services.tools.webhook.binding_arguments)
         out.append(FieldMapping(
             model_name=model_name, backend_name=backend_name,
             source="path" if backend_name in holes else "model",
@@ -223,28 +247,76 @@ def _fields(definition: ToolDefinition) -> list[FieldMapping]:
     if isinstance(definition, BackendBindingTool):
         for key in definition.scope:
             if not any(f.backend_name == key for f in out):
-                out.append(FieldMapping(model_name=None, backend_name=key, source="trusted_scope"))
+                out.append(FieldMapping(model_name=None, backend_name=key, source="trusted_scope",
+                                        required_by_backend=key in required))
     return out
+
+
+def _spelling_findings(definition: ToolDefinition) -> list[Finding]:
+    """A top-level parameter named by another spelling of a tenant/account key (`AccountId`,
+    `account-id`: `unheld_spellings`): the executor strips the model's value for it as for the key
+    itself and the model is not offered it, but the trusted scope fills only the exact spellings,
+    so it never has a value, and a required one fails every call. Registration refuses these; a
+    row stored before that, or an MCP server's tool, may still hold one."""
+    props = definition.parameters.get("properties", {})
+    required = definition.parameters.get("required", [])
+    required = required if isinstance(required, list) else []
+    findings: list[Finding] = []
+    for name in unheld_spellings([*props, *required]):
+        spellings = " or ".join(f"'{k}'" for k in sorted(held_spellings(name), key=lambda k: "_" not in k))
+        why = (f"another spelling of a protected key: the model is not offered it and its value is dropped, and "
+               f"the trusted context fills that key only as {spellings}")
+        fix = (f"rename it to {spellings} to receive the tenant's id, or to a name that is not a tenant/account key "
+               "to let the model supply it (PATCH /v1/tools/{name}; for an MCP tool, in the server's input schema)")
+        if name in required:
+            findings.append(Finding(
+                kind="missing_required_parameter", severity="error",
+                message=f"parameters requires '{name}', {why}, so every call fails as misconfigured", fix=fix,
+            ))
+        else:
+            findings.append(Finding(
+                kind="ignored_argument", severity="warning",
+                message=f"parameters declares '{name}', {why}, so it never has a value", fix=fix,
+            ))
+    return findings
 
 
 def _webhook_findings(tool: WebhookTool) -> list[Finding]:
     """What a webhook's protected keys really do: the webhook client sends them only into the URL
     holes they name, filled from the trusted scope (services.tools.webhook.WebhookClient.call_webhook);
-    a hole the trusted scope never holds fails every call, a declared one that fills no hole is
-    never sent."""
+    a hole the trusted scope never holds fails every call (one in another spelling of a
+    tenant/account key too, `{AccountId}`), a declared one that fills no hole is never sent.
+    Protected names in any spelling `is_protected` accepts, as the webhook client judges them."""
     findings: list[Finding] = []
     holes = template_holes(tool.webhook_url)
     trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
     for hole in unfillable_holes(holes, tool.protected_keys):
+        held = held_spellings(hole)
+        if held:
+            spellings = " or ".join(f"{{{k}}}" for k in sorted(held, key=lambda k: "_" not in k))
+            findings.append(Finding(
+                kind="missing_required_parameter", severity="error",
+                message=f"the URL needs {{{hole}}}, another spelling of a protected key (the model may not supply "
+                        f"it), and the trusted context fills that key only as {spellings}: every call fails",
+                fix=f"write the hole as {spellings} in webhook_url (and name its parameter the same way), with "
+                    "PATCH /v1/tools/{name}",
+            ))
+            continue
+        # the entry of `protected` the hole spells (`{StoreId}` for `store_id`)
+        listed = hole if hole in tool.protected else min(
+            (p for p in tool.protected if protected_form(p) == protected_form(hole)), default=hole)
         findings.append(Finding(
             kind="missing_required_parameter", severity="error",
             message=f"the URL needs {{{hole}}}, which is protected (the model may not supply it) and which the "
                     f"trusted context never holds (it holds {trusted}): every call fails",
-            fix=f"remove '{hole}' from `protected` to let the model supply it, or take {{{hole}}} out of "
+            fix=f"remove '{listed}' from `protected` to let the model supply it, or take {{{hole}}} out of "
                 "webhook_url, with PATCH /v1/tools/{name}",
         ))
-    for name in tool.parameters.get("properties", {}):
-        if name in tool.protected_keys and name not in holes:
+    forms = protected_forms(tool.protected_keys)
+    props = tool.parameters.get("properties", {})
+    misspelt = set(unheld_spellings(props))  # found by _spelling_findings, with their own fix
+    for name in props:
+        if is_protected(name, forms) and name not in holes and name not in misspelt:
             findings.append(Finding(
                 kind="ignored_argument", severity="warning",
                 message=f"parameters declares '{name}', which is protected: the model is not offered it and the "

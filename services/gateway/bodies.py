@@ -21,14 +21,20 @@ import yarl
 
 from services.errors import InvalidInput
 from services.tools.model import (
+    PROTECTED_KEYS,
     TOOL_NAME_RE,
     TRUSTED_SCOPE_KEYS,
     HttpMethod,
     Mutability,
     ToolDefinition,
+    held_spellings,
+    is_protected,
     normalise_parameters,
+    protected_form,
+    protected_forms,
     template_holes,
     unfillable_holes,
+    unheld_spellings,
 )
 from services.tools.ssrf import DestinationPolicy, literal_refusal
 from services.tools.validation import check_any_schema, check_schema
@@ -171,8 +177,13 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     schema = normalise_parameters(body.parameters, required_hint=holes)
     check_schema(schema)
     properties = schema.get("properties", {})
+    # Protected names first: a hole or parameter no call could fill is reported as that, with its
+    # fix, before "parameters has no ..." asks for a parameter that would not fill it either.
     if body.type == "backend_binding":
         check_binding_scope(holes, body)
+    if body.type == "webhook":
+        check_protected_holes(holes, frozenset(body.protected))
+    check_trusted_spellings(schema)
     for hole in holes:
         if body.type == "backend_binding" and (hole in body.scope or hole in body.parameter_map.values()):
             continue  # filled from the trusted scope, or from the parameter `parameter_map` renames onto it
@@ -181,8 +192,6 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
                 f"the URL template uses {{{hole}}} but parameters has no '{hole}' - add it to `$.parameters`",
                 path="$.parameters",
             )
-    if body.type == "webhook":
-        check_protected_holes(holes, frozenset(body.protected))
     if body.completes_variable is not None and not 0 < len(body.completes_variable) <= MAX_VARIABLE_NAME:
         raise InvalidInput(
             f"completes_variable must be 1-{MAX_VARIABLE_NAME} characters, got {len(body.completes_variable)}; "
@@ -219,43 +228,114 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
 
 
 def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
-    """Raise InvalidInput (at `$.protected`) for a URL hole the model may not fill (a protected
-    name) and the trusted scope never holds: every call would fail. Holes named by the
-    tenant/account keys are fine: the trusted scope fills them."""
+    """Raise InvalidInput for a URL hole the model may not fill (a protected name, in any spelling
+    `is_protected` accepts) and the trusted scope never holds: every call would fail. Holes named
+    by the tenant/account keys as the trusted scope spells them are fine: it fills them. One in
+    another spelling of those (`{AccountId}`) is refused at `$.webhook_url` with the spellings
+    that are filled; one named by the tool's own `protected` at `$.protected`."""
     for hole in unfillable_holes(holes, protected):
+        held = held_spellings(hole)
+        if held:
+            raise InvalidInput(
+                f"the URL template uses {{{hole}}}, another spelling of a protected key: the model may not supply "
+                f"it and the engine's trusted context holds that key only as {_either(held, hole=True)}, so every "
+                f"call would fail; write the hole as {_either(held, hole=True)} to have the engine fill it with the "
+                "authenticated tenant's id - at `$.webhook_url`", path="$.webhook_url",
+            )
         trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
+        listed = _listed_as(hole, protected)
         raise InvalidInput(
-            f"the URL template uses {{{hole}}}, which `protected` lists: the model may not supply it and the "
-            f"engine's trusted context only holds {trusted}, so every call would fail; remove '{hole}' from "
-            f"`protected` to let the model supply it, or take {{{hole}}} out of webhook_url - at `$.protected`",
-            path="$.protected",
+            f"the URL template uses {{{hole}}}, which `protected` lists{_as(listed, hole)}: the model may not supply "
+            f"it and the engine's trusted context only holds {trusted}, so every call would fail; remove "
+            f"'{listed}' from `protected` to let the model supply it, or take {{{hole}}} out of webhook_url - at "
+            "`$.protected`", path="$.protected",
         )
 
 
 def check_binding_scope(holes: list[str], body: ToolCreate) -> None:
     """Raise InvalidInput for a backend binding no call could complete: a `scope` key the trusted
     context never holds (every call would be refused for it), or a path hole named by a protected
-    key that `scope` does not fill (the model's value is dropped and nothing else fills it)."""
+    key, in any spelling `is_protected` accepts, that `scope` does not fill (binding_arguments
+    drops the model's value for it in every spelling, and nothing else fills it). The trusted
+    context holds the tenant/account keys in their exact spellings only, so a `scope` key or a
+    hole spelled another way (`AccountId`, `ACCOUNT_ID`) is refused naming the spellings it holds."""
     trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
     for key in body.scope:
-        if key not in TRUSTED_SCOPE_KEYS:
+        if key in TRUSTED_SCOPE_KEYS:
+            continue
+        held = held_spellings(key)
+        if held:
             raise InvalidInput(
-                f"scope lists '{key}', which the engine's trusted context does not hold (it holds {trusted}), so "
-                f"every call would be refused; list only those keys in `scope` - at `$.scope`", path="$.scope",
+                f"scope lists '{key}', another spelling of a protected key: the engine's trusted context holds that "
+                f"key only as {_either(held)}, so every call would be refused; list {_either(held)} in `scope` "
+                "(and name the path's hole the same way) - at `$.scope`", path="$.scope",
             )
+        raise InvalidInput(
+            f"scope lists '{key}', which the engine's trusted context does not hold (it holds {trusted}), so "
+            f"every call would be refused; list only those keys in `scope` - at `$.scope`", path="$.scope",
+        )
+    protected = frozenset(body.protected)
+    forms = protected_forms(PROTECTED_KEYS | protected)
     for hole in holes:
-        if hole not in body.scope and hole in TRUSTED_SCOPE_KEYS:
+        if hole in body.scope or not is_protected(hole, forms):
+            continue
+        if hole in TRUSTED_SCOPE_KEYS:
             raise InvalidInput(
                 f"the path uses {{{hole}}}, a protected key the model may not supply, and `scope` does not fill it, "
                 f"so every call would fail; add '{hole}' to `scope` to fill it from the authenticated tenant - at "
                 "`$.scope`", path="$.scope",
             )
-        if hole in body.protected and hole not in TRUSTED_SCOPE_KEYS:
+        held = held_spellings(hole)
+        if held:
             raise InvalidInput(
-                f"the path uses {{{hole}}}, which `protected` lists: the model may not supply it and the engine's "
-                f"trusted context only holds {trusted}, so every call would fail; remove '{hole}' from `protected` "
-                "to let the model supply it - at `$.protected`", path="$.protected",
+                f"the path uses {{{hole}}}, another spelling of a protected key the model may not supply, and the "
+                f"engine's trusted context holds that key only as {_either(held)}, so nothing could fill it and "
+                f"every call would fail; write the hole as {_either(held, hole=True)} and list that key in `scope` "
+                "to fill it from the authenticated tenant - at `$.path`", path="$.path",
             )
+        listed = _listed_as(hole, protected)
+        raise InvalidInput(
+            f"the path uses {{{hole}}}, which `protected` lists{_as(listed, hole)}: the model may not supply it and "
+            f"the engine's trusted context only holds {trusted}, so every call would fail; remove '{listed}' from "
+            "`protected` to let the model supply it - at `$.protected`", path="$.protected",
+        )
+
+
+def check_trusted_spellings(schema: dict[str, Any]) -> None:
+    """Raise InvalidInput (at `$.parameters`) for a top-level parameter named by another spelling
+    of a tenant/account key (`AccountId`, `account-id`, `TENANT_ID`: `unheld_spellings`). The
+    executor treats it as that key, so the model is not offered it and its value is dropped, but
+    the trusted context fills only the exact spellings (as for URL holes and `scope`): it would
+    never have a value, and a required one would fail every call."""
+    properties = schema.get("properties")
+    required = schema.get("required")
+    names = [*(properties if isinstance(properties, dict) else ()), *(required if isinstance(required, list) else ())]
+    for name in unheld_spellings(names):
+        held = held_spellings(name)
+        raise InvalidInput(
+            f"parameters declares '{name}', another spelling of a protected key: the model is not offered it and "
+            f"its value is dropped, and the engine fills that key only as {_either(held)} (with the authenticated "
+            f"tenant's id), so '{name}' would never have a value; rename it to {_either(held)} to receive the "
+            "tenant's id, or to a name that is not a tenant/account key to let the model supply it - at "
+            "`$.parameters`", path="$.parameters",
+        )
+
+
+def _either(spellings: tuple[str, ...], *, hole: bool = False) -> str:
+    """`'account_id' or 'accountId'` (`{account_id} or {accountId}` for holes), snake case first."""
+    shown = [f"{{{k}}}" if hole else f"'{k}'" for k in sorted(spellings, key=lambda k: "_" not in k)]
+    return " or ".join(shown)
+
+
+def _listed_as(name: str, protected: frozenset[str]) -> str:
+    """The entry of `protected` that `name` spells (`name` itself when listed as it is)."""
+    if name in protected:
+        return name
+    return min((p for p in protected if protected_form(p) == protected_form(name)), default=name)
+
+
+def _as(listed: str, name: str) -> str:
+    return "" if listed == name else f" as '{listed}'"
 
 
 def patched_body(current: dict[str, Any], patch: ToolPatch, *,

@@ -6,7 +6,9 @@ execute under a per-resource limit and a deadline that includes queue wait -> no
 Every failure becomes an in-band result the model can act on; nothing here raises to the session
 except cancellation. `prepare` runs the checks for a whole batch before anything executes, so a
 batch holding an approval-gated call runs nothing until the whole batch is approved (seed 001's
-stronger guarantee).
+stronger guarantee). A required protected parameter that the trusted scope does not fill (one
+spelled `AccountId`, which it never holds) is refused as the business's misconfiguration, never
+as a detail to ask the customer for.
 
 The record (ce_tool_calls) and the trace never keep a tool's `sensitive` values, nor values under
 secret-looking names (services.tools.redaction): the parameters and the result are redacted at any
@@ -68,6 +70,12 @@ RETRY_BASE_S = 0.1
 #: are not kept (recording them, redacted at every depth, would run out of stack)
 MAX_ARGUMENT_DEPTH = MAX_VALUE_DEPTH
 _TOO_DEEP = {"_": f"the arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep and were not kept"}
+#: a call no argument from the model could make valid (a required protected parameter nothing
+#: fills): the same words as the webhook client's for a protected URL hole nothing fills
+MISCONFIGURED_ADVICE = (
+    "This is a configuration problem of the business, not a detail the customer can give: tell them "
+    "this action is unavailable right now and offer another way to help."
+)
 
 OnProgress = Callable[["PreparedCall", int, "str | None"], Awaitable[None]]
 
@@ -247,6 +255,12 @@ class Executor:
             problems = tool.validator.errors(args)
         except RecursionError:
             args, problems = {}, ["the arguments nest too deeply"]
+        unfilled = _unfilled_protected(d.parameters, d.protected_keys, scope)
+        if unfilled is not None:
+            return PreparedCall(call=call, tool=tool, arguments=args, error=PolicyDenied(
+                f"the tool requires '{_short(unfilled, 64)}', which only the business's trusted context may fill, "
+                "and it holds no value for it: the tool is misconfigured", advice=MISCONFIGURED_ADVICE,
+            ))
         if problems:
             return PreparedCall(call=call, tool=tool, arguments=args, error=InvalidArguments(
                 "invalid arguments: " + "; ".join(problems[:3]),
@@ -626,6 +640,27 @@ def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, pr
     same key. Raises RecursionError for absurdly deep input."""
     clean = _without_keys(model_args, protected)
     return {**clean, **trusted_scope}
+
+
+def _unfilled_protected(schema: dict[str, Any], protected: frozenset[str], scope: dict[str, Any]) -> str | None:
+    """The first top-level required parameter that is protected (in any spelling `is_protected`
+    accepts, so the model's value is stripped) and that the trusted scope holds no value for under
+    its exact name, as a declared property (the only way it is merged): no call of the tool can be
+    valid. Such a schema is refused on save (services.gateway.bodies: `AccountId` for
+    `account_id`) but may be a row stored before that, an MCP server's tool, or a tool's own
+    `protected` name. Without this the validator reports it missing and the model is told to ask
+    the customer for it, who cannot give it (the engine would drop it again). None when every such
+    name is filled."""
+    required = schema.get("required")
+    if not isinstance(required, list):
+        return None
+    forms = protected_forms(protected)
+    properties = schema.get("properties")
+    declared = properties if isinstance(properties, dict) else {}
+    for name in required:
+        if is_protected(name, forms) and (name not in declared or scope.get(name) is None):
+            return name
+    return None
 
 
 def declared_only(args: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

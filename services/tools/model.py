@@ -5,7 +5,8 @@ handler with a known compiler; nothing in a definition is ever evaluated as code
 
 Also the rules every family's values share, so the executor, the schema the model is offered and
 the backends apply them alike: which argument names are protected (`is_protected`: compared
-case-insensitively, `_` and `-` ignored) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`).
+case-insensitively, `_` and `-` ignored), which spellings of them the trusted scope fills
+(`held_spellings`: the exact ones only) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`).
 """
 
 from __future__ import annotations
@@ -144,6 +145,36 @@ def is_protected(name: Any, forms: frozenset[str]) -> bool:
     return isinstance(name, str) and protected_form(name) in forms
 
 
+#: each trusted scope key's `protected_form` -> the spellings the trusted scope holds it under
+#: (`accountid` -> ("accountId", "account_id"))
+_HELD_SPELLINGS: dict[str, tuple[str, ...]] = {
+    form: tuple(sorted(k for k in TRUSTED_SCOPE_KEYS if protected_form(k) == form))
+    for form in protected_forms(TRUSTED_SCOPE_KEYS)
+}
+
+
+def held_spellings(name: Any) -> tuple[str, ...]:
+    """The spellings under which the trusted scope holds the key `name` spells, sorted
+    (`AccountId`, `account-id` -> `("accountId", "account_id")`); `()` when `name` spells no
+    trusted scope key."""
+    return _HELD_SPELLINGS.get(protected_form(name), ()) if isinstance(name, str) else ()
+
+
+def unheld_spellings(names: Iterable[Any]) -> list[str]:
+    """The `names` that spell a trusted scope key another way (`AccountId`, `account-id`,
+    `TENANT_ID`), in order, once each. Such a name is protected like the key (`is_protected`: the
+    model is not offered it and its value is stripped) but nothing ever fills it: the trusted scope
+    holds the exact spellings only (`held_spellings`), as it does for URL holes and a binding's
+    `scope`. Registration refuses such a parameter (services.gateway.bodies) rather than fill it
+    from the key it spells, so a tool's names mean the same to every check; the contract report
+    finds one stored before, or listed by an MCP server."""
+    out: list[str] = []
+    for name in names:
+        if isinstance(name, str) and name not in TRUSTED_SCOPE_KEYS and held_spellings(name) and name not in out:
+            out.append(name)
+    return out
+
+
 def nests_deeper_than(value: Any, limit: int) -> bool:
     """Whether `value` (a JSON value) nests more than `limit` levels of objects and arrays, found
     without recursion (a value deep enough to matter would exhaust the stack of a recursive walk)."""
@@ -164,7 +195,9 @@ def template_holes(template: str) -> list[str]:
 def unfillable_holes(holes: list[str], protected: frozenset[str]) -> list[str]:
     """The URL-template holes no call can fill: named by a protected name (`PROTECTED_KEYS` or
     the tool's own `protected`, in any spelling `is_protected` accepts), so never taken from the
-    model, and not held by the trusted scope (which holds the exact spellings only)."""
+    model, and not held by the trusted scope (which holds the exact spellings only: a hole in
+    another spelling of a trusted key, `{AccountId}`, is one of these; `held_spellings` names the
+    holes that would be filled instead)."""
     forms = protected_forms(PROTECTED_KEYS | protected)
     return [h for h in holes if is_protected(h, forms) and h not in TRUSTED_SCOPE_KEYS]
 
