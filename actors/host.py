@@ -12,7 +12,10 @@ Durable Object semantics, enforced here:
   the group-commit window only while another turn is running (Postgres's commit_delay with
   commit_siblings = 1): a turn alone on its host is flushed at once;
 - Postgres away: deltas go back into their sessions, the flusher retries with backoff and replies
-  wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost;
+  wait (bounded by `gate_timeout_s`), so nothing acknowledged is ever lost; past `max_unwritten`
+  turns held unwritten on the host (`max_unwritten_per_session` in one session), a new turn is
+  refused having run nothing (Overloaded 'storage_unavailable'), while a retry of an answer held is
+  still answered, until the flusher gets through (`_admit_new_turn`);
 - Postgres refusing a session's data for good: its turns are written one by one, those before the
   refused one kept and answered, the rest not acknowledged, and the copy dropped; the other
   sessions of the batch are written as usual;
@@ -79,6 +82,21 @@ class SessionMoved(Overloaded):
 #: how long stop() waits for admitted turns beyond the gate timeout before it stops anyway
 STOP_GRACE_S = 5.0
 
+#: unwritten turns (run, their state not yet in Postgres) a host holds, per turn it may admit at
+#: once (HostSettings.max_inflight), before it refuses new turns ('storage_unavailable', a 503). A
+#: host whose flushes succeed holds only the turns waiting at its gate, at most max_inflight, so it
+#: never gets there; one whose flushes keep failing would otherwise go on running every new message
+#: (model calls, tools with side effects) and keep what each did in memory for as long as Postgres
+#: stays away
+UNWRITTEN_PER_INFLIGHT = 2
+#: unwritten turns one session may hold before its new messages are refused likewise: one client
+#: sending on through an outage must not take its host's whole allowance, and the session's turn
+#: cache, which keeps every unwritten answer beyond its latest TURN_CACHE (SessionState.cache_turn),
+#: stays at most twice that size
+MAX_UNWRITTEN_PER_SESSION = core.TURN_CACHE
+#: when a turn refused for unwritten turns is worth sending again: about the flusher's longest backoff
+STORAGE_RETRY_AFTER_S = 2.0
+
 
 class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     idle_seconds: float = 300.0
@@ -90,6 +108,9 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_backoff_s: float = 2.0
     #: live sessions a host keeps; beyond, the least recently used idle ones are passivated early
     max_sessions: int = 10_000
+    #: unwritten turns a host holds before it refuses new ones; 0: UNWRITTEN_PER_INFLIGHT x max_inflight
+    max_unwritten: int = 0
+    max_unwritten_per_session: int = MAX_UNWRITTEN_PER_SESSION  # likewise, of one session
 
     @classmethod
     def from_settings(cls, settings: Any) -> HostSettings:
@@ -102,7 +123,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    __slots__ = ("durable_through", "last_used", "lock", "queued", "stale", "state")
+    __slots__ = ("counted", "durable_through", "last_used", "lock", "new_turn", "queued", "stale", "state")
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
@@ -114,6 +135,9 @@ class _Entry:
         #: `durable_through` will never be written
         self.stale = False
         self.durable_through = 0  # the number of its newest turn known written (state.sealed_turns)
+        self.counted = 0  # its unwritten turns as the host's total counts them (`_count_unwritten`)
+        #: the turn running now is a new one let in past the unwritten-turn caps (`_admit_new_turn`)
+        self.new_turn = False
 
 
 class SessionHost:
@@ -155,6 +179,13 @@ class SessionHost:
         #: which sessions this host may hold (sharded hosts: its shard under the current view);
         #: None: every session (dedicated actors, the in-process router)
         self._owns: Callable[[str, str], bool] | None = None
+        #: turns run and not known written, over the live sessions (their `counted`), and the new
+        #: turns let in past the caps and running now (each about to add one): see `_admit_new_turn`
+        self._unwritten = 0
+        self._starting = 0
+        self._unwritten_cap = (self._settings.max_unwritten
+                               or UNWRITTEN_PER_INFLIGHT * self._settings.max_inflight)
+        self._refusing = False  # turned new turns away at the host's cap since it last had room (logs)
         self.flushes = 0
         self.flushed_sessions = 0
         self.last_flush_ms = 0.0
@@ -269,6 +300,7 @@ class SessionHost:
                 await self._mark_dirty(key)
         if self._sessions.get(key) is entry:
             del self._sessions[key]
+        self._count_unwritten(key, entry)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -276,6 +308,8 @@ class SessionHost:
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
             "dirty": len(self._dirty), "activations": self.activations,
             "stored_turn_reads": self.stored_turn_reads,
+            # run, not yet written (Postgres away): at the cap, new turns are refused
+            "unwritten_turns": self._unwritten, "unwritten_turns_cap": self._unwritten_cap,
             "reactivation_p50_ms": _percentile(self.reactivation_ms, 50),
             "reactivation_p99_ms": _percentile(self.reactivation_ms, 99),
             "gc_collections": heap.collections(),  # the process's, every generation
@@ -298,6 +332,8 @@ class SessionHost:
             state = entry.state
             if message_id and not new_id:
                 await self._load_turn(state, message_id)
+            if message_id not in state.turns:  # not a retry answered from what is held: it runs
+                self._admit_new_turn(entry)
             finished: list[JobRecord] = []
             waiting = state.snapshot.extra.get(core.JOBS_KEY)
             if waiting and self._jobs is not None and message_id not in state.turns:
@@ -314,6 +350,8 @@ class SessionHost:
             decided = core.decided_turn(entry.state.snapshot, approval_id)
             if decided is not None:  # asked again: its answer is replayed, from Postgres if need be
                 await self._load_turn(entry.state, decided)
+            elif entry.state.snapshot.pending is not None:  # resumed, it runs tools or the model
+                self._admit_new_turn(entry)
             return await core.handle_approval(entry.state, approval_id, approve, env, emit, edited_arguments=edited)
 
         return await self._turn(tenant_id, session_id, run)
@@ -407,6 +445,51 @@ class SessionHost:
         if self._closing:
             raise Overloaded("this session host is shutting down; retry in a moment", retry_after=1.0,
                              reason="shutting_down")
+
+    def _admit_new_turn(self, entry: _Entry) -> None:
+        """Let a new turn of `entry`'s session run (called with its lock held, once no answer held
+        for its message id, written or not, is there to replay), or refuse it, Overloaded
+        'storage_unavailable' (a 503 with Retry-After), having run nothing: when the session holds
+        `max_unwritten_per_session` turns not yet written, or the host `max_unwritten` counting
+        the new turns running now. Postgres is away then (or was long enough for that many to pile
+        up): a turn run now calls the model and runs tools whose results cannot be stored, and
+        holds them in memory for as long as the outage lasts. What is held is kept and written
+        once the flusher gets through; the count falls and new turns are let in again."""
+        held = entry.state.sealed_turns - entry.durable_through
+        if held >= self._settings.max_unwritten_per_session:
+            raise Overloaded(
+                f"session {entry.state.session_id!r} has {held} turns whose state could not be saved yet "
+                "(database unavailable), the most one session may have; this message was not run (nothing "
+                "of it happened): send it again in a moment", retry_after=STORAGE_RETRY_AFTER_S,
+                reason="storage_unavailable",
+            )
+        pending = self._unwritten + self._starting
+        if pending >= self._unwritten_cap:
+            if not self._refusing:
+                self._refusing = True
+                log.warning("unwritten_turns_at_cap", unwritten=self._unwritten, running=self._starting,
+                            cap=self._unwritten_cap)
+            raise Overloaded(
+                f"this session host holds {pending} turns whose state could not be saved yet (database "
+                "unavailable), the most it may hold; this message was not run (nothing of it happened): "
+                "send it again in a moment", retry_after=STORAGE_RETRY_AFTER_S,
+                reason="storage_unavailable",
+            )
+        entry.new_turn = True
+        self._starting += 1
+
+    def _count_unwritten(self, key: Key, entry: _Entry) -> None:
+        """Bring the host's count of unwritten turns up to date with this copy of a session: its
+        turns run and not known written, or none once it is not held here any more (written and
+        passivated, or stale: it never will be). After each turn and each flush."""
+        held = 0
+        if self._sessions.get(key) is entry and not entry.stale:
+            held = max(0, entry.state.sealed_turns - entry.durable_through)
+        self._unwritten += held - entry.counted
+        entry.counted = held
+        if self._refusing and self._unwritten + self._starting < self._unwritten_cap:
+            self._refusing = False
+            log.info("unwritten_turns_below_cap", unwritten=self._unwritten, cap=self._unwritten_cap)
 
     async def _turn(
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]
@@ -506,6 +589,10 @@ class SessionHost:
                     self._busy -= 1
                     if not self._busy:
                         self._none_busy.set()
+                    if entry.new_turn:  # what it sealed (or, failed, what close_failed_turn did) counts now
+                        entry.new_turn = False
+                        self._starting -= 1
+                    self._count_unwritten(key, entry)
                 entry.last_used = time.monotonic()
                 if entry.stale:  # taken over while it ran: this copy's state will never be written
                     raise _lease_lost(session_id)
@@ -588,6 +675,7 @@ class SessionHost:
                 await self._mark_dirty(key)
             if self._sessions.get(key) is entry:
                 del self._sessions[key]
+            self._count_unwritten(key, entry)
         return True
 
     async def passivate_all(self) -> int:
@@ -836,6 +924,8 @@ class SessionHost:
                 if not f.done():
                     f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
+        for key, (entry, _) in deltas.items():  # written, or dropped: new turns may be let in again
+            self._count_unwritten(key, entry)
         _resolve(waiters)
 
 
