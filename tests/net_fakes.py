@@ -8,6 +8,8 @@ import ipaddress
 import socket
 from typing import Any
 
+from aiohttp import web
+
 
 class MapResolver:
     """The guard's resolver port answering from a table: test host name -> addresses, or a
@@ -49,3 +51,21 @@ class LoopbackOnlySockets:
             raise PermissionError(errno.EACCES, "test refuses a non-loopback connect")
         self.connects.append(host)
         return socket.socket(family, type_, proto)
+
+
+class LoopbackApp:
+    """An aiohttp app served on 127.0.0.1 at a free port (`port`): a test's upstream."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def serve(self, app: web.Application) -> None:
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

@@ -35,17 +35,16 @@ from services.tools.registry import Catalog, HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
 from tests.unit.test_session_loop import ScriptedLLM
 
 
-class Upstream:
+class Upstream(LoopbackApp):
     """A loopback webhook that records each request's path and answers `{"ok": true}`."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.paths: list[str] = []
-        self.port = 0
-        self._runner: web.AppRunner | None = None
 
     async def start(self) -> Upstream:
         async def handle(request: web.Request) -> web.Response:
@@ -54,15 +53,8 @@ class Upstream:
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.port = self._runner.addresses[0][1]
+        await self.serve(app)
         return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
 
 @pytest_asyncio.fixture

@@ -22,7 +22,7 @@ from services.tools.model import WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient
 from tests.mcp_support import ShopMcpServer
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
 
 SLACK_TOKEN = "Ab3dEf6hIj9kLm2nOp5qRs8t"  # a Slack-style incoming-webhook token: letters and digits
 HEX_TOKEN = "0123456789abcdef0123456789abcdef01234567"
@@ -32,28 +32,20 @@ MCP_POLICY = DestinationPolicy(allow=("127.0.0.2/32",))
 MCP_TOKEN = "Bearer mcp-test-token"
 
 
-class EchoUpstream:
+class EchoUpstream(LoopbackApp):
     """An aiohttp server on 127.0.0.1 that answers any path with the url it was called at, each
     path segment alone, and the status its first segment names (a 2xx, or a 4xx whose `error`
     the model reads as the upstream's explanation)."""
 
     def __init__(self) -> None:
-        self.port = 0
+        super().__init__()
         self.paths: list[str] = []
-        self._runner: web.AppRunner | None = None
 
     async def start(self) -> EchoUpstream:
         app = web.Application()
         app.router.add_get(r"/{code:\d{3}}/{tail:.*}", self._echo)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.port = self._runner.addresses[0][1]
+        await self.serve(app)
         return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     async def _echo(self, request: web.Request) -> web.Response:
         self.paths.append(request.raw_path)
