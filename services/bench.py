@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,8 @@ HELLO_TEXT = "hello, who are you?"
 #: both ways), in ms (nan when the reply did not say or, in process, there is no gateway), or None
 #: when it failed
 Times = tuple[float, float, float]
+#: one answered turn of an open-loop run: (scheduled send in seconds, latency ms, *Times)
+Record = tuple[float, float, float, float, float]
 Send = Callable[[str, str], Awaitable[Times | None]]
 UNKNOWN: Times = (math.nan, math.nan, math.nan)
 
@@ -134,10 +137,12 @@ async def closed_loop(send: Send, sessions: list[str], concurrency: int, total: 
 
 
 async def open_loop(send: Send, sessions: list[str], rate: float, total: int, text: Callable[[], str],
-                    times: list[Times] | None = None) -> tuple[list[float], int, float]:
+                    times: list[Times] | None = None, records: list[Record] | None = None
+                    ) -> tuple[list[float], int, float]:
     """Messages sent at a fixed rate whatever the replies do; latency counted from the
     scheduled send time (no coordinated omission). Returns (latencies in ms, errors, seconds);
-    the session host's times of each turn that said them go into `times`."""
+    the session host's times of each turn that said them go into `times`, and every answered
+    turn's scheduled send, latency and times (NaN where unsaid) into `records` (see tail_split)."""
     latencies: list[float] = []
     errors = 0
 
@@ -147,9 +152,12 @@ async def open_loop(send: Send, sessions: list[str], rate: float, total: int, te
         if got is None:
             errors += 1
             return
-        latencies.append((time.perf_counter() - due) * 1000)
+        latency = (time.perf_counter() - due) * 1000
+        latencies.append(latency)
         if times is not None and not math.isnan(got[0]):
             times.append(got)
+        if records is not None:
+            records.append((due, latency, *got))
 
     started = time.perf_counter()
     tasks = []
@@ -189,6 +197,45 @@ def interleaved_summary(slices: list[dict[str, tuple[list[float], int, float]]],
             diffs = [percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices if s[w][0] and s[base][0]]
             paired[w] = statistics.median(diffs) if diffs else None
     return {"ways": pooled, "paired_added_p50_ms": paired}
+
+
+#: turns of a way's tail whose scheduled sends are closer together than this make one burst
+TAIL_BURST_S = 0.25
+
+
+def tail_split(records: list[Record], p: float = 99) -> dict[str, Any] | None:
+    """Where a way's slowest turns spent their time. Of `records` (see Record), the slowest
+    (100 - p)% of turns, at least one: how many, in how many bursts (runs of them scheduled less
+    than TAIL_BURST_S apart: one stall of a process or of the machine makes one burst, a cost that
+    some turns pay now and then makes many; when each began), and the medians of their latency, the host's time,
+    its wait at the output gate, the hop (latency less the host's time) and the gateway's own part
+    (its time less the host's), with the host's share of their summed latency. A figure no reply
+    said is None; no records, None."""
+    if not records:
+        return None
+    n = max(1, math.ceil(len(records) * (100 - p) / 100 - 1e-9))
+    tail = sorted(records, key=lambda r: r[1])[-n:]
+    at = sorted(r[0] for r in tail)
+    known = [r for r in tail if not math.isnan(r[2])]
+
+    def median(values: Iterable[float]) -> float | None:
+        said = [v for v in values if not math.isnan(v)]
+        return statistics.median(said) if said else None
+
+    first = min(r[0] for r in records)
+    starts = [at[0], *(y for x, y in itertools.pairwise(at) if y - x >= TAIL_BURST_S)]
+    return {
+        "turns": n,
+        "bursts": len(starts),
+        # when each burst began, in seconds from the way's first scheduled send (its first ten)
+        "burst_starts_s": [round(t - first, 2) for t in starts[:10]],
+        "latency_ms": median(r[1] for r in tail),
+        "host_ms": median(r[2] for r in tail),
+        "gate_ms": median(r[3] for r in tail),
+        "hop_ms": median(r[1] - r[2] for r in tail),
+        "gateway_own_ms": median(r[4] - r[2] for r in tail),
+        "host_share": sum(r[2] for r in known) / sum(r[1] for r in known) if known else None,
+    }
 
 
 def server_timing(header: str) -> dict[str, float]:
@@ -359,6 +406,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         host_slices = []  # the same slices, the session host's own time of each turn
         gates: dict[str, list[float]] = {}  # per way, each turn's wait at the output gate
         in_gateway: dict[str, list[float]] = {}  # per way, each turn's time in the gateway less the host's
+        records: dict[str, list[Record]] = {}  # per way, every answered turn (for its tail's split)
         cpu = {way: CpuShare() for way in senders}
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
@@ -369,7 +417,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
                 times: list[Times] = []
                 cpu[way].start()
                 row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
-                                           size, text, times=times)
+                                           size, text, times=times, records=records.setdefault(way, []))
                 cpu[way].stop()
                 host_row[way] = ([t[0] for t in times], 0, row[way][2])
                 gates.setdefault(way, []).extend(t[1] for t in times)
@@ -386,6 +434,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         result["gateway_own_p50_ms"] = {w: percentile(v, 50) for w, v in in_gateway.items() if v}
         result["busy_pct"] = {w: c.percent()[0] for w, c in cpu.items()}
         result["slice_steal_pct"] = {w: c.percent()[1] for w, c in cpu.items()}
+        result["tail"] = {w: tail_split(v) for w, v in records.items()}
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
         result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
         _say({"event": "done", **result})
@@ -999,8 +1048,11 @@ class Bench:
         self.run_no += 1
         tag = f"b{os.getpid()}-{self.run_no}-half"
         settings = msgspec.structs.replace(self.settings, output_gate=True)
-        ray_placement, ray_gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), "")
-        urls = {"sharded": self.stack.gateway.url, "sharded_ray": ray_gateway.url}
+        urls = {"sharded": self.stack.gateway.url}
+        ray_placement = ray_gateway = None
+        if a.via_ray:
+            ray_placement, ray_gateway = await self.gateway_for(msgspec.structs.replace(settings, host_lane=False), "")
+            urls["sharded_ray"] = ray_gateway.url
         variant = None
         if a.half_load_variant:  # (b) once more, on hosts of their own that run with the given settings
             variant = await self.gateway_for(self.variant_settings(settings), f"variant{self.run_no}-")
@@ -1020,8 +1072,9 @@ class Bench:
             steal = stolen.stop().percent()[1]
         finally:
             await worker.close()
-            ray_placement.close_lanes()
-            await self.close_gateway(ray_gateway)
+            if ray_placement is not None:
+                ray_placement.close_lanes()
+                await self.close_gateway(ray_gateway)
             if variant is not None:
                 await variant[0].shutdown_hosts()
                 await self.close_gateway(variant[1])
@@ -1039,6 +1092,11 @@ class Bench:
         if done.get("gateway_own_p50_ms"):
             print("      in the gateway less the host's time (handler, lane both ways), p50: " + ", ".join(
                 f"{w} {v:.1f} ms" for w, v in done["gateway_own_p50_ms"].items()), file=sys.stderr)
+        tails = {w: t for w, t in (done.get("tail") or {}).items() if t}
+        if tails:
+            print("      the slowest 1%, each way: " + "; ".join(
+                f"{w} {_tail_text(t)}, bursts from {', '.join(f'{b:.1f}' for b in t['burst_starts_s'])} s"
+                for w, t in tails.items()), file=sys.stderr)
         # 64 sessions fall on the hosts as their ids hash: rarely evenly, and the host with more
         # of them queues longer (with thousands of sessions the shares even out)
         split = sessions_per_host(self.tenant_id, spec.way_sessions["sharded"], a.shards)
@@ -1123,7 +1181,9 @@ class Bench:
                 rate = max(1.0, min(f["msgs_per_s"] for f in found) / 2)
             n = max(200, int(rate * a.half_load_seconds))
             # sharded_ray: the same hosts, turns through Ray's task path instead of their lanes
-            hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": [], "sharded_ray": []}
+            hruns: dict[str, list[dict[str, Any]]] = {"inprocess": [], "sharded": []}
+            if a.via_ray:
+                hruns["sharded_ray"] = []
             if a.half_load_variant:
                 hruns[VARIANT] = []
             rounds = []
@@ -1137,22 +1197,25 @@ class Bench:
                 "rate_msgs_per_s": rate, "rate_given": a.half_load_rate is not None, "slices": a.half_load_slices,
                 "ways": hal,
                 "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
-                "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"]["sharded_ray"] for r in rounds),
+                "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"].get("sharded_ray") for r in rounds),
                 # of the paired figure: the session host's own time of the turn, (b)'s minus (a)'s
                 "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"]["sharded"] for r in rounds),
                 "busy_pct": {w: statistics.median(r["busy_pct"][w] for r in rounds) for w in hruns},
                 "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
-                "added_p50_ms_via_ray": hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"],
-                "added_p99_ms_via_ray": hal["sharded_ray"]["p99_ms"] - hal["inprocess"]["p99_ms"],
                 "gate_p50_ms": {w: statistics.median(r["gate_p50_ms"][w] for r in rounds) for w in hruns},
+                # each way's slowest 1%, split: the median over rounds of each figure
+                "tail": {w: _median_tail([(r.get("tail") or {}).get(w) for r in rounds]) for w in hruns},
                 # of the hop: the gateway's own part (its time less the host's: handler, lane both ways)
                 "gateway_own_p50_ms": {
                     w: statistics.median(r["gateway_own_p50_ms"][w] for r in rounds)
                     for w in hruns if all(w in r.get("gateway_own_p50_ms", {}) for r in rounds)
                 },
             }
+            if a.via_ray:
+                half["added_p50_ms_via_ray"] = hal["sharded_ray"]["p50_ms"] - hal["inprocess"]["p50_ms"]
+                half["added_p99_ms_via_ray"] = hal["sharded_ray"]["p99_ms"] - hal["inprocess"]["p99_ms"]
             if a.half_load_variant:
                 half["variant"] = {
                     "env": a.half_load_variant,
@@ -1422,6 +1485,23 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
     return doc
 
 
+def _median_tail(splits: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """tail_split's figures, each the median over the rounds that said it."""
+    known = [s for s in splits if s]
+    if not known:
+        return None
+    return {k: _median_known(s[k] for s in known) for k in known[0] if k != "burst_starts_s"}
+
+
+def _tail_text(t: dict[str, Any]) -> str:
+    share = "" if t.get("host_share") is None else f", host {t['host_share'] * 100:.0f}% of it"
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f} ms"
+
+    return (f"{t['turns']:.0f} turns in {t['bursts']:.0f} bursts, p50 {ms(t['latency_ms'])} "
+            f"(host {ms(t['host_ms'])}, gate {ms(t['gate_ms'])}, hop {ms(t['hop_ms'])}{share})")
+
+
 def _each_way(values: dict[str, float], fmt: str) -> str:
     return ", ".join(f"{w.replace('_ray', '/ray')} {fmt.format(v)}" for w, v in values.items())
 
@@ -1477,6 +1557,10 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"  (b) on hosts with {' '.join(f'{k}={v}' for k, v in variant['env'].items())}: "
                   f"{_ms(variant['paired_added_p50_ms'])} p50 added (median over slices; the host's own "
                   f"{_ms(variant['paired_host_added_p50_ms'])}), {_ms(variant['added_p99_ms'])} p99")
+        tails = {w: t for w, t in (half.get("tail") or {}).items() if t}
+        if tails:
+            print("  the slowest 1% of each way's turns (medians over rounds): "
+                  + "; ".join(f"{w} {_tail_text(t)}" for w, t in tails.items()))
         if half.get("busy_pct"):
             print("  the machine's CPU busy while each way ran its slices: " + _each_way(half["busy_pct"], "{:.0f}%"))
         if "added_p50_ms_via_ray" in half:
@@ -1553,6 +1637,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--half-load-variant", action="append", default=[], metavar="CE_NAME=VALUE",
                    help="also run (b) in the half-peak run on hosts of their own with this setting "
                         "(repeat for more), slice by slice beside the others: a setting's effect, paired")
+    p.add_argument("--no-via-ray", dest="via_ray", action="store_false",
+                   help="leave (b) through Ray's actor task path out of the half-peak latency runs")
     p.add_argument("--half-load-rate", type=float, default=None,
                    help="msgs/s of the latency runs instead of half the measured peak (the hops' floor at a light load)")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")

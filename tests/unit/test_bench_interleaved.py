@@ -174,3 +174,41 @@ def test_round_medians_take_a_breakdown_part_by_part():
             {"msgs_per_s": 200.0, "cpu_ray_other_ms_per_msg_by_process": {"raylet": 0.03, "gcs_server": 0.03}}]
     assert bench._median_ways(rows) == {
         "msgs_per_s": 200.0, "cpu_ray_other_ms_per_msg_by_process": {"gcs_server": 0.01, "raylet": 0.03}}
+
+
+def test_the_tail_split_says_where_the_slowest_turns_spent_their_time():
+    # 100 turns: 98 quick ones; two slow ones whose host time grew (at 10.00 s and 10.05 s: one
+    # burst) and one whose hop grew (at 30 s: a burst of its own).
+    quick = [(float(i), 10.0, 8.0, 2.0, 9.0) for i in range(97)]
+    slow = [(10.0, 60.0, 57.0, 30.0, 58.0), (10.05, 62.0, 58.0, 31.0, 59.0), (30.0, 50.0, 8.0, 2.0, 9.0)]
+    out = bench.tail_split(quick + slow, p=97)
+    assert out["turns"] == 3
+    assert out["bursts"] == 2, "turns within a quarter of a second of each other are one burst"
+    assert out["burst_starts_s"] == [10.0, 30.0], "from the first scheduled send"
+    assert out["latency_ms"] == pytest.approx(60.0)
+    assert out["host_ms"] == pytest.approx(57.0)
+    assert out["gate_ms"] == pytest.approx(30.0)
+    assert out["hop_ms"] == pytest.approx(4.0)  # latency less the host's (42, 3, 4): their median
+    assert out["gateway_own_ms"] == pytest.approx(1.0)
+    assert out["host_share"] == pytest.approx((57 + 58 + 8) / (60 + 62 + 50))
+
+
+def test_the_tail_split_of_turns_without_host_times_says_only_what_it_knows():
+    records = [(float(i), float(i), math.nan, math.nan, math.nan) for i in range(1, 101)]
+    out = bench.tail_split(records, p=98)
+    assert out["turns"] == 2 and out["latency_ms"] == pytest.approx(99.5)
+    assert out["host_ms"] is None and out["hop_ms"] is None and out["host_share"] is None
+    assert bench.tail_split([], p=99) is None
+
+
+def test_the_way_through_rays_task_path_can_be_left_out_of_the_latency_runs():
+    assert parse_args([]).via_ray is True
+    assert parse_args(["--no-via-ray"]).via_ray is False
+
+
+def test_a_tail_split_over_rounds_takes_each_figures_median():
+    rounds = [{"turns": 3, "bursts": 1, "burst_starts_s": [4.0], "host_ms": 9.0},
+              None, {"turns": 3, "bursts": 3, "burst_starts_s": [1.0], "host_ms": None},
+              {"turns": 3, "bursts": 2, "burst_starts_s": [2.0], "host_ms": 5.0}]
+    assert bench._median_tail(rounds) == {"turns": 3, "bursts": 2, "host_ms": 7.0}
+    assert bench._median_tail([None, None]) is None
