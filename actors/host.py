@@ -119,6 +119,8 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
             idle_seconds=settings.idle_seconds, output_gate=settings.output_gate,
             flush_interval_s=settings.flush_interval_ms / 1000,
             max_inflight=settings.host_max_inflight, max_sessions=settings.host_max_sessions,
+            max_unwritten=settings.host_max_unwritten,
+            max_unwritten_per_session=settings.host_max_unwritten_per_session,
         )
 
 

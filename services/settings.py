@@ -32,6 +32,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 IDLE_SECONDS_MAX = 86_400.0
 #: the group-commit window is a wait added to turns on a busy host: a second is already far too long
 FLUSH_INTERVAL_MS_MAX = 1_000.0
+#: CE_HOST_MAX_UNWRITTEN_PER_SESSION's bounds. At most the turn cache (actors.session.TURN_CACHE):
+#: the cache keeps every unwritten answer beyond its latest TURN_CACHE, so it stays at most twice
+#: that size. At least 4: a session's next turn may run while the one before waits at the gate,
+#: so a healthy session briefly holds two or three turns not yet written.
+UNWRITTEN_PER_SESSION_MAX = 64
+UNWRITTEN_PER_SESSION_MIN = 4
 
 _REDACTED = "[redacted]"
 _URL_FIELDS = frozenset({"database_url", "anthropic_base_url", "otlp_endpoint"})
@@ -61,6 +67,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
     host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
+    #: turns run but not yet written (Postgres away) a host holds before it refuses new ones (503
+    #: storage_unavailable); 0: twice host_max_inflight (actors.host)
+    host_max_unwritten: int = 0
+    host_max_unwritten_per_session: int = UNWRITTEN_PER_SESSION_MAX  # likewise, of one session
     host_max_sessions: int = 10_000  # live sessions per host; beyond, the least recently used passivate
     host_lane: bool = True  # gateways send turns to shard hosts over their lane, not Ray's task path
     catalog_check: CatalogCheck = "notify"  # "read": every turn reads its tenant's catalog stamp
@@ -128,6 +138,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"CE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {get('CE_LOG_LEVEL')!r}",
                 variable="CE_LOG_LEVEL",
             )
+        max_inflight = _int(get, "CE_HOST_MAX_INFLIGHT", 256, minimum=1)
         return cls(
             database_url=database_url,
             ray_address=get("RAY_ADDRESS"),
@@ -150,7 +161,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
-            host_max_inflight=_int(get, "CE_HOST_MAX_INFLIGHT", 256, minimum=1),
+            host_max_inflight=max_inflight,
+            host_max_unwritten=_max_unwritten(get, max_inflight),
+            host_max_unwritten_per_session=_int(
+                get, "CE_HOST_MAX_UNWRITTEN_PER_SESSION", UNWRITTEN_PER_SESSION_MAX,
+                minimum=UNWRITTEN_PER_SESSION_MIN, maximum=UNWRITTEN_PER_SESSION_MAX),
             host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
             host_lane=_switch(get, "CE_HOST_LANE", True),
             catalog_check=_catalog_check(get),
@@ -178,6 +193,21 @@ def _is_tty() -> bool:
     import sys
 
     return sys.stderr.isatty()
+
+
+def _max_unwritten(get, max_inflight: int) -> int:
+    """CE_HOST_MAX_UNWRITTEN: 0 (the default: twice CE_HOST_MAX_INFLIGHT) or at least
+    CE_HOST_MAX_INFLIGHT. Below it, a healthy host whose admitted turns all wait at the output gate
+    at once (each unwritten until its flush commits) would turn new ones away as if Postgres were
+    down."""
+    value = _int(get, "CE_HOST_MAX_UNWRITTEN", 0, minimum=0)
+    if 0 < value < max_inflight:
+        raise ConfigError(
+            f"CE_HOST_MAX_UNWRITTEN must be 0 (twice CE_HOST_MAX_INFLIGHT) or at least CE_HOST_MAX_INFLIGHT "
+            f"({max_inflight}), got {value}: below it a healthy host would refuse turns waiting only for "
+            "their flush", variable="CE_HOST_MAX_UNWRITTEN",
+        )
+    return value
 
 
 def _int(get, name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:

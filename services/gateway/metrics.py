@@ -53,12 +53,22 @@ class GatewayMetrics:
             "Reads of a stored answer for a client's message id the host's turn cache did not hold",
             ["host"], registry=r,
         )
+        self.unwritten_turns = Gauge(
+            "ce_host_unwritten_turns",
+            "Turns a host ran whose state is not written yet (Postgres away); at ce_host_unwritten_turns_cap "
+            "it refuses new turns (503 storage_unavailable)", ["host"], registry=r,
+        )
+        self.unwritten_cap = Gauge(
+            "ce_host_unwritten_turns_cap", "The unwritten turns a host holds before it refuses new ones",
+            ["host"], registry=r,
+        )
         self.host_up = Gauge(
             "ce_host_up", "1 when the host answered this scrape; 0 when it did not (its other series keep "
             "their last values)", ["host"], registry=r,
         )
         self._per_host = (self.live_sessions, self.flush_ms, self.flushes, self.flushed_sessions,
-                          self.host_turns, self.lane_turns, self.stored_turn_reads, self.host_up)
+                          self.host_turns, self.lane_turns, self.stored_turn_reads, self.unwritten_turns,
+                          self.unwritten_cap, self.host_up)
         self._hosts: set[str] = set()  # the hosts with series
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
@@ -115,6 +125,9 @@ class GatewayMetrics:
             self.host_turns.labels(host).set(s.get("turn_calls", 0))
             self.lane_turns.labels(host).set(s.get("lane_calls", 0))
             self.stored_turn_reads.labels(host).set(s.get("stored_turn_reads", 0))
+            self.unwritten_turns.labels(host).set(s.get("unwritten_turns", 0))
+            if "unwritten_turns_cap" in s:  # an older host does not say it
+                self.unwritten_cap.labels(host).set(s["unwritten_turns_cap"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

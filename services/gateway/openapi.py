@@ -76,6 +76,17 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 }
 _DEFAULT = ("200", (*_V1, "404"))
 
+#: why a turn is refused, as a client reads it (services.errors.Overloaded's reasons; the problem's
+#: detail says which): each is sent again after Retry-After, with the same message_id
+_TURN_429 = ("problem: the tenant's message rate or turns in flight, or the session's queue of waiting "
+             "messages, is full; nothing was run: send it again after Retry-After")
+_TURN_503 = (
+    "problem, one of: the session host is at its admission limit, shutting down, restarting, or the session "
+    "is moving to another host (nothing was run); the reply is ready but its state could not be saved yet "
+    "(database unavailable: the same message_id gets it once saved); the host holds as many turns it could "
+    "not save as it may (database unavailable: this message was not run, nothing of it happened). Send it "
+    "again after Retry-After with the same message_id"
+)
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before sending the same request again",
                                 "schema": {"type": "string"}}}
 _SSE = {"text/event-stream": {
@@ -163,6 +174,8 @@ def _core_document() -> dict[str, Any]:
 
     def turn(o: dict) -> dict:
         o["responses"]["200"]["content"].update(_SSE)
+        o["responses"]["429"]["description"] = _TURN_429
+        o["responses"]["503"]["description"] = _TURN_503
         o["responses"]["200"]["headers"] = {
             "Server-Timing": {"description": "ms: gateway (the whole turn here), host (the session host's part), "
                               "gate (the host's wait for durability); JSON replies only",

@@ -155,6 +155,11 @@ async def test_seed_000_check_order_registered_and_called_through_the_gateway(st
     assert tool_calls_total(after, "check_order", "success") == tool_calls_total(before, "check_order", "success") + 1
     up = {dict(labels)["host"]: value for (name, labels), value in after.items() if name == "ce_host_up"}
     assert up and set(up) == set(stack.placement.host_names()) and set(up.values()) == {1.0}, up
+    # every turn written: nothing held unwritten, and each host's cap as its settings make it
+    unwritten = {dict(labels)["host"]: v for (name, labels), v in after.items() if name == "ce_host_unwritten_turns"}
+    caps = {dict(labels)["host"]: v for (name, labels), v in after.items() if name == "ce_host_unwritten_turns_cap"}
+    assert unwritten == dict.fromkeys(up, 0.0), unwritten
+    assert caps == dict.fromkeys(up, float(2 * stack.settings.host_max_inflight)), caps
 
 
 async def test_auth_header_secret_is_in_no_response_and_only_encrypted_at_rest(stack, client, tenant, api, db):

@@ -177,6 +177,12 @@ async def test_a_turn_documents_its_json_reply_and_its_event_stream(gateway, pat
     assert "text/event-stream" in ok
     for status in ("429", "503"):
         assert "Retry-After" in gateway.doc["paths"][path]["post"]["responses"][status]["headers"]
+    # what each refusal means for the message: run or not, and what a retry gets
+    refused = gateway.doc["paths"][path]["post"]["responses"]["503"]["description"]
+    for cause in ("admission limit", "shutting down", "restarting", "moving to another host",
+                  "could not be saved yet", "this message was not run", "same message_id"):
+        assert cause in refused, cause
+    assert "nothing was run" in gateway.doc["paths"][path]["post"]["responses"]["429"]["description"]
 
 
 async def test_every_field_a_turn_reply_always_carries_is_required(gateway):

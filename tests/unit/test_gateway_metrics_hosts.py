@@ -9,12 +9,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.metrics import GatewayMetrics
 
 PER_HOST = ("ce_live_sessions", "ce_flush_last_ms", "ce_flushes", "ce_flushed_sessions", "ce_host_turns",
-            "ce_host_lane_turns", "ce_host_stored_turn_reads", "ce_host_up")
+            "ce_host_lane_turns", "ce_host_stored_turn_reads", "ce_host_unwritten_turns",
+            "ce_host_unwritten_turns_cap", "ce_host_up")
 
 
 def _stats(host: str, live: int) -> dict:
     return {"host": host, "live_sessions": live, "last_flush_ms": 1.5, "flushes": 10, "flushed_sessions": 20,
-            "turn_calls": 30, "lane_calls": 25, "stored_turn_reads": 2}
+            "turn_calls": 30, "lane_calls": 25, "stored_turn_reads": 2, "unwritten_turns": 3,
+            "unwritten_turns_cap": 512}
 
 
 def _hosts(metrics: GatewayMetrics) -> dict[str, set[str]]:
@@ -75,3 +77,13 @@ def test_an_expected_host_never_seen_is_reported_down():
     assert 'ce_live_sessions{host="ce-host-1"}' not in text  # no values to keep: none are made up
     metrics.observe_hosts([_stats("ce-host-0", 1), _stats("ce-host-1", 4)], expected=["ce-host-0", "ce-host-1"])
     assert 'ce_live_sessions{host="ce-host-1"} 4.0' in metrics.render().decode()
+
+
+def test_a_hosts_unwritten_turns_and_their_cap_are_gauges_an_alert_can_compare():
+    # Postgres away: turns pile up unwritten; at the cap the host refuses new ones (503
+    # storage_unavailable). An operator alerts before that, on the ratio of the two.
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([{**_stats("ce-host-0", 5), "unwritten_turns": 400}])
+    text = metrics.render().decode()
+    assert 'ce_host_unwritten_turns{host="ce-host-0"} 400.0' in text
+    assert 'ce_host_unwritten_turns_cap{host="ce-host-0"} 512.0' in text

@@ -144,3 +144,50 @@ def test_numbers_that_are_not_finite_or_out_of_range_and_unknown_levels_are_refu
 )
 def test_values_within_range_are_kept(env, field, value):
     assert getattr(Settings.from_env(env), field) == value
+
+
+def test_the_unwritten_turn_caps_default_to_twice_the_admission_and_the_turn_cache():
+    from actors.host import HostSettings, SessionHost
+    from actors.session import TURN_CACHE
+
+    s = Settings.from_env({})
+    assert (s.host_max_unwritten, s.host_max_unwritten_per_session) == (0, TURN_CACHE)
+    host = HostSettings.from_settings(Settings.from_env({"CE_HOST_MAX_INFLIGHT": "10"}))
+    assert (host.max_unwritten, host.max_unwritten_per_session) == (0, TURN_CACHE)
+    assert SessionHost(name="h", store=None, tenants=None, settings=host).stats()["unwritten_turns_cap"] == 20
+
+
+def test_the_unwritten_turn_caps_are_settings_a_host_runs_with():
+    from actors.host import HostSettings, SessionHost
+
+    s = Settings.from_env({"CE_HOST_MAX_INFLIGHT": "10", "CE_HOST_MAX_UNWRITTEN": "15",
+                           "CE_HOST_MAX_UNWRITTEN_PER_SESSION": "8"})
+    host = HostSettings.from_settings(s)
+    assert (host.max_unwritten, host.max_unwritten_per_session) == (15, 8)
+    assert SessionHost(name="h", store=None, tenants=None, settings=host).stats()["unwritten_turns_cap"] == 15
+
+
+@pytest.mark.parametrize(
+    ("env", "variable", "message"),
+    [
+        # below the admission limit, a healthy host's turns waiting at the gate would be refused
+        ({"CE_HOST_MAX_INFLIGHT": "100", "CE_HOST_MAX_UNWRITTEN": "50"}, "CE_HOST_MAX_UNWRITTEN",
+         r"CE_HOST_MAX_UNWRITTEN must be 0 \(twice CE_HOST_MAX_INFLIGHT\) or at least CE_HOST_MAX_INFLIGHT \(100\), got 50"),
+        ({"CE_HOST_MAX_UNWRITTEN": "-1"}, "CE_HOST_MAX_UNWRITTEN", r"CE_HOST_MAX_UNWRITTEN must be >= 0"),
+        ({"CE_HOST_MAX_UNWRITTEN_PER_SESSION": "2"}, "CE_HOST_MAX_UNWRITTEN_PER_SESSION",
+         r"CE_HOST_MAX_UNWRITTEN_PER_SESSION must be >= 4, got 2"),
+        ({"CE_HOST_MAX_UNWRITTEN_PER_SESSION": "65"}, "CE_HOST_MAX_UNWRITTEN_PER_SESSION",
+         r"CE_HOST_MAX_UNWRITTEN_PER_SESSION must be <= 64, got 65"),
+    ],
+)
+def test_unwritten_turn_caps_that_would_refuse_a_healthy_host_are_refused_at_start(env, variable, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Settings.from_env(env)
+    assert info.value.variable == variable
+
+
+def test_the_per_session_cap_is_never_above_the_turn_cache_it_protects():
+    from actors.session import TURN_CACHE
+    from services.settings import UNWRITTEN_PER_SESSION_MAX
+
+    assert UNWRITTEN_PER_SESSION_MAX == TURN_CACHE
