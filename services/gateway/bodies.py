@@ -181,6 +181,7 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     # fix, before "parameters has no ..." asks for a parameter that would not fill it either.
     if body.type == "backend_binding":
         check_binding_scope(holes, body)
+        check_parameter_map(body)
     if body.type == "webhook":
         check_protected_holes(holes, frozenset(body.protected))
     check_trusted_spellings(schema)
@@ -298,6 +299,39 @@ def check_binding_scope(holes: list[str], body: ToolCreate) -> None:
             f"the path uses {{{hole}}}, which `protected` lists{_as(listed, hole)}: the model may not supply it and "
             f"the engine's trusted context only holds {trusted}, so every call would fail; remove '{listed}' from "
             "`protected` to let the model supply it - at `$.protected`", path="$.protected",
+        )
+
+
+def check_parameter_map(body: ToolCreate) -> None:
+    """Raise InvalidInput (at `$.parameter_map`) for a rename that never applies: of a protected
+    name (the model is never offered it), or onto one, in any spelling `is_protected` accepts
+    (binding_arguments drops the model's value then, on every call: only `scope` sends the
+    tenant's id, and a name the tool's own `protected` lists comes from the model under no name)."""
+    protected = frozenset(body.protected)
+    forms = protected_forms(PROTECTED_KEYS | protected)
+    for model_name, backend_name in body.parameter_map.items():
+        if is_protected(model_name, forms):
+            raise InvalidInput(
+                f"parameter_map renames '{model_name}', a protected key the model may not supply, so the rename "
+                f"never applies; take '{model_name}' out of `parameter_map` - at `$.parameter_map`",
+                path="$.parameter_map",
+            )
+        if not is_protected(backend_name, forms):
+            continue
+        held = held_spellings(backend_name)
+        if held:
+            fix = (f"to send the authenticated tenant's id under that name, list {_either(held)} in `scope` (and "
+                   f"take the rename out); to let the model supply '{model_name}', rename it onto a name that is not "
+                   "a tenant/account key")
+            what = "a protected key"
+        else:
+            listed = _listed_as(backend_name, protected)
+            fix = (f"remove '{listed}' from `protected` to let the model supply it, or rename '{model_name}' onto "
+                   "another name")
+            what = f"which `protected` lists{_as(listed, backend_name)}"
+        raise InvalidInput(
+            f"parameter_map renames '{model_name}' onto '{backend_name}', {what}: the model may not supply it, so "
+            f"the value would be dropped on every call; {fix} - at `$.parameter_map`", path="$.parameter_map",
         )
 
 

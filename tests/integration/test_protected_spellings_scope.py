@@ -162,6 +162,21 @@ async def test_a_binding_saved_with_a_path_hole_spelling_a_tenant_key_another_wa
     assert "write the hole as {account_id} or {accountId} and list that key in `scope`" in problem["detail"]
 
 
+async def test_a_binding_renaming_a_parameter_onto_the_account_key_is_refused_at_save_and_by_patch(api: Api) -> None:
+    # before: 201, and every call dropped the model's value (only `scope` sends the tenant's id)
+    tool = {"name": "list_orders", "type": "backend_binding", "description": "List an account's orders.",
+            "path": "/orders", "parameters": {"acct": {"type": "string"}, "q": {"type": "string"}}}
+    status, problem = await api.call("POST", "/v1/tools", {**tool, "parameter_map": {"acct": "account_id"}})
+    assert status == 422, problem
+    assert "parameter_map renames 'acct' onto 'account_id', a protected key" in problem["detail"]
+    assert (await api.call("GET", "/v1/tools/list_orders"))[0] == 404, "nothing stored"
+    status, created = await api.call("POST", "/v1/tools", {**tool, "parameter_map": {"q": "query"}})
+    assert status == 201, created
+    status, problem = await api.call("PATCH", "/v1/tools/list_orders", {"parameter_map": {"acct": "accountId"}})
+    assert status == 422 and "onto 'accountId', a protected key" in problem["detail"], problem
+    assert (await api.call("GET", "/v1/tools/list_orders"))[1]["version"] == 1
+
+
 async def test_a_row_stored_before_with_a_required_misspelt_key_is_reported_and_fails_in_band_as_misconfigured(
     api: Api, upstream: Upstream,
 ) -> None:

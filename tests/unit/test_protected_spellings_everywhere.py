@@ -287,3 +287,38 @@ async def test_a_required_exact_spelling_is_still_filled_from_the_trusted_scope(
     outcome = await run_one(catalog, {"accountId": "tn_B"}, SCOPE)
     assert outcome.success, outcome.content
     assert handler.calls[0][0] == {"accountId": "tn_A"}
+
+
+@pytest.mark.parametrize(("rename", "held"), [("account_id", "'account_id' or 'accountId'"),
+                                               ("AccountId", "'account_id' or 'accountId'"),
+                                               ("TENANT_ID", "'tenant_id' or 'tenantId'")])
+def test_a_binding_renaming_a_parameter_onto_a_tenant_key_is_refused_at_the_map(rename, held) -> None:
+    # before: accepted, and binding_arguments dropped the model's value on every call: the model
+    # must never supply the tenant's id, so only `scope` may send it
+    error = refused(binding_body(path="/orders", scope=[], parameters={"acct": {"type": "string"}},
+                                 parameter_map={"acct": rename}))
+    assert error.path == "$.parameter_map"
+    assert f"parameter_map renames 'acct' onto '{rename}', a protected key" in str(error)
+    assert f"list {held} in `scope`" in str(error)
+
+
+def test_a_binding_renaming_a_parameter_onto_its_own_protected_name_is_refused_at_the_map() -> None:
+    error = refused(binding_body(path="/orders", scope=[], protected=["store_id"],
+                                 parameters={"store": {"type": "string"}}, parameter_map={"store": "StoreId"}))
+    assert error.path == "$.parameter_map"
+    assert "parameter_map renames 'store' onto 'StoreId', which `protected` lists as 'store_id'" in str(error)
+    assert "remove 'store_id' from `protected`" in str(error)
+
+
+def test_a_binding_renaming_a_protected_parameter_is_refused_at_the_map() -> None:
+    # the model is never offered a protected name, so a rename of it never applies
+    error = refused(binding_body(path="/orders", scope=[], parameters={"q": {"type": "string"}},
+                                 parameter_map={"account_id": "acct"}))
+    assert error.path == "$.parameter_map"
+    assert "parameter_map renames 'account_id', a protected key the model may not supply" in str(error)
+
+
+def test_a_binding_renaming_ordinary_parameters_is_stored_as_it_was() -> None:
+    d = definition_from_body(binding_body(parameters={"search": {"type": "string"}, "status": {"type": "string"}},
+                                          parameter_map={"search": "q"}), encrypt=lambda s: s)
+    assert d.parameter_map == {"search": "q"}
