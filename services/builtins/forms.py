@@ -70,7 +70,9 @@ def check_form(name: str, schema: Any) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise InvalidInput("the body must be a JSON schema object like {\"type\": \"object\", \"properties\": {...}}",
                            path="$")
-    check_schema(schema, where="$")
+    # formats are rules here, not annotations: one the engine does not check is refused, or the form
+    # would say `"format": "phone"` and store whatever a contact answers
+    check_schema(schema, where="$", checked_formats_only=True)
     return schema
 
 

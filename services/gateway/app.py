@@ -56,6 +56,7 @@ from services.wire import (
     TurnReply,
     TurnTiming,
 )
+from storage.repos.tools import ToolChanged
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +74,9 @@ UNKNOWN_KEY_TTL_S = 30.0
 UNKNOWN_KEY_CACHE_MAX = 4096
 #: the largest tool version (ce_tool_versions.version is a Postgres INTEGER)
 MAX_TOOL_VERSION = 2**31 - 1
+#: merges of a tool PATCH into the live version, each redone when a change was published meanwhile
+#: (storage.repos.tools.ToolChanged); past the last, 409 asks for the PATCH to be sent again
+PATCH_ATTEMPTS = 5
 RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
 BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 
@@ -559,14 +563,25 @@ async def patch_tool(request: web.Request) -> web.Response:
     tenant_id = request[TENANT]
     name = request.match_info["name"]
     patch: ToolPatch = await decode_body(request, ToolPatch)
-    current = await deps.tools.get(tenant_id, name)
-    merged, kept_auth = patched_body(current.definition, patch, policy=deps.webhook_policy)
-    definition = definition_from_body(merged, encrypt=_encrypt(deps), policy=deps.webhook_policy)
-    data = msgspec.to_builtins(definition)
-    if kept_auth and not data.get("auth_header_enc"):
-        data["auth_header_enc"] = kept_auth
-    version = await deps.tools.new_version(tenant_id, name, data, publish=patch.publish)
-    return json_response(tool_view(version.definition, version=version.version, extra={"published": patch.publish}))
+    for attempt in range(1, PATCH_ATTEMPTS + 1):
+        # Merged into the live version, and stored only while that version is still the live one:
+        # a change published meanwhile (another PATCH, a rollback) is merged into again, so
+        # neither is lost, and the origin rule is judged on the version the write replaces.
+        current = await deps.tools.get(tenant_id, name)
+        merged, kept_auth = patched_body(current.definition, patch, policy=deps.webhook_policy)
+        definition = definition_from_body(merged, encrypt=_encrypt(deps), policy=deps.webhook_policy)
+        data = msgspec.to_builtins(definition)
+        if kept_auth and not data.get("auth_header_enc"):
+            data["auth_header_enc"] = kept_auth
+        try:
+            version = await deps.tools.new_version(tenant_id, name, data, publish=patch.publish,
+                                                   based_on=current.version)
+        except ToolChanged:
+            if attempt == PATCH_ATTEMPTS:
+                raise  # 409: changed under it every time; the problem says to send it again
+            continue
+        return json_response(tool_view(version.definition, version=version.version, extra={"published": patch.publish}))
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 async def delete_tool(request: web.Request) -> web.Response:

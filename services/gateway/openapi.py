@@ -36,7 +36,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("GET", "/v1/tools"): ("200", _V1),
     ("GET", "/v1/tools/contract"): ("200", _V1),
     ("GET", "/v1/tools/{name}"): ("200", (*_V1, "404")),
-    ("PATCH", "/v1/tools/{name}"): ("200", (*_V1, *_BODY, "404")),
+    ("PATCH", "/v1/tools/{name}"): ("200", (*_V1, *_BODY, "404", "409")),  # 409: changed under it PATCH_ATTEMPTS times
     ("DELETE", "/v1/tools/{name}"): ("204", (*_V1, "404")),
     ("GET", "/v1/tools/{name}/versions"): ("200", (*_V1, "404")),
     ("POST", "/v1/tools/{name}/versions/{version}/publish"): ("200", (*_V1, "404")),  # reads no body

@@ -118,3 +118,11 @@ class ToolCrashed(ToolError):
     """A handler raised something unexpected; details go to the log, not to the model."""
 
     kind = "tool_crashed"
+
+
+#: the advice of a call no argument from the model could make valid (a protected URL hole or
+#: required parameter nothing fills): the business's configuration, never the customer's to fix
+MISCONFIGURED_ADVICE = (
+    "This is a configuration problem of the business, not a detail the customer can give: tell them "
+    "this action is unavailable right now and offer another way to help."
+)

@@ -44,6 +44,7 @@ import structlog
 from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.errors import (
+    MISCONFIGURED_ADVICE,
     ApprovalDenied,
     Interrupted,
     InvalidArguments,
@@ -70,12 +71,6 @@ RETRY_BASE_S = 0.1
 #: are not kept (recording them, redacted at every depth, would run out of stack)
 MAX_ARGUMENT_DEPTH = MAX_VALUE_DEPTH
 _TOO_DEEP = {"_": f"the arguments nested more than {MAX_ARGUMENT_DEPTH} levels deep and were not kept"}
-#: a call no argument from the model could make valid (a required protected parameter nothing
-#: fills): the same words as the webhook client's for a protected URL hole nothing fills
-MISCONFIGURED_ADVICE = (
-    "This is a configuration problem of the business, not a detail the customer can give: tell them "
-    "this action is unavailable right now and offer another way to help."
-)
 
 OnProgress = Callable[["PreparedCall", int, "str | None"], Awaitable[None]]
 

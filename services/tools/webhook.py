@@ -52,6 +52,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, SecretDecryptError
 from services.tools.errors import (
+    MISCONFIGURED_ADVICE,
     DeadlineExceeded,
     InvalidArguments,
     PolicyDenied,
@@ -135,10 +136,6 @@ _MALFORMED_ADVICE = "Tell the customer you cannot read the answer from the servi
 _TOO_DEEP_ADVICE = (
     "Tell the customer you cannot read the answer from the service right now; calling it again will "
     "not help until the business fixes what it returns."
-)
-_MISCONFIGURED_ADVICE = (
-    "This is a configuration problem of the business, not a detail the customer can give: tell them "
-    "this action is unavailable right now and offer another way to help."
 )
 _CREDENTIALS_ADVICE = "Tell the customer you cannot access this right now; the business has to update the tool's credentials."
 
@@ -542,7 +539,7 @@ class WebhookClient:
                 raise PolicyDenied(
                     f"the url needs {{{hole}}}, which only the business's trusted context may fill, and it "
                     "holds no value for it: the tool is misconfigured",
-                    advice=_MISCONFIGURED_ADVICE,
+                    advice=MISCONFIGURED_ADVICE,
                     tool_name=tool.name,
                 )
             clean[hole] = args[hole]

@@ -18,7 +18,7 @@ from typing import Any
 
 import asyncpg
 
-from services.errors import InvalidInput, NotFound
+from services.errors import Conflict, InvalidInput, NotFound
 from storage.errors import translate
 from storage.records import PublishedTool, ToolVersion
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
@@ -75,6 +75,17 @@ def _version(row: asyncpg.Record, *, published: bool) -> ToolVersion:
         tenant_id=row["tenant_id"], name=row["name"], version=row["version"],
         definition=row["definition"], created_at=row["created_at"], published=published,
     )
+
+
+class ToolChanged(Conflict):
+    """A new version was merged from a live version that another change has since replaced."""
+
+    def __init__(self, name: str, *, live: int, read: int) -> None:
+        super().__init__(
+            f"tool {name!r} changed while this change was prepared (version {live} is live now, the change was "
+            f"made from version {read}); nothing was stored: send it again to apply it to version {live}"
+        )
+        self.live = live
 
 
 def _not_found(name: str) -> NotFound:
@@ -151,21 +162,26 @@ class ToolRepo:
         return _version(row, published=True)
 
     async def new_version(
-        self, tenant_id: str, name: str, definition: dict[str, Any], *, publish: bool = False
+        self, tenant_id: str, name: str, definition: dict[str, Any], *, publish: bool = False,
+        based_on: int | None = None,
     ) -> ToolVersion:
         """Store a new version of an existing tool; publish it at once when `publish`.
 
         The type defaults to the live tool's. Publishing a new definition takes its `enabled`.
-        Raises NotFound when the tenant has no live tool `name`.
+        Raises NotFound when the tenant has no live tool `name`, and ToolChanged, storing nothing,
+        when `based_on` (the live version `definition` was merged from) is no longer the live one:
+        judged on the locked row, so two merges of one version cannot both be stored.
         """
         with translate("adding a tool version"):
             async with self._pool.acquire() as conn, conn.transaction():
                 live = await conn.fetchrow(
-                    "SELECT type FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
+                    "SELECT type, version FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
                     tenant_id, name,
                 )
                 if live is None:
                     raise _not_found(name)
+                if based_on is not None and live["version"] != based_on:
+                    raise ToolChanged(name, live=live["version"], read=based_on)
                 type_ = definition.get("type", live["type"]) if isinstance(definition, dict) else live["type"]
                 d = _normalise(name, type_, definition)
                 cols = _seed_columns(type_, d)

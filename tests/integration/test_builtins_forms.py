@@ -134,6 +134,11 @@ async def test_an_edited_form_validates_with_its_new_schema(pool, make_tenant):
     ("quote", {"type": "array"}, r"must be a JSON-schema object"),
     ("quote", {"type": "object", "properties": {"a": {"type": "nonsense"}}}, r"invalid JSON schema: .* - at `\$.properties.a.type`"),
     ("1bad", {"type": "object"}, r"form name '1bad' must be"),
+    # a format nothing checks would let any answer through while the form says otherwise: before,
+    # saved, and a contact's "call me maybe" stored as a phone number
+    ("quote", {"type": "object", "properties": {"phone": {"type": "string", "format": "phone"}}},
+     (r"format 'phone' is not a format this engine checks; use a `pattern` for it; the formats checked are "
+      r".*email.* - at `\$.properties.phone.format`")),
 ])
 def test_a_broken_form_definition_is_refused_for_the_admin(name, schema, message):
     with pytest.raises(InvalidInput, match=message):
