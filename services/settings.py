@@ -34,10 +34,12 @@ IDLE_SECONDS_MAX = 86_400.0
 FLUSH_INTERVAL_MS_MAX = 1_000.0
 #: CE_HOST_MAX_UNWRITTEN_PER_SESSION's bounds. At most the turn cache (actors.session.TURN_CACHE):
 #: the cache keeps every unwritten answer beyond its latest TURN_CACHE, so it stays at most twice
-#: that size. At least 4: a session's next turn may run while the one before waits at the gate,
-#: so a healthy session briefly holds two or three turns not yet written.
+#: that size. At least a session's mailbox and the turn running (actors.host.HostSettings.mailbox
+#: + 1): a turn waits at the gate with its session's lock released, so the messages queued behind
+#: it run one after another while one slow flush is still in flight, each unwritten until it
+#: commits, on a host whose Postgres is healthy.
 UNWRITTEN_PER_SESSION_MAX = 64
-UNWRITTEN_PER_SESSION_MIN = 4
+UNWRITTEN_PER_SESSION_MIN = 17
 
 _REDACTED = "[redacted]"
 _URL_FIELDS = frozenset({"database_url", "anthropic_base_url", "otlp_endpoint"})

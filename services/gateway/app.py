@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import random
 import re
 import time
 import uuid
@@ -575,10 +576,12 @@ async def patch_tool(request: web.Request) -> web.Response:
             data["auth_header_enc"] = kept_auth
         try:
             version = await deps.tools.new_version(tenant_id, name, data, publish=patch.publish,
-                                                   based_on=current.version)
+                                                   based_on=current)
         except ToolChanged:
             if attempt == PATCH_ATTEMPTS:
                 raise  # 409: changed under it every time; the problem says to send it again
+            # a moment apart, so PATCHes from several gateways that collided do not collide again in step
+            await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
             continue
         return json_response(tool_view(version.definition, version=version.version, extra={"published": patch.publish}))
     raise AssertionError("unreachable")  # the loop returns or raises

@@ -320,9 +320,9 @@ def check_parameter_map(body: ToolCreate) -> None:
             continue
         held = held_spellings(backend_name)
         if held:
-            fix = (f"to send the authenticated tenant's id under that name, list {_either(held)} in `scope` (and "
-                   f"take the rename out); to let the model supply '{model_name}', rename it onto a name that is not "
-                   "a tenant/account key")
+            fix = (f"to send the authenticated tenant's id, list {_either(held)} in `scope` (the backend gets it "
+                   f"under that name) and take the rename out; to let the model supply '{model_name}', rename it onto "
+                   "a name that is not a tenant/account key")
             what = "a protected key"
         else:
             listed = _listed_as(backend_name, protected)

@@ -125,8 +125,8 @@ class GatewayMetrics:
             self.host_turns.labels(host).set(s.get("turn_calls", 0))
             self.lane_turns.labels(host).set(s.get("lane_calls", 0))
             self.stored_turn_reads.labels(host).set(s.get("stored_turn_reads", 0))
-            self.unwritten_turns.labels(host).set(s.get("unwritten_turns", 0))
-            if "unwritten_turns_cap" in s:  # an older host does not say it
+            if "unwritten_turns" in s:  # an older host says neither: no sample rather than a false 0
+                self.unwritten_turns.labels(host).set(s["unwritten_turns"])
                 self.unwritten_cap.labels(host).set(s["unwritten_turns_cap"])
 
     def render(self) -> bytes:

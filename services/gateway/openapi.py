@@ -83,9 +83,10 @@ _TURN_429 = ("problem: the tenant's message rate or turns in flight, or the sess
 _TURN_503 = (
     "problem, one of: the session host is at its admission limit, shutting down, restarting, or the session "
     "is moving to another host (nothing was run); the reply is ready but its state could not be saved yet "
-    "(database unavailable: the same message_id gets it once saved); the host holds as many turns it could "
-    "not save as it may (database unavailable: this message was not run, nothing of it happened). Send it "
-    "again after Retry-After with the same message_id"
+    "(database unavailable: the same message_id gets it once saved); the host, or this session, already "
+    "holds the most turns it may hold unsaved (database unavailable: this message was not run, nothing of "
+    "it happened); the gateway could not reach the database to check the key. Send it again after "
+    "Retry-After with the same message_id (a message sent without one: the X-Message-Id header of this answer)"
 )
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before sending the same request again",
                                 "schema": {"type": "string"}}}

@@ -82,8 +82,9 @@ class ToolChanged(Conflict):
 
     def __init__(self, name: str, *, live: int, read: int) -> None:
         super().__init__(
-            f"tool {name!r} changed while this change was prepared (version {live} is live now, the change was "
-            f"made from version {read}); nothing was stored: send it again to apply it to version {live}"
+            f"tool {name!r} changed while this change was prepared (version {live} is live now; the change was "
+            f"made from version {read} as it was then); nothing was stored: send it again to apply it to what is "
+            "live now"
         )
         self.live = live
 
@@ -163,25 +164,29 @@ class ToolRepo:
 
     async def new_version(
         self, tenant_id: str, name: str, definition: dict[str, Any], *, publish: bool = False,
-        based_on: int | None = None,
+        based_on: PublishedTool | None = None,
     ) -> ToolVersion:
         """Store a new version of an existing tool; publish it at once when `publish`.
 
         The type defaults to the live tool's. Publishing a new definition takes its `enabled`.
         Raises NotFound when the tenant has no live tool `name`, and ToolChanged, storing nothing,
-        when `based_on` (the live version `definition` was merged from) is no longer the live one:
-        judged on the locked row, so two merges of one version cannot both be stored.
+        when `based_on` (the live tool as read when `definition` was merged from it) is no longer
+        what is live: another version published, or the live tool switched on or off since
+        (`set_enabled`: same version, later `updated_at`). Judged on the locked row, so two merges
+        of one live tool cannot both be published.
         """
         with translate("adding a tool version"):
             async with self._pool.acquire() as conn, conn.transaction():
                 live = await conn.fetchrow(
-                    "SELECT type, version FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
+                    "SELECT type, version, updated_at FROM ce_custom_tools "
+                    "WHERE tenant_id = $1 AND name = $2 FOR UPDATE",
                     tenant_id, name,
                 )
                 if live is None:
                     raise _not_found(name)
-                if based_on is not None and live["version"] != based_on:
-                    raise ToolChanged(name, live=live["version"], read=based_on)
+                if based_on is not None and (live["version"], live["updated_at"]) != (
+                        based_on.version, based_on.updated_at):
+                    raise ToolChanged(name, live=live["version"], read=based_on.version)
                 type_ = definition.get("type", live["type"]) if isinstance(definition, dict) else live["type"]
                 d = _normalise(name, type_, definition)
                 cols = _seed_columns(type_, d)

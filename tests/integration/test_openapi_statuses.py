@@ -180,7 +180,8 @@ async def test_a_turn_documents_its_json_reply_and_its_event_stream(gateway, pat
     # what each refusal means for the message: run or not, and what a retry gets
     refused = gateway.doc["paths"][path]["post"]["responses"]["503"]["description"]
     for cause in ("admission limit", "shutting down", "restarting", "moving to another host",
-                  "could not be saved yet", "this message was not run", "same message_id"):
+                  "could not be saved yet", "or this session", "this message was not run", "same message_id",
+                  "X-Message-Id"):
         assert cause in refused, cause
     assert "nothing was run" in gateway.doc["paths"][path]["post"]["responses"]["429"]["description"]
 

@@ -92,19 +92,26 @@ async def test_two_patches_at_once_both_reach_the_live_tool(gw: Gateway) -> None
 
 async def test_a_patch_racing_a_rollback_applies_to_the_version_published_last(gw: Gateway) -> None:
     gw.tools.held = 0
+    first = (await gw.call("GET", "/v1/tools/order_status"))[1]
+    assert first["timeout_ms"] != 7000, first
     assert (await gw.call("PATCH", "/v1/tools/order_status", {"timeout_ms": 7000}))[0] == 200  # version 2, live
     gw.tools.held = 1
     gw.tools.together = asyncio.Barrier(2)
     patch = asyncio.create_task(gw.call("PATCH", "/v1/tools/order_status", {"description": "Orders, v3."}))
-    while gw.tools.held:  # the PATCH has read version 2
-        await asyncio.sleep(0.01)
+
+    async def read_by_the_patch() -> None:
+        while gw.tools.held:  # the PATCH has read version 2
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(read_by_the_patch(), 10)
     assert (await gw.call("POST", "/v1/tools/order_status/versions/1/publish"))[0] == 200  # rolled back to 1
-    await gw.tools.together.wait()
-    status, patched = await patch
+    await asyncio.wait_for(gw.tools.together.wait(), 10)
+    status, patched = await asyncio.wait_for(patch, 10)
     assert status == 200, patched
     live = (await gw.call("GET", "/v1/tools/order_status"))[1]
     # merged onto version 1 (the rollback), not onto version 2 the PATCH first read
-    assert live["description"] == "Orders, v3." and live["timeout_ms"] != 7000, live
+    assert live["version"] == 3 and live["description"] == "Orders, v3.", live
+    assert live["timeout_ms"] == first["timeout_ms"], live
 
 
 async def test_the_repository_refuses_a_version_built_on_one_no_longer_live(pool, make_tenant) -> None:
@@ -113,10 +120,10 @@ async def test_the_repository_refuses_a_version_built_on_one_no_longer_live(pool
     await repo.create(tenant.id, "ping", "webhook", {**TOOL, "name": "ping"})
     live = await repo.get(tenant.id, "ping")
     await repo.new_version(tenant.id, "ping", {**TOOL, "name": "ping", "timeout_ms": 5000}, publish=True,
-                           based_on=live.version)
+                           based_on=live)
     with pytest.raises(ToolChanged, match=r"tool 'ping' changed while this change was prepared \(version 2 is live"):
         await repo.new_version(tenant.id, "ping", {**TOOL, "name": "ping", "timeout_ms": 6000}, publish=True,
-                               based_on=live.version)
+                               based_on=live)
     assert [v.version for v in await repo.versions(tenant.id, "ping")] == [1, 2], "nothing stored"
 
 
@@ -145,3 +152,18 @@ async def test_a_patch_the_tool_keeps_changing_under_is_409_and_stores_nothing_o
     versions = await ToolRepo(pool).versions(tenant.id, "order_status")
     assert len(versions) == 1 + PATCH_ATTEMPTS, "one change published after each of the PATCH's reads"
     assert all(v.definition["description"] != "Never stored." for v in versions)
+
+
+async def test_a_version_built_before_the_tool_was_switched_off_is_refused(pool, make_tenant) -> None:
+    # the same version stays live when a tool is switched off: a merge of what was read before
+    # would publish it switched on again
+    tenant, _key = await make_tenant("switched")
+    repo = ToolRepo(pool)
+    await repo.create(tenant.id, "ping", "webhook", {**TOOL, "name": "ping"})
+    live = await repo.get(tenant.id, "ping")
+    off = await repo.set_enabled(tenant.id, "ping", False)
+    assert off.version == live.version
+    with pytest.raises(ToolChanged):
+        await repo.new_version(tenant.id, "ping", {**live.definition, "timeout_ms": 6000}, publish=True, based_on=live)
+    now = await repo.get(tenant.id, "ping")
+    assert now.enabled is False and now.version == live.version

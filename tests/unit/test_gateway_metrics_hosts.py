@@ -87,3 +87,13 @@ def test_a_hosts_unwritten_turns_and_their_cap_are_gauges_an_alert_can_compare()
     text = metrics.render().decode()
     assert 'ce_host_unwritten_turns{host="ce-host-0"} 400.0' in text
     assert 'ce_host_unwritten_turns_cap{host="ce-host-0"} 512.0' in text
+
+
+def test_a_host_that_does_not_count_unwritten_turns_gets_no_sample_rather_than_a_false_zero():
+    # an older host during a rolling upgrade: its stats say neither figure
+    metrics = GatewayMetrics()
+    old = {k: v for k, v in _stats("ce-host-0", 5).items() if not k.startswith("unwritten")}
+    metrics.observe_hosts([old, _stats("ce-host-1", 6)])
+    seen = _hosts(metrics)
+    assert seen["ce_host_unwritten_turns"] == {"ce-host-1"} and seen["ce_host_unwritten_turns_cap"] == {"ce-host-1"}
+    assert seen["ce_live_sessions"] == {"ce-host-0", "ce-host-1"}

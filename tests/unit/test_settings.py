@@ -161,10 +161,14 @@ def test_the_unwritten_turn_caps_are_settings_a_host_runs_with():
     from actors.host import HostSettings, SessionHost
 
     s = Settings.from_env({"CE_HOST_MAX_INFLIGHT": "10", "CE_HOST_MAX_UNWRITTEN": "15",
-                           "CE_HOST_MAX_UNWRITTEN_PER_SESSION": "8"})
+                           "CE_HOST_MAX_UNWRITTEN_PER_SESSION": "20"})
     host = HostSettings.from_settings(s)
-    assert (host.max_unwritten, host.max_unwritten_per_session) == (15, 8)
+    assert (host.max_unwritten, host.max_unwritten_per_session) == (15, 20)
     assert SessionHost(name="h", store=None, tenants=None, settings=host).stats()["unwritten_turns_cap"] == 15
+    # the least either may be: the admission limit, and a session's mailbox and running turn
+    edge = Settings.from_env({"CE_HOST_MAX_INFLIGHT": "10", "CE_HOST_MAX_UNWRITTEN": "10",
+                              "CE_HOST_MAX_UNWRITTEN_PER_SESSION": "17"})
+    assert (edge.host_max_unwritten, edge.host_max_unwritten_per_session) == (10, 17)
 
 
 @pytest.mark.parametrize(
@@ -174,8 +178,8 @@ def test_the_unwritten_turn_caps_are_settings_a_host_runs_with():
         ({"CE_HOST_MAX_INFLIGHT": "100", "CE_HOST_MAX_UNWRITTEN": "50"}, "CE_HOST_MAX_UNWRITTEN",
          r"CE_HOST_MAX_UNWRITTEN must be 0 \(twice CE_HOST_MAX_INFLIGHT\) or at least CE_HOST_MAX_INFLIGHT \(100\), got 50"),
         ({"CE_HOST_MAX_UNWRITTEN": "-1"}, "CE_HOST_MAX_UNWRITTEN", r"CE_HOST_MAX_UNWRITTEN must be >= 0"),
-        ({"CE_HOST_MAX_UNWRITTEN_PER_SESSION": "2"}, "CE_HOST_MAX_UNWRITTEN_PER_SESSION",
-         r"CE_HOST_MAX_UNWRITTEN_PER_SESSION must be >= 4, got 2"),
+        ({"CE_HOST_MAX_UNWRITTEN_PER_SESSION": "16"}, "CE_HOST_MAX_UNWRITTEN_PER_SESSION",
+         r"CE_HOST_MAX_UNWRITTEN_PER_SESSION must be >= 17, got 16"),
         ({"CE_HOST_MAX_UNWRITTEN_PER_SESSION": "65"}, "CE_HOST_MAX_UNWRITTEN_PER_SESSION",
          r"CE_HOST_MAX_UNWRITTEN_PER_SESSION must be <= 64, got 65"),
     ],
@@ -191,3 +195,10 @@ def test_the_per_session_cap_is_never_above_the_turn_cache_it_protects():
     from services.settings import UNWRITTEN_PER_SESSION_MAX
 
     assert UNWRITTEN_PER_SESSION_MAX == TURN_CACHE
+
+
+def test_the_least_per_session_cap_holds_a_sessions_mailbox_and_its_running_turn():
+    from actors.host import HostSettings
+    from services.settings import UNWRITTEN_PER_SESSION_MIN
+
+    assert UNWRITTEN_PER_SESSION_MIN == HostSettings().mailbox + 1
