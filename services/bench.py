@@ -348,7 +348,6 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     way_sessions: dict[str, list[str]] = {}  # interleaved: way -> its sessions ("inprocess" runs here)
     urls: dict[str, str] = {}  # interleaved: way -> its gateway's URL (every way but "inprocess")
     slices: int = 10  # interleaved: each way's messages are sent in this many slices, ways in turns
-    lead_in: float = 0.0  # interleaved: seconds each way sends at the rate, in turns, before the timed slices
 
 
 async def _worker(spec: WorkerSpec) -> None:
@@ -403,10 +402,6 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         _ERRORS.clear()
         _say({"event": "ready", "pid": os.getpid()})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
-        lead = int(spec.lead_in * (spec.rate or 1.0))
-        for way in senders if lead else ():  # untimed: what the phase before left behind settles
-            await open_loop(senders[way], spec.way_sessions[way], spec.rate or 1.0, lead, text)
-        _ERRORS.clear()
         slices = []
         host_slices = []  # the same slices, the session host's own time of each turn
         gates: dict[str, list[float]] = {}  # per way, each turn's wait at the output gate
@@ -1068,7 +1063,6 @@ class Bench:
             mode="interleaved", sessions=[], concurrency=a.concurrency, messages=messages, rate=rate,
             warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key,
             settings=msgspec.json.encode(settings), urls=urls, slices=a.half_load_slices,
-            lead_in=a.half_load_lead_in,
             way_sessions={w: [f"{tag}-{w}-{i}" for i in range(max(a.sessions, a.concurrency))] for w in ways})
         worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
         try:
@@ -1644,8 +1638,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--half-load-variant", action="append", default=[], metavar="CE_NAME=VALUE",
                    help="also run (b) in the half-peak run on hosts of their own with this setting "
                         "(repeat for more), slice by slice beside the others: a setting's effect, paired")
-    p.add_argument("--half-load-lead-in", type=float, default=0.0, metavar="SECONDS",
-                   help="each way sends this long at the rate, in turns, before the timed slices (not counted)")
     p.add_argument("--no-via-ray", dest="via_ray", action="store_false",
                    help="leave (b) through Ray's actor task path out of the half-peak latency runs")
     p.add_argument("--half-load-rate", type=float, default=None,
