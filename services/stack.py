@@ -9,6 +9,7 @@ and the gateway. Tests start this same code path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
         scope=["account_id"], intents=["shopping"],
     ), encrypt=box.encrypt)
     from services.errors import NotFound
+    from storage.repos.tools import ToolChanged
 
     # Seeded once: what the tenant changed since (a persona set with PUT /v1/bot-config or the
     # dashboard, a tool edited or a form changed) is theirs and survives a restart. The demo
@@ -196,8 +198,10 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
             continue
         moved = _at_the_demo_store(live.definition.get("webhook_url"), store_url)
         if moved is not None:
-            await tools.new_version(tenant.id, live.name, {**live.definition, "webhook_url": moved,
-                                                           "enabled": live.enabled}, publish=True)
+            # only onto the tool as read: a change the tenant published meanwhile is theirs to keep
+            with contextlib.suppress(ToolChanged):
+                await tools.new_version(tenant.id, live.name, {**live.definition, "webhook_url": moved,
+                                                               "enabled": live.enabled}, publish=True, based_on=live)
     config = await configs.get(tenant.id)
     backend = config.get("backend") if isinstance(config, dict) else None
     moved = _at_the_demo_store(backend.get("base_url"), store_url) if isinstance(backend, dict) else None
