@@ -55,7 +55,7 @@ class GatewayMetrics:
         )
         self.unwritten_turns = Gauge(
             "ce_host_unwritten_turns",
-            "Turns a host ran whose state is not written yet (Postgres away); at ce_host_unwritten_turns_cap "
+            "Turns a host ran whose state is not written yet (the database away); at ce_host_unwritten_turns_cap "
             "it refuses new turns (503 storage_unavailable)", ["host"], registry=r,
         )
         self.unwritten_cap = Gauge(

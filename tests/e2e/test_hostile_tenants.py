@@ -190,11 +190,16 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
             "order_id": {"type": "string"}, "account_id": {"type": "string"}, "filter": {"type": "object"}}),
         webhook("lookup", f"{backend.url}/ok/lookup/{{order_id}}"),
         {"name": "search", "type": "backend_binding", "description": "search the catalog", "path": "/ok/search",
-         "parameters": {"q": {"type": "string"}, "customer": {"type": "string"}},
-         "parameter_map": {"customer": "account_id"}, "scope": ["account_id"]},
+         "parameters": {"q": {"type": "string"}}, "scope": ["account_id"]},
     ):
         status, created = await api.call("POST", "/v1/tools", body)
         assert status == 201, created
+    # a rename of a model parameter onto the account key is refused when saved (it could never apply)
+    status, problem = await api.call("POST", "/v1/tools", {
+        "name": "search_as", "type": "backend_binding", "description": "search the catalog", "path": "/ok/search",
+        "parameters": {"q": {"type": "string"}, "customer": {"type": "string"}},
+        "parameter_map": {"customer": "account_id"}, "scope": ["account_id"]})
+    assert status == 422 and "`$.parameter_map`" in problem["detail"], problem
     assert (await api.call("PUT", "/v1/bot-config", {"backend": {"base_url": backend.url}}))[0] == 200
 
     theirs = {"tenant_id": b_id, "tenantId": b_id, "account_id": b_id, "accountId": b_id}
@@ -202,7 +207,7 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
     reply = await api.chat(f"ids-{secrets.token_hex(3)}", call_lines(
         ("record_order", {"order_id": "1", **theirs, "filter": {"account_id": b_id, "items": [{"tenantId": b_id}]}}),
         ("lookup", {"order_id": "2", **theirs}),
-        ("search", {"q": "shoes", "customer": b_id, **theirs}),
+        ("search", {"q": "shoes", **theirs}),
     ))
     assert [c["success"] for c in reply["tool_calls"]] == [True, True, True], reply
     sent = backend.requests[before:]
