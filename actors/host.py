@@ -305,6 +305,7 @@ class SessionHost:
         self._count_unwritten(key, entry)
 
     def stats(self) -> dict[str, Any]:
+        paused, longest = heap.PAUSES.read()
         return {
             "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
@@ -315,6 +316,8 @@ class SessionHost:
             "reactivation_p50_ms": _percentile(self.reactivation_ms, 50),
             "reactivation_p99_ms": _percentile(self.reactivation_ms, 99),
             "gc_collections": heap.collections(),  # the process's, every generation
+            # the process's collector pauses (measured once tune_collector ran: server processes)
+            "gc_pause_s_total": paused, "gc_pause_longest_s": longest,
         }
 
     # -- turns ------------------------------------------------------------------------------

@@ -16,7 +16,11 @@ at 10,000, 7 young collections, 23-36 ms in all, none older; resident memory the
 
 from __future__ import annotations
 
+import collections as _collections
 import gc
+import time
+from collections.abc import Callable
+from typing import Any
 
 #: the youngest generation's threshold in a server process (CPython's default is 700)
 YOUNG_THRESHOLD = 10_000
@@ -24,12 +28,67 @@ YOUNG_THRESHOLD = 10_000
 
 def tune_collector() -> tuple[int, int, int]:
     """Raise the young generation's threshold to YOUNG_THRESHOLD, leaving the older ones as
-    they are; returns the thresholds now in force. Call once, early, in a server process."""
+    they are, and start measuring the collector's pauses (PAUSES); returns the thresholds now in
+    force. Call once, early, in a server process."""
     _young, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+    PAUSES.install()
     return gc.get_threshold()
 
 
 def collections() -> int:
     """Cyclic-GC collections this process has run so far, all generations."""
     return sum(generation["collections"] for generation in gc.get_stats())
+
+
+#: how far back `CollectorPauses.read` looks for the longest pause
+PAUSE_WINDOW_S = 60.0
+#: pauses shorter than this are only added to the total (the window keeps the ones worth seeing)
+PAUSE_KEPT_S = 0.001
+
+
+class CollectorPauses:
+    """This process's cyclic-collector pauses, from `gc.callbacks`: their running total, and the
+    longest of the last `window_s`. A collection stops the event loop for as long as it walks
+    the generations it collects, a full one everything the process holds outside the frozen
+    start-up heap: with many cached sessions, a stall every turn in flight pays at once
+    (README § Performance). Session hosts report both in their stats (`ce_host_gc_pause_*`)."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, window_s: float = PAUSE_WINDOW_S) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._started = 0.0
+        self.total_s = 0.0
+        self._recent: _collections.deque[tuple[float, float]] = _collections.deque()  # (ended at, seconds)
+
+    def install(self) -> None:
+        if self.on_collection not in gc.callbacks:
+            gc.callbacks.append(self.on_collection)
+
+    def uninstall(self) -> None:
+        while self.on_collection in gc.callbacks:
+            gc.callbacks.remove(self.on_collection)
+
+    def on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        """The `gc.callbacks` hook: `start` and `stop` of every collection."""
+        now = self._clock()
+        if phase == "start":
+            self._started = now
+            return
+        paused = max(0.0, now - self._started)
+        self.total_s += paused
+        if paused >= PAUSE_KEPT_S:
+            self._recent.append((now, paused))
+        while self._recent and self._recent[0][0] < now - self._window_s:
+            self._recent.popleft()
+
+    def read(self) -> tuple[float, float]:
+        """(seconds paused since installed, the longest single pause of the last window)."""
+        cutoff = self._clock() - self._window_s
+        while self._recent and self._recent[0][0] < cutoff:
+            self._recent.popleft()
+        return self.total_s, max((p for _, p in self._recent), default=0.0)
+
+
+#: this process's meter, installed by `tune_collector` (server processes)
+PAUSES = CollectorPauses()

@@ -62,13 +62,22 @@ class GatewayMetrics:
             "ce_host_unwritten_turns_cap", "The unwritten turns a host holds before it refuses new ones",
             ["host"], registry=r,
         )
+        self.gc_paused = Gauge(
+            "ce_host_gc_pause_seconds_total",
+            "Seconds the host's cyclic garbage collector has stopped its event loop since it started", ["host"], registry=r,
+        )
+        self.gc_longest = Gauge(
+            "ce_host_gc_pause_longest_seconds",
+            "The host's longest single garbage-collector pause of the last minute (every turn in flight waits it out)",
+            ["host"], registry=r,
+        )
         self.host_up = Gauge(
             "ce_host_up", "1 when the host answered this scrape; 0 when it did not (its other series keep "
             "their last values)", ["host"], registry=r,
         )
         self._per_host = (self.live_sessions, self.flush_ms, self.flushes, self.flushed_sessions,
                           self.host_turns, self.lane_turns, self.stored_turn_reads, self.unwritten_turns,
-                          self.unwritten_cap, self.host_up)
+                          self.unwritten_cap, self.gc_paused, self.gc_longest, self.host_up)
         self._hosts: set[str] = set()  # the hosts with series
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
@@ -125,6 +134,9 @@ class GatewayMetrics:
             self.host_turns.labels(host).set(s.get("turn_calls", 0))
             self.lane_turns.labels(host).set(s.get("lane_calls", 0))
             self.stored_turn_reads.labels(host).set(s.get("stored_turn_reads", 0))
+            if "gc_pause_s_total" in s:  # an older host does not measure them
+                self.gc_paused.labels(host).set(s["gc_pause_s_total"])
+                self.gc_longest.labels(host).set(s["gc_pause_longest_s"])
             if "unwritten_turns" in s:  # an older host says neither: no sample rather than a false 0
                 self.unwritten_turns.labels(host).set(s["unwritten_turns"])
                 self.unwritten_cap.labels(host).set(s["unwritten_turns_cap"])

@@ -160,6 +160,9 @@ async def test_seed_000_check_order_registered_and_called_through_the_gateway(st
     caps = {dict(labels)["host"]: v for (name, labels), v in after.items() if name == "ce_host_unwritten_turns_cap"}
     assert unwritten == dict.fromkeys(up, 0.0), unwritten
     assert caps == dict.fromkeys(up, float(2 * stack.settings.host_max_inflight)), caps
+    # each host measures its garbage collector's pauses (services.heap.CollectorPauses)
+    paused = {dict(labels)["host"]: v for (name, labels), v in after.items() if name == "ce_host_gc_pause_seconds_total"}
+    assert set(paused) == set(up) and all(v >= 0 for v in paused.values()), paused
 
 
 async def test_auth_header_secret_is_in_no_response_and_only_encrypted_at_rest(stack, client, tenant, api, db):

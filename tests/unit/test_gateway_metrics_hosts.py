@@ -10,13 +10,14 @@ from services.gateway.metrics import GatewayMetrics
 
 PER_HOST = ("ce_live_sessions", "ce_flush_last_ms", "ce_flushes", "ce_flushed_sessions", "ce_host_turns",
             "ce_host_lane_turns", "ce_host_stored_turn_reads", "ce_host_unwritten_turns",
-            "ce_host_unwritten_turns_cap", "ce_host_up")
+            "ce_host_unwritten_turns_cap", "ce_host_gc_pause_seconds_total", "ce_host_gc_pause_longest_seconds",
+            "ce_host_up")
 
 
 def _stats(host: str, live: int) -> dict:
     return {"host": host, "live_sessions": live, "last_flush_ms": 1.5, "flushes": 10, "flushed_sessions": 20,
             "turn_calls": 30, "lane_calls": 25, "stored_turn_reads": 2, "unwritten_turns": 3,
-            "unwritten_turns_cap": 512}
+            "unwritten_turns_cap": 512, "gc_pause_s_total": 1.25, "gc_pause_longest_s": 0.04}
 
 
 def _hosts(metrics: GatewayMetrics) -> dict[str, set[str]]:
@@ -92,8 +93,16 @@ def test_a_hosts_unwritten_turns_and_their_cap_are_gauges_an_alert_can_compare()
 def test_a_host_that_does_not_count_unwritten_turns_gets_no_sample_rather_than_a_false_zero():
     # an older host during a rolling upgrade: its stats say neither figure
     metrics = GatewayMetrics()
-    old = {k: v for k, v in _stats("ce-host-0", 5).items() if not k.startswith("unwritten")}
+    old = {k: v for k, v in _stats("ce-host-0", 5).items() if not k.startswith(("unwritten", "gc_pause"))}
     metrics.observe_hosts([old, _stats("ce-host-1", 6)])
     seen = _hosts(metrics)
     assert seen["ce_host_unwritten_turns"] == {"ce-host-1"} and seen["ce_host_unwritten_turns_cap"] == {"ce-host-1"}
     assert seen["ce_live_sessions"] == {"ce-host-0", "ce-host-1"}
+
+
+def test_a_hosts_collector_pauses_are_gauges():
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([_stats("ce-host-0", 5)])
+    text = metrics.render().decode()
+    assert 'ce_host_gc_pause_seconds_total{host="ce-host-0"} 1.25' in text
+    assert 'ce_host_gc_pause_longest_seconds{host="ce-host-0"} 0.04' in text
