@@ -1496,20 +1496,20 @@ def _median_tail(splits: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 def _tail_text(t: dict[str, Any]) -> str:
     share = "" if t.get("host_share") is None else f", host {t['host_share'] * 100:.0f}% of it"
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f} ms"
-
-    return (f"{t['turns']:.0f} turns in {t['bursts']:.0f} bursts, p50 {ms(t['latency_ms'])} "
-            f"(host {ms(t['host_ms'])}, gate {ms(t['gate_ms'])}, hop {ms(t['hop_ms'])}{share})")
+    ms = {k: _ms(t[k], signed=False) for k in ("latency_ms", "host_ms", "gate_ms", "hop_ms")}
+    return (f"{t['turns']:.0f} turns in {t['bursts']:.0f} bursts, p50 {ms['latency_ms']} "
+            f"(host {ms['host_ms']}, gate {ms['gate_ms']}, hop {ms['hop_ms']}{share})")
 
 
 def _each_way(values: dict[str, float], fmt: str) -> str:
     return ", ".join(f"{w.replace('_ray', '/ray')} {fmt.format(v)}" for w, v in values.items())
 
 
-def _ms(value: float | None) -> str:
-    """A difference in ms, or "-" where no slice gave one."""
-    return "-" if value is None else f"{value:+.1f} ms"
+def _ms(value: float | None, *, signed: bool = True) -> str:
+    """A difference in ms (a duration with `signed` False), or "-" where no slice gave one."""
+    if value is None:
+        return "-"
+    return f"{value:+.1f} ms" if signed else f"{value:.1f} ms"
 
 
 def print_table(doc: dict[str, Any]) -> None:

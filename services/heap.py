@@ -79,15 +79,16 @@ class CollectorPauses:
         self.total_s += paused
         if paused >= PAUSE_KEPT_S:
             self._recent.append((now, paused))
-        while self._recent and self._recent[0][0] < now - self._window_s:
-            self._recent.popleft()
+        self._forget_older_than_window(now)  # bounded even when nobody reads
 
     def read(self) -> tuple[float, float]:
         """(seconds paused since installed, the longest single pause of the last window)."""
-        cutoff = self._clock() - self._window_s
-        while self._recent and self._recent[0][0] < cutoff:
-            self._recent.popleft()
+        self._forget_older_than_window(self._clock())
         return self.total_s, max((p for _, p in self._recent), default=0.0)
+
+    def _forget_older_than_window(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self._window_s:
+            self._recent.popleft()
 
 
 #: this process's meter, installed by `tune_collector` (server processes)

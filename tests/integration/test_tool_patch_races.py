@@ -12,7 +12,6 @@ Postgres repositories; the two PATCHes are held after their reads until both hav
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from services.tools.crypto import SecretBox, generate_key
 from storage.records import PublishedTool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.tools import ToolChanged
+from tests.integration.test_credentials_follow_the_origin import Gateway as CredentialsGateway
 from tests.integration.test_gateway_bad_input import FakeRouter
 
 TOOL = {"name": "order_status", "description": "Look up an order by its number.",
@@ -50,26 +50,18 @@ class ReadsTogether(ToolRepo):
 
 
 @dataclass
-class Gateway:
-    client: TestClient
-    headers: dict[str, str]
-    tenant_id: str
-    tools: ReadsTogether
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-        async with self.client.request(method, path, headers=self.headers, json=body) as r:
-            text = await r.text()
-            return r.status, json.loads(text) if text else {}
+class Gateway(CredentialsGateway):  # its `call`: one request, (status, the JSON answer)
+    tools: ReadsTogether | None = None
 
 
 @pytest_asyncio.fixture
 async def gw(pool, make_tenant) -> AsyncIterator[Gateway]:
-    tools = ReadsTogether(pool, parties=2)
+    tools, box = ReadsTogether(pool, parties=2), SecretBox([generate_key()])
     deps = GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=tools, calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
+                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=box)
     tenant, key = await make_tenant("patches")
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-        gateway = Gateway(client, {"Authorization": f"Bearer {key.api_key}"}, tenant.id, tools)
+        gateway = Gateway(client, {"Authorization": f"Bearer {key.api_key}"}, tenant.id, box, pool, tools)
         tools.held = 0  # the tool's creation reads nothing to hold
         status, created = await gateway.call("POST", "/v1/tools", TOOL)
         assert status == 201, created
