@@ -28,6 +28,20 @@ async def host_counts(placement) -> dict[str, tuple[int, int]]:
     return {s["host"]: (s["turn_calls"], s["lane_calls"]) for s in await placement.stats()}
 
 
+def sessions_on_every_host(placement, tenant_id: str, per_host: int) -> list[str]:
+    """`per_host` session ids routed to each shard host. The tenant id is random, so ids picked
+    blindly can all land on one host (a fresh clone's CI run once put 12 of 12 on one)."""
+    by_host: dict[str, list[str]] = {}
+    for i in range(10_000):
+        s = f"lane-{i}"
+        picked = by_host.setdefault(placement.actor_name(tenant_id, s), [])
+        if len(picked) < per_host:
+            picked.append(s)
+        if len(by_host) == placement.shards and all(len(v) == per_host for v in by_host.values()):
+            return [s for v in by_host.values() for s in v]
+    raise AssertionError(f"no {per_host} sessions on each of {placement.shards} hosts: {by_host}")
+
+
 def delta(after: dict, before: dict) -> tuple[int, int]:
     return (sum(a[0] for a in after.values()) - sum(b[0] for b in before.values()),
             sum(a[1] for a in after.values()) - sum(b[1] for b in before.values()))
@@ -38,8 +52,8 @@ async def test_gateway_turns_go_over_the_hosts_lanes_and_through_ray_when_switch
     url = stack.gateway.url
     await register_order_tools(client, url, headers, stack.demo_store.url)
     text = call_lines(("check_order", {"order_id": "1001"}))
-    sessions = [f"lane-{i}" for i in range(12)]  # both hosts get some
-    assert len({stack.placement.actor_name(tenant_id, s) for s in sessions}) == 2
+    sessions = sessions_on_every_host(stack.placement, tenant_id, per_host=6)
+    assert stack.placement.shards == 2 and len(sessions) == 12
 
     before = await host_counts(stack.placement)
     sent = await asyncio.gather(*(send(client, url, headers, s, text, f"{s}-m0") for s in sessions))
