@@ -187,16 +187,20 @@ def interleaved_summary(slices: list[dict[str, tuple[list[float], int, float]]],
     per way per slice. Per way, the summary of all its slices pooled; per other way, the median
     over slices of its p50 minus `base`'s p50 in the same slice (a paired estimate: a slow minute
     of the machine falls on both sides of each difference; a slice where either side got no
-    reply is left out of it, and a way with no such slice gets None)."""
+    reply is left out of it, and a way with no such slice gets None). The same for the p99: a
+    stall of the machine that falls in one way's slice (the pooled p99 is the slowest 1% of all
+    slices: one such stall of a few hundred ms is most of it) moves one slice's difference only."""
     ways = list(slices[0]) if slices else []
     pooled = {w: _summary([x for s in slices for x in s[w][0]], sum(s[w][1] for s in slices),
                           sum(s[w][2] for s in slices)) for w in ways}
-    paired = {}
-    for w in ways:
-        if w != base:
-            diffs = [percentile(s[w][0], 50) - percentile(s[base][0], 50) for s in slices if s[w][0] and s[base][0]]
-            paired[w] = statistics.median(diffs) if diffs else None
-    return {"ways": pooled, "paired_added_p50_ms": paired}
+
+    def paired(w: str, p: float) -> float | None:
+        diffs = [percentile(s[w][0], p) - percentile(s[base][0], p) for s in slices if s[w][0] and s[base][0]]
+        return statistics.median(diffs) if diffs else None
+
+    others = [w for w in ways if w != base]
+    return {"ways": pooled, "paired_added_p50_ms": {w: paired(w, 50) for w in others},
+            "paired_added_p99_ms": {w: paired(w, 99) for w in others}}
 
 
 #: turns of a way's tail whose scheduled sends are closer together than this make one burst
@@ -292,6 +296,60 @@ class CpuShare:
         return 100.0 * self.busy / self.total, 100.0 * self.steal / self.total
 
 
+class ProcessCpu:
+    """The CPU time of every process on the machine over the intervals between `start()` and
+    `stop()`, summed by label: the ones given (pid -> label: the gateway, the model, the store),
+    else the process's name as `ps` shows it (`ray::SessionHostActor`, `raylet`; every Postgres
+    backend is `postgres`). Read between the half-load slices, where (b)'s extra busy share of
+    the machine goes, process by process. A process that starts or ends inside an interval
+    counts from its first read to its last."""
+
+    def __init__(self, labels: dict[int, str]) -> None:
+        self.seconds: dict[str, float] = {}
+        self._labels = dict(labels)
+        self._at: dict[int, float] = {}
+
+    def _label(self, pid: int) -> str:
+        label = self._labels.get(pid)
+        if label is None:
+            name = _process_name(pid)
+            label = self._labels[pid] = "postgres" if name.startswith("postgres") else name
+        return label
+
+    @staticmethod
+    def _read() -> dict[int, float]:
+        import psutil
+
+        out = {}
+        for p in psutil.process_iter(["cpu_times"]):
+            t = p.info["cpu_times"]
+            if t is not None:
+                out[p.pid] = t.user + t.system
+        return out
+
+    def start(self) -> ProcessCpu:
+        self._at = self._read()
+        return self
+
+    def stop(self) -> ProcessCpu:
+        for pid, now in self._read().items():
+            used = now - self._at.get(pid, now)
+            if used > 0:
+                label = self._label(pid)
+                self.seconds[label] = self.seconds.get(label, 0.0) + used
+        self._at = {}
+        return self
+
+    def ms_per_message(self, messages: int, top: int = 8) -> dict[str, float]:
+        """The `top` largest labels' CPU ms per message, the rest summed as `other`."""
+        ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        out = {k: round(1000 * v / max(messages, 1), 3) for k, v in ranked[:top]}
+        rest = sum(v for _, v in ranked[top:])
+        if rest:
+            out["other"] = round(1000 * rest / max(messages, 1), 3)
+        return out
+
+
 def paired_growth(pairs: list[tuple[float, float]]) -> float | None:
     """The median over rounds of (msgs/s at a level) / (msgs/s at the level before it), each pair
     measured back to back in one round; None without a usable pair."""
@@ -348,6 +406,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     way_sessions: dict[str, list[str]] = {}  # interleaved: way -> its sessions ("inprocess" runs here)
     urls: dict[str, str] = {}  # interleaved: way -> its gateway's URL (every way but "inprocess")
     slices: int = 10  # interleaved: each way's messages are sent in this many slices, ways in turns
+    process_labels: dict[int, str] = {}  # interleaved: pid -> label for the CPU by process
 
 
 async def _worker(spec: WorkerSpec) -> None:
@@ -408,6 +467,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         in_gateway: dict[str, list[float]] = {}  # per way, each turn's time in the gateway less the host's
         records: dict[str, list[Record]] = {}  # per way, every answered turn (for its tail's split)
         cpu = {way: CpuShare() for way in senders}
+        by_process = {way: ProcessCpu({**spec.process_labels, os.getpid(): "load worker"}) for way in senders}
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
             row, host_row = {}, {}
@@ -415,10 +475,12 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
                 sessions = spec.way_sessions[way]
                 turn = sent % len(sessions)  # each slice goes on where the last one stopped
                 times: list[Times] = []
+                by_process[way].start()
                 cpu[way].start()
                 row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
                                            size, text, times=times, records=records.setdefault(way, []))
                 cpu[way].stop()
+                by_process[way].stop()
                 host_row[way] = ([t[0] for t in times], 0, row[way][2])
                 gates.setdefault(way, []).extend(t[1] for t in times)
                 in_gateway.setdefault(way, []).extend(
@@ -434,6 +496,8 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         result["gateway_own_p50_ms"] = {w: percentile(v, 50) for w, v in in_gateway.items() if v}
         result["busy_pct"] = {w: c.percent()[0] for w, c in cpu.items()}
         result["slice_steal_pct"] = {w: c.percent()[1] for w, c in cpu.items()}
+        result["cpu_ms_per_msg_by_process"] = {
+            w: c.ms_per_message(sum(len(s[w][0]) for s in slices)) for w, c in by_process.items()}
         result["tail"] = {w: tail_split(v) for w, v in records.items()}
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
         result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
@@ -1063,7 +1127,8 @@ class Bench:
             mode="interleaved", sessions=[], concurrency=a.concurrency, messages=messages, rate=rate,
             warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key,
             settings=msgspec.json.encode(settings), urls=urls, slices=a.half_load_slices,
-            way_sessions={w: [f"{tag}-{w}-{i}" for i in range(max(a.sessions, a.concurrency))] for w in ways})
+            way_sessions={w: [f"{tag}-{w}-{i}" for i in range(max(a.sessions, a.concurrency))] for w in ways},
+            process_labels={os.getpid(): "gateway (bench)", **{c.pid: name for c, name in ((self.model, "model"), (self.store, "store")) if c}})
         worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
         try:
             await worker.expect("ready")
@@ -1084,7 +1149,9 @@ class Bench:
                   f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
                   f"errors {row['errors']}  steal {steal:.0f}%", file=sys.stderr)
         print("      p50 minus in process, median over slices: " + ", ".join(
-            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items()),
+            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items())
+            + "; p99 the same way: " + ", ".join(
+            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p99_ms"].items()),
             file=sys.stderr)
         print("      the session host's own p50 (of it at the gate): " + ", ".join(
             f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
@@ -1093,6 +1160,9 @@ class Bench:
         if done.get("gateway_own_p50_ms"):
             print("      in the gateway less the host's time (handler, lane both ways), p50: " + ", ".join(
                 f"{w} {v:.1f} ms" for w, v in done["gateway_own_p50_ms"].items()), file=sys.stderr)
+        for way, used in done["cpu_ms_per_msg_by_process"].items():
+            print(f"      {way}'s CPU ms per message by process: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in used.items()), file=sys.stderr)
         tails = {w: t for w, t in (done.get("tail") or {}).items() if t}
         if tails:
             print("      the slowest 1%, each way: " + "; ".join(
@@ -1199,9 +1269,14 @@ class Bench:
                 "ways": hal,
                 "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
                 "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"].get("sharded_ray") for r in rounds),
+                # the p99 the same way: each slice's (b) p99 minus (a)'s, the median over slices and rounds' medians
+                "paired_added_p99_ms": _median_known(r.get("paired_added_p99_ms", {}).get("sharded") for r in rounds),
                 # of the paired figure: the session host's own time of the turn, (b)'s minus (a)'s
                 "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"]["sharded"] for r in rounds),
                 "busy_pct": {w: statistics.median(r["busy_pct"][w] for r in rounds) for w in hruns},
+                # where each way's busy share went, process by process: medians over rounds
+                "cpu_ms_per_msg_by_process": {w: _median_by_label([r["cpu_ms_per_msg_by_process"][w] for r in rounds])
+                                              for w in hruns},
                 "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
@@ -1223,6 +1298,7 @@ class Bench:
                     "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"][VARIANT] for r in rounds),
                     "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"][VARIANT] for r in rounds),
                     "added_p99_ms": hal[VARIANT]["p99_ms"] - hal["inprocess"]["p99_ms"],
+                    "paired_added_p99_ms": _median_known(r.get("paired_added_p99_ms", {}).get(VARIANT) for r in rounds),
                 }
         return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "peak": peaks, "runs": {
             "gate_on": runs[True], "gate_off": runs.get(False)}}
@@ -1486,6 +1562,13 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
     return doc
 
 
+def _median_by_label(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per label, the median over rows (a label missing from a row counts as 0 there), largest first."""
+    labels = {k for row in rows for k in row}
+    medians = {k: statistics.median(row.get(k, 0.0) for row in rows) for k in labels}
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
+
+
 def _median_tail(splits: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """tail_split's figures, each the median over the rounds that said it."""
     known = [s for s in splits if s]
@@ -1541,6 +1624,9 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"  p50 added, median over {half['slices']} slices of each slice's difference: "
                   f"{half['paired_added_p50_ms']:+.1f} ms"
                   + (f" (through Ray's task path {via_ray:+.1f} ms)" if via_ray is not None else ""))
+            if half.get("paired_added_p99_ms") is not None:
+                print(f"  p99 added, the same way (each slice's p99 difference, median over slices): "
+                      f"{half['paired_added_p99_ms']:+.1f} ms (pooled over every slice: {half['added_p99_ms']:+.1f} ms)")
             in_host = half.get("paired_host_added_p50_ms")
             if in_host is not None:
                 hop = half["paired_added_p50_ms"] - in_host
@@ -1557,13 +1643,17 @@ def print_table(doc: dict[str, Any]) -> None:
         if variant:
             print(f"  (b) on hosts with {' '.join(f'{k}={v}' for k, v in variant['env'].items())}: "
                   f"{_ms(variant['paired_added_p50_ms'])} p50 added (median over slices; the host's own "
-                  f"{_ms(variant['paired_host_added_p50_ms'])}), {_ms(variant['added_p99_ms'])} p99")
+                  f"{_ms(variant['paired_host_added_p50_ms'])}), {_ms(variant['added_p99_ms'])} p99 "
+                  f"({_ms(variant.get('paired_added_p99_ms'))} median over slices)")
         tails = {w: t for w, t in (half.get("tail") or {}).items() if t}
         if tails:
             print("  the slowest 1% of each way's turns (medians over rounds): "
                   + "; ".join(f"{w} {_tail_text(t)}" for w, t in tails.items()))
         if half.get("busy_pct"):
             print("  the machine's CPU busy while each way ran its slices: " + _each_way(half["busy_pct"], "{:.0f}%"))
+        for way, used in (half.get("cpu_ms_per_msg_by_process") or {}).items():
+            print(f"  {way}'s CPU ms per message by process, in its slices: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in used.items()))
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
@@ -1678,15 +1768,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _process_name(pid: int) -> str:
     """A process's name as `ps` shows it (Ray's workers set theirs: `ray::SessionHostActor`,
-    `ray::IDLE`), or `gone` for one that has exited since it was metered."""
+    `ray::IDLE`), with its script's for a Python one (`python log_monitor.py`), or `gone` for one
+    that has exited since it was metered."""
     import psutil
 
     try:
         process = psutil.Process(pid)
-        title = (process.cmdline() or [process.name()])[0]
-    except (psutil.Error, IndexError):
+        argv = process.cmdline() or [process.name()]
+    except psutil.Error:
         return "gone"
-    return title.split(" ")[0].rsplit("/", 1)[-1][:40] or "unnamed"
+    name = argv[0].split(" ")[0].rsplit("/", 1)[-1][:40] or "unnamed"
+    if name.startswith("python") and len(argv) > 1:  # Ray's daemons in Python: the script's name
+        rest = [a for a in argv[1:] if a == "-m" or not a.startswith("-")]
+        script = rest[1] if rest[:1] == ["-m"] and len(rest) > 1 else (rest or ["?"])[0]
+        name = f"{name} {script.rsplit('/', 1)[-1][:40]}"
+    return name
 
 
 def _use_uvloop() -> None:

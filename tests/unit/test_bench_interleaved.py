@@ -9,6 +9,7 @@ import pytest
 from services import bench
 from services.bench import (
     CpuShare,
+    ProcessCpu,
     interleaved_summary,
     open_loop,
     paired_growth,
@@ -54,6 +55,19 @@ def test_the_paired_difference_ignores_drift_between_slices():
     assert "a" not in out["paired_added_p50_ms"]
 
 
+def test_the_paired_p99_moves_with_a_stall_in_one_slice_only():
+    # 100 turns a slice; b's tail is 3 ms behind a's in every slice, but a stall of 300 ms hits
+    # b's share of one slice: the pooled p99 is that stall, the paired one the 3 ms.
+    def turns(base: float, tail: float) -> list[float]:
+        return [base] * 98 + [tail, tail]
+
+    slices = [{"a": (turns(5.0, 20.0), 0, 1.0), "b": (turns(7.0, 23.0), 0, 1.0)} for _ in range(4)]
+    slices[1]["b"] = (turns(7.0, 23.0)[:90] + [300.0] * 10, 0, 1.0)
+    out = interleaved_summary(slices, base="a")
+    assert out["paired_added_p99_ms"] == {"b": pytest.approx(3.0)}
+    assert out["ways"]["b"]["p99_ms"] - out["ways"]["a"]["p99_ms"] > 250
+
+
 def test_messages_are_cut_into_even_slices_with_none_lost():
     assert slice_sizes(200, 10) == [20] * 10
     assert slice_sizes(203, 10) == [21, 21, 21] + [20] * 7
@@ -70,7 +84,7 @@ def test_a_slice_without_replies_is_left_out_of_the_paired_figure():
 
 
 def test_no_slices_no_figures():
-    assert interleaved_summary([], base="a") == {"ways": {}, "paired_added_p50_ms": {}}
+    assert interleaved_summary([], base="a") == {"ways": {}, "paired_added_p50_ms": {}, "paired_added_p99_ms": {}}
 
 
 def test_the_latency_runs_take_a_given_rate_or_half_the_peak():
@@ -124,6 +138,32 @@ def test_cpu_share_adds_up_only_the_measured_intervals(monkeypatch):
     assert share.percent() == (50.0, 12.5)
     share.stop()  # a stop without a start measures nothing
     assert share.percent() == (50.0, 12.5)
+
+
+def test_process_cpu_sums_each_label_over_the_measured_intervals_only(monkeypatch):
+    readings = iter([
+        {1: 1.0, 2: 5.0, 3: 0.5},            # start: the gateway, a host, a backend
+        {1: 1.5, 2: 6.0, 3: 0.75, 4: 0.2},   # stop: 4 started inside the interval
+        {1: 9.0, 2: 9.0, 4: 1.0},            # start again (the time between is not counted; 3 ended)
+        {1: 9.25, 2: 9.5, 4: 1.1, 5: 0.3},
+    ])
+    monkeypatch.setattr(bench.ProcessCpu, "_read", staticmethod(lambda: next(readings)))
+    names = {2: "ray::SessionHostActor", 3: "postgres: postgres postgres [local] idle", 4: "raylet", 5: "raylet"}
+    monkeypatch.setattr(bench, "_process_name", lambda pid: names[pid])
+    used = ProcessCpu({1: "gateway (bench)"})
+    for _ in range(2):
+        used.start()
+        used.stop()
+    # the gateway 0.5 + 0.25, the host 1.0 + 0.5, Postgres 0.25; a process first seen at a stop
+    # counts nothing for that interval (4 and 5), and from its first read on after (4: 0.1)
+    assert used.seconds == pytest.approx({"gateway (bench)": 0.75, "ray::SessionHostActor": 1.5, "postgres": 0.25, "raylet": 0.1})
+    assert used.ms_per_message(100, top=2) == {"ray::SessionHostActor": 15.0, "gateway (bench)": 7.5, "other": 3.5}
+
+
+def test_cpu_by_process_over_rounds_takes_each_labels_median_largest_first():
+    rows = [{"gateway": 0.3, "host": 1.0}, {"gateway": 0.5, "host": 1.2, "raylet": 0.1}, {"host": 0.8, "gateway": 0.4}]
+    assert bench._median_by_label(rows) == {"host": 1.0, "gateway": 0.4, "raylet": 0.0}
+    assert list(bench._median_by_label(rows)) == ["host", "gateway", "raylet"]
 
 
 def test_a_levels_growth_pairs_it_with_the_level_before_round_by_round():
