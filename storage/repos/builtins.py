@@ -413,10 +413,6 @@ class FormRepo:
 _APPOINTMENT_COLUMNS = "id, service, starts_at, ends_at, session_id, contact_name, contact_email, created_at"
 
 
-#: how often a booking is tried again after Postgres aborted it to break a deadlock
-DEADLOCK_RETRIES = 3
-
-
 class AppointmentRepo:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
@@ -488,55 +484,51 @@ class AppointmentRepo:
         """Book [starts_at, ends_at), with its event in the same transaction. Returns (row, True),
         or (the row an earlier call with the same idempotency key in this session booked, False).
         Raises SlotTaken when any booking of the service overlaps: of many concurrent attempts on
-        one slot exactly one succeeds."""
+        one slot exactly one succeeds.
+
+        The insert is `ON CONFLICT DO NOTHING` (every unique index and the no-overlap exclusion
+        constraint are its arbiters): Postgres then checks for a conflicting booking before it
+        inserts, waiting for a transaction still writing one, and never after. A plain insert is
+        checked against the exclusion constraint after its own index entry is in: two concurrent
+        attempts could each see the other's entry and wait for each other, a deadlock Postgres
+        breaks only after its deadlock_timeout (1 s), and attempts retried after it met the next
+        ones the same way (a race of 100 did not finish in 120 s on a busy machine)."""
         service, contact_name, contact_email = _text(service), _text(contact_name), _text(contact_email)
         idempotency_key = _text(idempotency_key)  # it holds the client's message id
         with translate("booking an appointment"):
             async with self._pool.acquire() as conn:
-                if idempotency_key is not None:
+                if idempotency_key is not None and (earlier := await self._by_key(conn, tenant_id, session_id, idempotency_key)):
+                    return earlier, False
+                # a transaction only when an event goes with the booking
+                async with conn.transaction() if announce else contextlib.nullcontext():
                     row = await conn.fetchrow(
-                        f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
-                        "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
-                        tenant_id, session_id, idempotency_key,
+                        "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
+                        "contact_name, contact_email, idempotency_key) "
+                        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+                        f"ON CONFLICT DO NOTHING RETURNING {_APPOINTMENT_COLUMNS}",
+                        tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
+                        idempotency_key,
                     )
                     if row is not None:
-                        return AppointmentRecord(**dict(row)), False
-                try:
-                    for attempt in range(DEADLOCK_RETRIES + 1):
-                        try:
-                            # a transaction only when an event goes with the booking
-                            async with conn.transaction() if announce else contextlib.nullcontext():
-                                row = await conn.fetchrow(
-                                    "INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id, "
-                                    "contact_name, contact_email, idempotency_key) "
-                                    f"VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {_APPOINTMENT_COLUMNS}",
-                                    tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
-                                    idempotency_key,
-                                )
-                                await _announce(conn, announce, AppointmentRecord(**dict(row)))
-                            break
-                        except asyncpg.DeadlockDetectedError:
-                            # Concurrent inserts checking one exclusion constraint can wait on each
-                            # other; Postgres aborts one. Tried again, it meets the winner's
-                            # committed booking (SlotTaken) or finds the slot free.
-                            if attempt == DEADLOCK_RETRIES:
-                                raise
-                except asyncpg.ExclusionViolationError:
-                    raise SlotTaken(
-                        f"{service} at {starts_at.isoformat()} overlaps an existing booking",
-                        service=service, starts_at=starts_at,
-                    ) from None
-                except asyncpg.UniqueViolationError as exc:
-                    if exc.constraint_name != "ce_appointments_idempotency_idx":
-                        raise
-                    # the same call raced itself (a replay next to the first run): return the winner
-                    row = await conn.fetchrow(
-                        f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
-                        "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
-                        tenant_id, session_id, idempotency_key,
-                    )
-                    return AppointmentRecord(**dict(row)), False
-        return AppointmentRecord(**dict(row)), True
+                        await _announce(conn, announce, AppointmentRecord(**dict(row)))
+                if row is not None:
+                    return AppointmentRecord(**dict(row)), True
+                # nothing inserted: this call raced itself (a replay next to the first run), or the slot is taken
+                if idempotency_key is not None and (earlier := await self._by_key(conn, tenant_id, session_id, idempotency_key)):
+                    return earlier, False
+        raise SlotTaken(
+            f"{service} at {starts_at.isoformat()} overlaps an existing booking",
+            service=service, starts_at=starts_at,
+        )
+
+    @staticmethod
+    async def _by_key(conn: Any, tenant_id: str, session_id: str | None, idempotency_key: str) -> AppointmentRecord | None:
+        row = await conn.fetchrow(
+            f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments "
+            "WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
+            tenant_id, session_id, idempotency_key,
+        )
+        return None if row is None else AppointmentRecord(**dict(row))
 
     async def booked_by(self, tenant_id: str, service: str, starts_at: datetime, session_id: str) -> AppointmentRecord | None:
         """The booking of `service` at exactly `starts_at` made by this session, or None."""

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from services.builtins.appointments import SlotUnavailable, service_from_body
 from services.tools.errors import InvalidArguments, PolicyDenied
+from storage.repos.builtins import SlotTaken
 from tests.integration.builtins_support import SECRET, ctx, receiver, services
 
 NOW = datetime(2026, 7, 1, 8, 0, tzinfo=UTC)  # Wednesday, 10:00 in Berlin
@@ -156,8 +157,10 @@ async def test_one_hundred_concurrent_bookings_of_one_slot_make_exactly_one_book
                 {"service": "haircut", "start": "2026-07-02T10:00"}, ctx(tenant.id, f"race-{i}")))
             for i in range(100)
         ]
-        # One full-suite run hung here for pytest-timeout's 300 s (never reproduced alone): should
-        # it happen again, fail sooner and say what the race was waiting for.
+        # Full-suite runs on busy machines hung here (one for pytest-timeout's 300 s, one with 67
+        # attempts left after 120 s): plain inserts deadlocked in pairs on the exclusion constraint
+        # (see the test above; fixed with ON CONFLICT DO NOTHING). Should a race hang again, fail
+        # sooner and say what it was waiting for.
         done, _ = await asyncio.wait(attempts, timeout=120)
         if len(done) < len(attempts):
             report = await _stuck(pool, pg_url, attempts)
@@ -176,6 +179,39 @@ async def test_one_hundred_concurrent_bookings_of_one_slot_make_exactly_one_book
     count = await pool.fetchval(
         "SELECT count(*) FROM ce_appointments WHERE tenant_id = $1 AND service = 'haircut'", tenant.id)
     assert count == 1
+
+
+async def test_a_booking_waits_for_a_booking_in_flight_before_it_writes_so_the_two_never_deadlock(pool, make_tenant):
+    # Another transaction holds an uncommitted 09:45-10:15 when a booking of 10:00-10:30 comes:
+    # the booking must wait for it without having written anything. Then that transaction adds
+    # 10:15-10:45, which overlaps the booking being made but not its own row, and commits. Had
+    # the booking put its entry in first (a plain INSERT checks the exclusion constraint after),
+    # the transaction would now wait for the booking while the booking waits for it: a deadlock
+    # that Postgres breaks only after deadlock_timeout (1 s; its lock_timeout below is shorter).
+    def at(hhmm: str) -> datetime:
+        return datetime.fromisoformat(f"2026-07-02T{hhmm}+02:00")
+
+    insert = ("INSERT INTO ce_appointments (tenant_id, service, starts_at, ends_at, session_id) "
+              "VALUES ($1, 'haircut', $2, $3, 'other')")
+    async with services(pool, now=NOW) as (svc, _configs):
+        tenant = await tenant_with_services(make_tenant, svc)
+        async with pool.acquire() as other, other.transaction():
+            await other.execute("SET LOCAL lock_timeout = '50ms'")
+            await other.execute(insert, tenant.id, at("09:45"), at("10:15"))
+            booking = asyncio.create_task(svc.repos.appointments.book(
+                tenant.id, "haircut", at("10:00"), at("10:30"), session_id="s-race"))
+            for _ in range(3000):  # until the booking waits for this transaction
+                if await pool.fetchval("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                                       other.get_server_pid()):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the booking never waited for the transaction holding an overlapping booking")
+            await other.execute(insert, tenant.id, at("10:15"), at("10:45"))  # no wait: nothing of the booking's is written
+        with pytest.raises(SlotTaken):
+            await asyncio.wait_for(booking, 30)
+    starts = await pool.fetch("SELECT starts_at FROM ce_appointments WHERE tenant_id = $1 ORDER BY starts_at", tenant.id)
+    assert [r["starts_at"] for r in starts] == [at("09:45"), at("10:15")]
 
 
 async def test_overlapping_bookings_are_refused_even_when_a_service_changes_its_duration(pool, make_tenant):
