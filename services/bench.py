@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 
-from services.heap import tune_collector
+from services.heap import PAUSES, tune_collector
 
 WAYS = ("inprocess", "sharded", "dedicated")
 #: the half-peak run's (b) on hosts of their own with --half-load-variant's settings
@@ -350,6 +350,19 @@ class ProcessCpu:
         return out
 
 
+def host_gc_pause_delta(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+                        ) -> dict[str, float]:
+    """The shard hosts' collector pauses between two stats reads: the ms paused in total (a host
+    seen only after, restarted meanwhile, counts from its start) and the longest pause of the
+    last minute any host reports after."""
+    total = 0.0
+    for host, (now, _) in after.items():
+        then = before.get(host, (0.0, 0.0))[0]
+        total += now - then if now >= then else now
+    longest = max((m for _, m in after.values()), default=0.0)
+    return {"total_ms": round(total * 1000, 1), "longest_ms": round(longest * 1000, 1)}
+
+
 def paired_growth(pairs: list[tuple[float, float]]) -> float | None:
     """The median over rounds of (msgs/s at a level) / (msgs/s at the level before it), each pair
     measured back to back in one round; None without a usable pair."""
@@ -468,6 +481,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         records: dict[str, list[Record]] = {}  # per way, every answered turn (for its tail's split)
         cpu = {way: CpuShare() for way in senders}
         by_process = {way: ProcessCpu({**spec.process_labels, os.getpid(): "load worker"}) for way in senders}
+        paused = 0.0  # this process's collector pauses during (a)'s slices (its session code runs here)
         sent = 0
         for index, size in enumerate(slice_sizes(spec.messages, spec.slices)):
             row, host_row = {}, {}
@@ -477,8 +491,11 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
                 times: list[Times] = []
                 by_process[way].start()
                 cpu[way].start()
+                paused_before = PAUSES.total_s
                 row[way] = await open_loop(senders[way], sessions[turn:] + sessions[:turn], spec.rate or 1.0,
                                            size, text, times=times, records=records.setdefault(way, []))
+                if way == "inprocess":
+                    paused += PAUSES.total_s - paused_before
                 cpu[way].stop()
                 by_process[way].stop()
                 host_row[way] = ([t[0] for t in times], 0, row[way][2])
@@ -499,6 +516,7 @@ async def _interleaved_worker(spec: WorkerSpec, text: Callable[[], str], tool_ro
         result["cpu_ms_per_msg_by_process"] = {
             w: c.ms_per_message(sum(len(s[w][0]) for s in slices)) for w, c in by_process.items()}
         result["tail"] = {w: tail_split(v) for w, v in records.items()}
+        result["inprocess_gc_pause_ms"] = round(paused * 1000, 1)
         result["slice_p50_ms"] = [{w: percentile(s[w][0], 50) for w in s} for s in slices]
         result["error_kinds"] = dict(sorted(_ERRORS.items(), key=lambda kv: -kv[1])[:5])
         _say({"event": "done", **result})
@@ -1132,10 +1150,12 @@ class Bench:
         worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
         try:
             await worker.expect("ready")
+            paused_before = await self._host_gc_pauses()
             stolen = CpuShare().start()
             worker.write(b"go")
             done = await worker.expect("done")
             steal = stolen.stop().percent()[1]
+            done["hosts_gc_pause"] = host_gc_pause_delta(paused_before, await self._host_gc_pauses())
         finally:
             await worker.close()
             if ray_placement is not None:
@@ -1163,6 +1183,10 @@ class Bench:
         for way, used in done["cpu_ms_per_msg_by_process"].items():
             print(f"      {way}'s CPU ms per message by process: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in used.items()), file=sys.stderr)
+        hosts_gc = done["hosts_gc_pause"]
+        print(f"      collector pauses: (a)'s process {done['inprocess_gc_pause_ms']:.1f} ms in its slices; "
+              f"the shard hosts {hosts_gc['total_ms']:.1f} ms over the whole run (every way's slices), the longest "
+              f"{hosts_gc['longest_ms']:.1f} ms", file=sys.stderr)
         tails = {w: t for w, t in (done.get("tail") or {}).items() if t}
         if tails:
             print("      the slowest 1%, each way: " + "; ".join(
@@ -1176,6 +1200,11 @@ class Bench:
         if done.get("error_kinds"):
             print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
         return {**done, "steal_pct": steal, "sessions_per_host": split}
+
+    async def _host_gc_pauses(self) -> dict[str, tuple[float, float]]:
+        """host -> (collector pause seconds since it started, the longest of its last minute)."""
+        return {h["host"]: (h.get("gc_pause_s_total", 0.0), h.get("gc_pause_longest_s", 0.0))
+                for h in await self.stack.placement.stats()}
 
     async def _watch(self, placement: Any) -> None:
         """Say what the hosts are doing when a run takes far longer than it should."""
@@ -1277,6 +1306,9 @@ class Bench:
                 # where each way's busy share went, process by process: medians over rounds
                 "cpu_ms_per_msg_by_process": {w: _median_by_label([r["cpu_ms_per_msg_by_process"][w] for r in rounds])
                                               for w in hruns},
+                # collector pauses per round: (a)'s process in its slices; the hosts over the whole run
+                "gc_pause_ms": [{"inprocess": r["inprocess_gc_pause_ms"], "hosts": r["hosts_gc_pause"]["total_ms"],
+                                 "hosts_longest": r["hosts_gc_pause"]["longest_ms"]} for r in rounds],
                 "rounds": rounds,
                 "added_p50_ms": hal["sharded"]["p50_ms"] - hal["inprocess"]["p50_ms"],
                 "added_p99_ms": hal["sharded"]["p99_ms"] - hal["inprocess"]["p99_ms"],
@@ -1651,6 +1683,10 @@ def print_table(doc: dict[str, Any]) -> None:
                   + "; ".join(f"{w} {_tail_text(t)}" for w, t in tails.items()))
         if half.get("busy_pct"):
             print("  the machine's CPU busy while each way ran its slices: " + _each_way(half["busy_pct"], "{:.0f}%"))
+        if half.get("gc_pause_ms"):
+            print("  collector pauses per round, (a)'s process in its slices / the shard hosts over the whole run "
+                  "(longest): " + ", ".join(f"{g['inprocess']:.0f} / {g['hosts']:.0f} ({g['hosts_longest']:.0f}) ms"
+                                            for g in half["gc_pause_ms"]))
         for way, used in (half.get("cpu_ms_per_msg_by_process") or {}).items():
             print(f"  {way}'s CPU ms per message by process, in its slices: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in used.items()))

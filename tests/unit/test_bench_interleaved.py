@@ -160,6 +160,13 @@ def test_process_cpu_sums_each_label_over_the_measured_intervals_only(monkeypatc
     assert used.ms_per_message(100, top=2) == {"ray::SessionHostActor": 15.0, "gateway (bench)": 7.5, "other": 3.5}
 
 
+def test_the_hosts_collector_pauses_between_two_reads():
+    before = {"h0": (1.0, 0.002), "h1": (2.0, 0.004)}
+    after = {"h0": (1.25, 0.003), "h1": (0.5, 0.001), "h2": (0.125, 0.03)}  # h1 restarted, h2 new
+    assert bench.host_gc_pause_delta(before, after) == {"total_ms": 875.0, "longest_ms": 30.0}
+    assert bench.host_gc_pause_delta({}, {}) == {"total_ms": 0.0, "longest_ms": 0.0}
+
+
 def test_cpu_by_process_over_rounds_takes_each_labels_median_largest_first():
     rows = [{"gateway": 0.3, "host": 1.0}, {"gateway": 0.5, "host": 1.2, "raylet": 0.1}, {"host": 0.8, "gateway": 0.4}]
     assert bench._median_by_label(rows) == {"host": 1.0, "gateway": 0.4, "raylet": 0.0}
