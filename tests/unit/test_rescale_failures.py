@@ -32,6 +32,12 @@ T = 5.0
 SESSIONS = [f"s{i}" for i in range(40)]
 
 
+class _FakeRuntimeContext:
+    @staticmethod
+    def get_node_id() -> str:
+        return "node-in-this-process"
+
+
 class Cluster:
     """Shard hosts 0..n-1 as SessionHostActors in this process, a gateway, and an operator."""
 
@@ -46,6 +52,9 @@ class Cluster:
         self.operator = Placement(settings)  # `chat-engine scale N`
         self.hosts: list[SessionHost] = []
         monkeypatch.setattr(placement_module, "COMMIT_BACKOFF_S", 0.01)
+        # a host's stats name its Ray node: without this, the first stats read starts a local Ray
+        # (seconds, blocking the loop; it made the hung-host test fail when run alone)
+        monkeypatch.setattr(ray_host.ray, "get_runtime_context", lambda: _FakeRuntimeContext())
 
     async def _host(self, name: str) -> SessionHostActor:
         # what SessionHostActor._ensure does, with the fakes for a runtime
