@@ -2,6 +2,7 @@
 
     PUT    /v1/forms/{name}                     body: the form's JSON schema (an object schema)
     GET    /v1/forms                            GET /v1/forms/{name}    DELETE /v1/forms/{name}
+                                                a form saved before a check it fails has `problems`
     GET    /v1/forms/{name}/submissions
     PUT    /v1/appointment-services/{name}      body: {"duration_minutes", "timezone"?, "opening_hours"}
     GET    /v1/appointment-services             GET/DELETE /v1/appointment-services/{name}
@@ -22,7 +23,7 @@ import msgspec
 from aiohttp import web
 
 from services.builtins.appointments import service_from_body
-from services.builtins.forms import check_form
+from services.builtins.forms import check_form, form_problems
 from services.errors import InvalidInput, NotFound
 from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since, whole_number
 from storage.repos.builtins import BuiltinRepos
@@ -54,6 +55,12 @@ def _view(record: Any) -> dict[str, Any]:
 
 # -- forms --------------------------------------------------------------------------------------
 
+def _form_view(form: Any) -> dict[str, Any]:
+    """A stored form, with `problems` when a check added since it was saved would refuse it."""
+    problems = form_problems(form.schema)
+    return {**_view(form), "problems": problems} if problems else _view(form)
+
+
 async def put_form(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     schema = check_form(name, await decode_body(request, dict))
@@ -67,12 +74,12 @@ async def get_form(request: web.Request) -> web.Response:
     if form is None:
         raise NotFound(f"form {name[:64]!r} does not exist for this tenant; create it with PUT /v1/forms/{{name}}",
                        kind="form", key=name)
-    return json_response(_view(form))
+    return json_response(_form_view(form))
 
 
 async def list_forms(request: web.Request) -> web.Response:
     forms = await _repos(request).forms.list(request[TENANT])
-    return json_response({"forms": [_view(f) for f in forms]})
+    return json_response({"forms": [_form_view(f) for f in forms]})
 
 
 async def delete_form(request: web.Request) -> web.Response:

@@ -252,3 +252,24 @@ async def test_a_form_answer_that_breaks_its_declared_format_is_refused_and_not_
               "website": "https://shop.example", "domain": "shop.example", "how_long": "P2W"}
         await svc.forms.submit({"form": "callback", "data": ok}, ctx(tenant.id))
         assert [s.data for s in await svc.repos.forms.submissions(tenant.id, "callback")] == [ok]
+
+
+async def test_a_form_saved_before_formats_were_checked_lists_its_problem_until_fixed(gw, pool):
+    # An older gateway stored `"format": "phone"` (checked nowhere: any answer was stored); the
+    # form keeps working as saved, and GET says what a PUT today would refuse, and how to fix it.
+    client, headers = gw
+    good = {"type": "object", "properties": {"phone": {"type": "string", "pattern": "^[+0-9 ]{6,20}$"}}}
+    assert (await client.put("/v1/forms/legacy_quote", headers=headers, json=good)).status == 200
+    legacy = {"type": "object", "properties": {"phone": {"type": "string", "format": "phone"}}}
+    await pool.execute("UPDATE ce_forms SET schema = $1 WHERE name = 'legacy_quote'", legacy)
+
+    form = await (await client.get("/v1/forms/legacy_quote", headers=headers)).json()
+    assert form["schema"] == legacy and len(form["problems"]) == 1, form
+    assert "format 'phone' is not a format this engine checks; use a `pattern` for it" in form["problems"][0]
+    assert "`$.properties.phone.format`" in form["problems"][0] and "PUT the form again" in form["problems"][0]
+    listed = (await (await client.get("/v1/forms", headers=headers)).json())["forms"]
+    assert [f["problems"] for f in listed] == [form["problems"]]
+
+    assert (await client.put("/v1/forms/legacy_quote", headers=headers, json=good)).status == 200
+    fixed = await (await client.get("/v1/forms/legacy_quote", headers=headers)).json()
+    assert "problems" not in fixed and fixed["schema"] == good
