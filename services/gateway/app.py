@@ -583,7 +583,10 @@ async def patch_tool(request: web.Request) -> web.Response:
             # a moment apart, so PATCHes from several gateways that collided do not collide again in step
             await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
             continue
-        return json_response(tool_view(version.definition, version=version.version, extra={"published": patch.publish}))
+        # `based_on_version`: the version this PATCH was merged into, which is not the one the
+        # client last read when another change (a rollback, say) was published in between
+        return json_response(tool_view(version.definition, version=version.version,
+                                       extra={"published": patch.publish, "based_on_version": current.version}))
     raise AssertionError("unreachable")  # the loop returns or raises
 
 

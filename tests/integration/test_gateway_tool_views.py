@@ -8,7 +8,7 @@ from services.gateway.bodies import ToolCreate
 from tests.integration.test_gateway_unit_edges import gateway  # noqa: F401 - the fixture
 
 #: what a view adds to the definition a tenant sent
-VIEW_EXTRAS = {"auth_header_set", "version", "published", "created_at", "updated_at"}
+VIEW_EXTRAS = {"auth_header_set", "version", "published", "based_on_version", "created_at", "updated_at"}
 TOOL = {"name": "order_status", "description": "Look up an order by its number.",
         "webhook_url": "https://example.com/orders/{order_id}", "parameters": {"order_id": {"type": "string"}}}
 

@@ -86,7 +86,8 @@ async def test_a_patch_racing_a_rollback_applies_to_the_version_published_last(g
     gw.tools.held = 0
     first = (await gw.call("GET", "/v1/tools/order_status"))[1]
     assert first["timeout_ms"] != 7000, first
-    assert (await gw.call("PATCH", "/v1/tools/order_status", {"timeout_ms": 7000}))[0] == 200  # version 2, live
+    status, second = await gw.call("PATCH", "/v1/tools/order_status", {"timeout_ms": 7000})
+    assert status == 200 and (second["version"], second["based_on_version"]) == (2, 1), second  # version 2, live
     gw.tools.held = 1
     gw.tools.together = asyncio.Barrier(2)
     patch = asyncio.create_task(gw.call("PATCH", "/v1/tools/order_status", {"description": "Orders, v3."}))
@@ -100,6 +101,7 @@ async def test_a_patch_racing_a_rollback_applies_to_the_version_published_last(g
     await asyncio.wait_for(gw.tools.together.wait(), 10)
     status, patched = await asyncio.wait_for(patch, 10)
     assert status == 200, patched
+    assert patched["version"] == 3 and patched["based_on_version"] == 1, patched  # the answer says onto what
     live = (await gw.call("GET", "/v1/tools/order_status"))[1]
     # merged onto version 1 (the rollback), not onto version 2 the PATCH first read
     assert live["version"] == 3 and live["description"] == "Orders, v3.", live
