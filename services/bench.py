@@ -1168,11 +1168,10 @@ class Bench:
             print(f"  {way.replace('_ray', '/ray'):<11} gate on  @{rate:.0f}/s in {a.half_load_slices} slices: "
                   f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
                   f"errors {row['errors']}  steal {steal:.0f}%", file=sys.stderr)
-        print("      p50 minus in process, median over slices: " + ", ".join(
-            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p50_ms"].items())
-            + "; p99 the same way: " + ", ".join(
-            f"{w} {v:+.1f} ms" if v is not None else f"{w} -" for w, v in done["paired_added_p99_ms"].items()),
-            file=sys.stderr)
+        print("      p50 minus in process, median over slices: "
+              + ", ".join(f"{w} {_ms(v)}" for w, v in done["paired_added_p50_ms"].items())
+              + "; p99 the same way: " + ", ".join(f"{w} {_ms(v)}" for w, v in done["paired_added_p99_ms"].items()),
+              file=sys.stderr)
         print("      the session host's own p50 (of it at the gate): " + ", ".join(
             f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
             + "; machine busy while each way ran: "
@@ -1181,8 +1180,7 @@ class Bench:
             print("      in the gateway less the host's time (handler, lane both ways), p50: " + ", ".join(
                 f"{w} {v:.1f} ms" for w, v in done["gateway_own_p50_ms"].items()), file=sys.stderr)
         for way, used in done["cpu_ms_per_msg_by_process"].items():
-            print(f"      {way}'s CPU ms per message by process: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in used.items()), file=sys.stderr)
+            print(f"      {way}'s CPU ms per message by process: {_by_process_text(used)}", file=sys.stderr)
         hosts_gc = done["hosts_gc_pause"]
         print(f"      collector pauses: (a)'s process {done['inprocess_gc_pause_ms']:.1f} ms in its slices; "
               f"the shard hosts {hosts_gc['total_ms']:.1f} ms over the whole run (every way's slices), the longest "
@@ -1299,7 +1297,7 @@ class Bench:
                 "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"]["sharded"] for r in rounds),
                 "paired_added_p50_ms_via_ray": _median_known(r["paired_added_p50_ms"].get("sharded_ray") for r in rounds),
                 # the p99 the same way: each slice's (b) p99 minus (a)'s, the median over slices and rounds' medians
-                "paired_added_p99_ms": _median_known(r.get("paired_added_p99_ms", {}).get("sharded") for r in rounds),
+                "paired_added_p99_ms": _median_known(r["paired_added_p99_ms"]["sharded"] for r in rounds),
                 # of the paired figure: the session host's own time of the turn, (b)'s minus (a)'s
                 "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"]["sharded"] for r in rounds),
                 "busy_pct": {w: statistics.median(r["busy_pct"][w] for r in rounds) for w in hruns},
@@ -1330,7 +1328,7 @@ class Bench:
                     "paired_added_p50_ms": _median_known(r["paired_added_p50_ms"][VARIANT] for r in rounds),
                     "paired_host_added_p50_ms": _median_known(r["paired_host_added_p50_ms"][VARIANT] for r in rounds),
                     "added_p99_ms": hal[VARIANT]["p99_ms"] - hal["inprocess"]["p99_ms"],
-                    "paired_added_p99_ms": _median_known(r.get("paired_added_p99_ms", {}).get(VARIANT) for r in rounds),
+                    "paired_added_p99_ms": _median_known(r["paired_added_p99_ms"][VARIANT] for r in rounds),
                 }
         return {"gate_on": out[True], "gate_off": out.get(False), "half_load": half, "peak": peaks, "runs": {
             "gate_on": runs[True], "gate_off": runs.get(False)}}
@@ -1620,6 +1618,10 @@ def _each_way(values: dict[str, float], fmt: str) -> str:
     return ", ".join(f"{w.replace('_ray', '/ray')} {fmt.format(v)}" for w, v in values.items())
 
 
+def _by_process_text(used: dict[str, float]) -> str:
+    return ", ".join(f"{label} {ms:.2f}" for label, ms in used.items())
+
+
 def _ms(value: float | None, *, signed: bool = True) -> str:
     """A difference in ms (a duration with `signed` False), or "-" where no slice gave one."""
     if value is None:
@@ -1688,8 +1690,7 @@ def print_table(doc: dict[str, Any]) -> None:
                   "(longest): " + ", ".join(f"{g['inprocess']:.0f} / {g['hosts']:.0f} ({g['hosts_longest']:.0f}) ms"
                                             for g in half["gc_pause_ms"]))
         for way, used in (half.get("cpu_ms_per_msg_by_process") or {}).items():
-            print(f"  {way}'s CPU ms per message by process, in its slices: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in used.items()))
+            print(f"  {way}'s CPU ms per message by process, in its slices: {_by_process_text(used)}")
         if "added_p50_ms_via_ray" in half:
             print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
                   f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")

@@ -509,10 +509,11 @@ class AppointmentRepo:
                         tenant_id, service, starts_at, ends_at, session_id, contact_name, contact_email,
                         idempotency_key,
                     )
-                    if row is not None:
-                        await _announce(conn, announce, AppointmentRecord(**dict(row)))
-                if row is not None:
-                    return AppointmentRecord(**dict(row)), True
+                    booked = None if row is None else AppointmentRecord(**dict(row))
+                    if booked is not None:
+                        await _announce(conn, announce, booked)
+                if booked is not None:
+                    return booked, True
                 # nothing inserted: this call raced itself (a replay next to the first run), or the slot is taken
                 if idempotency_key is not None and (earlier := await self._by_key(conn, tenant_id, session_id, idempotency_key)):
                     return earlier, False
