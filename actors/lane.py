@@ -23,6 +23,14 @@ repeated message id with its stored reply; a host that died is Ray's to report).
 vanishes without closing the connection (its node lost power, a partition: no FIN, no RST ever
 comes) is noticed by TCP on both ends, within about USER_TIMEOUT_S: keepalive probes while the
 connection is quiet, and a limit on how long sent data may go unacknowledged (`_keep_alive`).
+
+A host alive to TCP but hung (its process stopped, its event loop stuck) keeps the connection up,
+and its kernel acknowledges every call sent to it. So while calls wait on a lane and nothing has
+come back for PROBE_QUIET_S, the client sends a `ping`, which the host's loop answers as it reads
+it; a host that has not answered within PING_TIMEOUT_S is unresponsive (`stalled`): the calls
+waiting raise LaneStalled (they may have run, or run later), and so does every new call, at once,
+until anything comes back from the host. The connection is kept: a host that wakes answers the
+ping and its late replies on it (they are dropped), and a host that dies breaks it as any does.
 """
 
 from __future__ import annotations
@@ -68,6 +76,16 @@ KEEPALIVE_PROBES = 3
 USER_TIMEOUT_S = 15
 #: how long `LaneServer.close` waits for the replies of calls still running
 CLOSE_GRACE_S = 10.0
+#: a lane with calls waiting and nothing heard from its host for this long is pinged; a host that
+#: has not answered the ping within PING_TIMEOUT_S is unresponsive (the client checks every
+#: WATCH_INTERVAL_S, so a hung host is found within about PROBE_QUIET_S + PING_TIMEOUT_S + 2 s).
+#: A live host answers within milliseconds, however long its turns' model and tool calls take.
+PROBE_QUIET_S = 2.0
+PING_TIMEOUT_S = 5.0
+WATCH_INTERVAL_S = 1.0
+#: the lane's own method: answered by the host's lane as it reads it, never dispatched (a host
+#: of an earlier version answers it with an error, which is as good a sign of life)
+PING = "ping"
 
 
 class LaneAddress(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +119,11 @@ class LaneUnreachable(LaneBroken):
 
 class LaneError(RuntimeError):
     """The host refused the call (an unknown method): it did not run."""
+
+
+class LaneStalled(RuntimeError):
+    """The host did not answer a ping within PING_TIMEOUT_S: alive to TCP but hung. A call that
+    was waiting may have run, or may run when the host wakes; a new call was not sent."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -201,6 +224,9 @@ class LaneServer:
                 return  # not a gateway: nothing was read beyond the hello (at most MAX_HELLO bytes)
             while True:
                 call = _call_decoder.decode(await read_frame(reader))
+                if call.method == PING:  # the loop that reads it is alive: that is the answer
+                    writer.write(frame(_encode(_Reply(id=call.id))))
+                    continue
                 task = asyncio.create_task(self._run(call, writer))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
@@ -246,20 +272,28 @@ class LaneClient:
     """One connection to one host's lane, opened on first use; calls are multiplexed on it.
 
     After the connection fails the client is spent (`broken` is True): its owner drops it and
-    asks the host for its address again (a restarted host listens on another port)."""
+    asks the host for its address again (a restarted host listens on another port). While the
+    host is unresponsive (`stalled`, see the module's notes) calls raise LaneStalled."""
 
     def __init__(self, address: LaneAddress) -> None:
         self.address = address
         self.broken = False
+        self.stalled = False
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
         self._next_id = 0
+        self._heard = 0.0  # loop time of the last frame from the host (or of the connection)
+        self._ping: tuple[int, float] | None = None  # the ping waiting for its answer: id, sent at
 
     async def call(self, method: str, *args: Any) -> bytes:
         if self.broken:
             raise LaneBroken("the lane to this host failed; ask the host for its address again")
+        if self.stalled:
+            raise LaneStalled("the session host has not answered for "
+                              f"{PING_TIMEOUT_S:.0f} s; nothing was sent to it")
         writer = self._writer or await self._connect()
         if self.broken:  # failed while this call waited for the connection
             raise LaneBroken("the lane to this host failed; ask the host for its address again")
@@ -287,14 +321,49 @@ class LaneClient:
                 _keep_alive(writer.get_extra_info("socket"))
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
+                self._heard = asyncio.get_running_loop().time()
                 self._reader_task = asyncio.create_task(self._read(reader))
+                self._watch_task = asyncio.create_task(self._watch())
             return self._writer
+
+    async def _watch(self) -> None:
+        """Ping a host that has said nothing for PROBE_QUIET_S while calls wait on it; find it
+        unresponsive when the ping goes unanswered for PING_TIMEOUT_S."""
+        loop = asyncio.get_running_loop()
+        while not self.broken:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = loop.time()
+            if self._ping is not None:
+                if not self.stalled and now - self._ping[1] >= PING_TIMEOUT_S:
+                    self._stall()
+            elif self._pending and now - self._heard >= PROBE_QUIET_S and self._writer is not None:
+                self._next_id += 1
+                self._ping = (self._next_id, now)
+                self._writer.write(frame(_encode(_Call(id=self._next_id, method=PING, args=[]))))
+
+    def _stall(self) -> None:
+        self.stalled = True
+        log.warning("session_host_unresponsive", lane=f"{self.address.host}:{self.address.port}",
+                    waiting_calls=len(self._pending), ping_timeout_s=PING_TIMEOUT_S)
+        error = LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; "
+                            "the call may have run, or may run once the host wakes")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         error: BaseException = LaneBroken("the host closed the lane")
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 reply = _reply_decoder.decode(await read_frame(reader))
+                self._heard = loop.time()
+                if self.stalled:
+                    self.stalled = False
+                    log.warning("session_host_responsive", lane=f"{self.address.host}:{self.address.port}")
+                if self._ping is not None and reply.id == self._ping[0]:
+                    self._ping = None
+                    continue
                 future = self._pending.get(reply.id)
                 if future is None or future.done():
                     continue  # its caller was cancelled
@@ -313,6 +382,8 @@ class LaneClient:
 
     def _fail(self, error: BaseException) -> None:
         self.broken = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(LaneBroken(str(error)))

@@ -45,7 +45,14 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
-from actors.lane import LaneAddress, LaneBroken, LaneClient, LaneUnreachable
+from actors.lane import (
+    PING_TIMEOUT_S,
+    LaneAddress,
+    LaneBroken,
+    LaneClient,
+    LaneStalled,
+    LaneUnreachable,
+)
 from actors.ray_host import (
     LANE_METHODS,
     NEW_ID,
@@ -93,6 +100,12 @@ LANE_RETRY_S = 30.0
 #: a host that could not say its lane's address (it raised: Postgres away while it starts, or it
 #: is shutting down) gets its turns through Ray, which answer cleanly, for this long, then is asked again
 LANE_LOOKUP_RETRY_S = 1.0
+#: how long a host has to say its lane's address (a host that does not is hung: its turn is
+#: answered 503 "host_unresponsive"; a host still starting answers once its runtime is open)
+LANE_LOOKUP_TIMEOUT_S = 15.0
+#: Retry-After of a turn refused because its host is unresponsive (a hung host that wakes answers
+#: at once; one that does not is for the operator to restart: `chat-engine restart-hosts`)
+UNRESPONSIVE_RETRY_S = 5.0
 #: how long a stats read (a /metrics scrape) waits for a host before leaving it out
 STATS_TIMEOUT_S = 2.0
 #: a rescale that stopped after its pending step commits a count this many times at most, waiting
@@ -286,9 +299,13 @@ class Placement:
             raw = None
         else:
             try:
-                raw = await _plain(lane_method.remote())
+                raw = await asyncio.wait_for(_plain(lane_method.remote()), LANE_LOOKUP_TIMEOUT_S)
             except HOST_LOST:
                 raise
+            except TimeoutError:
+                log.warning("session_host_unresponsive", host=name, waited_s=LANE_LOOKUP_TIMEOUT_S,
+                            asked="lane address")
+                raise _unresponsive() from None
             except Exception as exc:  # noqa: BLE001 - the host raised (restarting, shutting down)
                 # The turn goes through Ray, whose answer says what is wrong in the host's words;
                 # this error's text is not passed on (a RayTaskError's holds the host's traceback).
@@ -357,6 +374,7 @@ class Placement:
         for attempt in (0, 1):
             # routed again on the retry: the host may have died because a rescale retired it
             name = self.actor_name(tenant_id, session_id)
+            self._refuse_if_unresponsive(name)  # Ray's path to a hung host would hang as well
             handle = self._routed_handle(name)
             seen = self._lanes.get(name) if turn else None  # the host's lane as this call found it
             failed: LaneClient | None = None  # the lane this call failed on
@@ -368,6 +386,8 @@ class Placement:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
+                        except LaneStalled as exc:
+                            raise _unresponsive() from exc
                         except LaneBroken:
                             failed = lane
                             raise
@@ -386,6 +406,13 @@ class Placement:
                 log.warning("session_host_unavailable", host=name, error=type(exc).__name__)
                 await asyncio.sleep(0.2)
         raise AssertionError("unreachable")
+
+    def _refuse_if_unresponsive(self, name: str) -> None:
+        """503 "host_unresponsive" at once, having sent nothing, while host `name`'s lane finds it
+        hung (LaneClient.stalled): a turn, a streamed one, a view or a passivation would wait on it."""
+        lane = self._lanes.get(name)
+        if lane is not None and lane.stalled and not lane.broken:
+            raise _unresponsive()
 
     def _new_id_arg(self, name: str, new_id: bool) -> tuple[bool, ...]:
         """`new_id` as the last argument of a turn, for a host that takes it; nothing otherwise."""
@@ -446,6 +473,7 @@ class Placement:
         exiting = False  # an earlier attempt was refused by a dedicated actor about to be killed
         while True:  # a refusal ran nothing: a message id new before is new still
             name = self.actor_name(tenant_id, session_id)
+            self._refuse_if_unresponsive(name)
             seen = self._lanes.get(name)  # a turn lost to its host's failure takes this lane with it (_call)
             refused: ShardState | bool | None = None  # None: no event yet; truthy: retry
             try:
@@ -838,6 +866,12 @@ def _host_error(data: Any) -> HostError:
 def _restarting() -> Overloaded:
     return Overloaded("the session host is restarting; retry with the same message_id", retry_after=1.0,
                       reason="restarting")
+
+
+def _unresponsive() -> Overloaded:
+    return Overloaded(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s or more (hung, or stopped); "
+                      "retry with the same message_id after Retry-After, a turn that reached it runs once at most",
+                      retry_after=UNRESPONSIVE_RETRY_S, reason="host_unresponsive")
 
 
 def _host_exception(error: HostError) -> ChatEngineError:

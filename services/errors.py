@@ -55,7 +55,7 @@ class Overloaded(ChatEngineError):
 
     `reason` says who refused: the caller's own excess ("mailbox", "tenant_rate",
     "tenant_concurrency": HTTP 429) or the engine's capacity or health ("host_busy",
-    "shutting_down", "unsaved", "restarting", "storage_unavailable": HTTP 503).
+    "shutting_down", "unsaved", "restarting", "storage_unavailable", "host_unresponsive": HTTP 503).
     """
 
     CALLER_REASONS = frozenset({"mailbox", "tenant_rate", "tenant_concurrency"})

@@ -85,7 +85,8 @@ _TURN_503 = (
     "is moving to another host (nothing was run); the reply is ready but its state could not be saved yet "
     "(database unavailable: the same message_id gets it once saved); the host, or this session, already "
     "holds the most turns it may hold unsaved (database unavailable: this message was not run, nothing of "
-    "it happened); the gateway could not reach the database to check the key. Send it again after "
+    "it happened); the session host has not answered for 5 s or more (hung: a turn that reached it runs once "
+    "when it wakes); the gateway could not reach the database to check the key. Send it again after "
     "Retry-After with the same message_id (a message sent without one: the X-Message-Id header of this answer)"
 )
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before sending the same request again",

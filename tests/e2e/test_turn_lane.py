@@ -18,7 +18,7 @@ import ray
 
 from actors.lane import LaneAddress, LaneBroken, LaneClient
 from actors.placement import NAMESPACE, Placement
-from tests.e2e.helpers import call_lines, register_order_tools, send
+from tests.e2e.helpers import call_lines, post, register_order_tools, send
 
 pytestmark = pytest.mark.e2e
 
@@ -147,3 +147,44 @@ async def test_a_long_session_looks_for_a_stored_answer_only_under_a_clients_mes
     assert await reads() == before + 2
     async with client.get(f"{url}/metrics") as r:  # what an operator sees
         assert f'ce_host_stored_turn_reads{{host="{name}"}} {before + 2}.0' in await r.text()
+
+
+async def test_a_hung_host_is_answered_503_host_unresponsive_and_its_turns_run_once_when_it_wakes(
+    stack, client, tenant, db, monkeypatch,
+):
+    """A host process stopped (SIGSTOP: alive to TCP and to Ray, running nothing) is found by the
+    lane's ping; its sessions' turns get 503 host_unresponsive instead of waiting for ever, the
+    other host's sessions are served, and once it runs again a retry gets the turn's one answer."""
+    monkeypatch.setattr("actors.lane.PROBE_QUIET_S", 0.5)
+    monkeypatch.setattr("actors.lane.PING_TIMEOUT_S", 1.5)
+    monkeypatch.setattr("actors.lane.WATCH_INTERVAL_S", 0.2)
+    tenant_id, _key, headers = tenant
+    url = stack.gateway.url
+    await register_order_tools(client, url, headers, stack.demo_store.url)
+    text = call_lines(("check_order", {"order_id": "1003"}))
+    hung_session, other_session = sessions_on_every_host(stack.placement, tenant_id, per_host=1)
+    hung_host = stack.placement.actor_name(tenant_id, hung_session)
+    for s in (hung_session, other_session):  # both sessions live, both lanes open
+        warm = await send(client, url, headers, s, text, f"{s}-warm")
+        assert warm.reply is not None, warm.failures
+    pid = {s["host"]: s["pid"] for s in await stack.placement.stats()}[hung_host]
+    lane_calls = {s["host"]: s["lane_calls"] for s in await stack.placement.stats()}[hung_host]
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        status, retry_after, body = await post(client, url, headers, hung_session, text, "hung-m1")
+        assert (status, retry_after) == (503, "5") and "has not answered" in body["detail"], body
+        other = await send(client, url, headers, other_session, text, "other-m1")
+        assert other.reply is not None and other.reply["tool_calls"][0]["success"], other.failures
+        status, _ra, body = await post(client, url, headers, hung_session, text, "hung-m2")  # at once, not sent
+        assert status == 503 and "has not answered" in body["detail"], body
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    again = await send(client, url, headers, hung_session, text, "hung-m1", retries=20, max_wait_s=0.2)
+    assert again.reply is not None and again.reply["tool_calls"][0]["success"], again.failures
+    runs = dict(await db.fetch("SELECT message_id, count(*) FROM ce_tool_calls WHERE tenant_id = $1 "
+                               "AND message_id LIKE 'hung-%' GROUP BY message_id", tenant_id))
+    assert runs == {"hung-m1": 1}  # the turn that reached the stopped host ran once; the refused one never
+    stats = {s["host"]: s for s in await stack.placement.stats()}[hung_host]
+    assert stats["pid"] == pid and stats["lane_calls"] >= lane_calls + 2  # the same process, woken

@@ -7,6 +7,8 @@ import ctypes
 import socket
 import struct
 import sys
+import threading
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -20,8 +22,11 @@ from actors.lane import (
     LaneClient,
     LaneError,
     LaneServer,
+    LaneStalled,
     LaneUnreachable,
+    _Call,
     frame,
+    read_frame,
 )
 
 
@@ -685,3 +690,161 @@ async def test_a_turn_lost_to_its_hosts_failure_takes_that_lane_but_never_a_newe
     assert [args[3] for _, args in host.calls] == ["m1", "m2", "m3", "m4"] and fake.lookups == 3
     p.close_lanes()
     await server.close()
+
+
+# -- a host alive to TCP but hung: pings, LaneStalled, 503 host_unresponsive ------------------------
+
+class HangingHost:
+    """A lane server on an event loop of its own thread, so that it can hang while the test's loop
+    goes on: a call whose first argument is "hang" blocks that loop (as a stopped process or a
+    stuck loop would) until `wake()`."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+        self._woken = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = LaneServer(self._dispatch, frozenset({"send", "view"}))
+        self.address = self._run(self.server.start("127.0.0.1"))
+
+    async def _dispatch(self, method: str, args: list) -> bytes:
+        self.calls.append(args)
+        if args and args[0] == "hang":
+            self._woken.wait()  # blocks the host's whole loop: nothing on it runs, pings included
+        elif args and args[0] == "slow":
+            await asyncio.sleep(1.5)  # a long tool call: the loop stays free
+        return msgspec.json.encode(args)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def close(self) -> None:
+        self.wake()
+        self._run(self.server.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def fast_watch(monkeypatch) -> None:
+    monkeypatch.setattr("actors.lane.PROBE_QUIET_S", 0.2)
+    monkeypatch.setattr("actors.lane.PING_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("actors.lane.WATCH_INTERVAL_S", 0.05)
+
+
+@pytest.fixture
+def hanging_host(fast_watch) -> Iterator[HangingHost]:
+    host = HangingHost()
+    yield host
+    host.close()
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+async def test_a_hung_host_is_found_unresponsive_its_calls_fail_and_new_ones_are_not_sent_until_it_wakes(
+    hanging_host,
+):
+    client = LaneClient(hanging_host.address)
+    assert msgspec.json.decode(await client.call("send", "first")) == ["first"]
+    with capture_logs() as logs:
+        waiting = [asyncio.create_task(client.call("send", "hang")), asyncio.create_task(client.call("send", "queued"))]
+        for call in waiting:  # found within PROBE_QUIET_S + PING_TIMEOUT_S and a watch interval or two
+            with pytest.raises(LaneStalled, match="may have run"):
+                await asyncio.wait_for(call, 5)
+        assert client.stalled and not client.broken
+        with pytest.raises(LaneStalled, match="nothing was sent"):
+            await client.call("send", "while hung")
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["session_host_unresponsive"]
+
+    hanging_host.wake()  # the host's loop runs again: it answers the ping, then the calls it held
+    await _until(lambda: not client.stalled)
+    assert msgspec.json.decode(await client.call("send", "after")) == ["after"]
+    assert hanging_host.calls == [["first"], ["hang"], ["queued"], ["after"]]  # "while hung" never went
+    assert not client.broken
+    client.close()
+
+
+async def test_a_host_busy_with_a_long_call_answers_its_pings_and_is_never_found_unresponsive(hanging_host):
+    client = LaneClient(hanging_host.address)
+    # 1.5 s of quiet is past PROBE_QUIET_S + PING_TIMEOUT_S: without the host's answers it would stall
+    assert msgspec.json.decode(await client.call("send", "slow")) == ["slow"]
+    assert not client.stalled and client._ping is None
+    client.close()
+
+
+async def test_a_host_of_an_earlier_version_answers_a_ping_with_an_error_which_is_as_good(fast_watch):
+    class EarlierServer(LaneServer):  # reads every frame as a call to dispatch, pings included
+        async def _serve(self, reader, writer):
+            await self._admit(reader, writer)
+            while True:
+                call = msgspec.msgpack.decode(await read_frame(reader), type=_Call)
+                asyncio.create_task(self._run(call, writer))
+
+    host = Host()
+    host.gates["long"] = asyncio.Event()
+    server = EarlierServer(host.dispatch, frozenset({"send"}))
+    client = LaneClient(await server.start("127.0.0.1"))
+    call = asyncio.create_task(client.call("send", "long"))
+    await asyncio.sleep(1.2)  # past PROBE_QUIET_S + PING_TIMEOUT_S
+    assert not call.done() and not client.stalled
+    host.gates["long"].set()
+    assert msgspec.json.decode(await call)["args"] == ["long"]
+    client.close()
+    await server.close()
+
+
+async def test_a_turn_on_a_hung_host_is_503_host_unresponsive_and_not_retried_through_ray(hanging_host):
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    p = Placement(Settings(shards=1))
+    fake = FakeHostHandle(hanging_host.address)
+    fake.view = _Method(lambda *a: pytest.fail("a view went to a host known to be hung"))
+    p._routed_handle = lambda _name: fake  # no Ray here
+    assert msgspec.json.decode(await p._call("t", "s", "send", "ok")) == ["ok"]
+    with pytest.raises(Overloaded, match="has not answered") as hung:
+        await asyncio.wait_for(p._call("t", "s", "send", "hang"), 5)
+    assert (hung.value.status, hung.value.reason, hung.value.retry_after) == (503, "host_unresponsive", 5.0)
+    for method in ("send", "view"):  # refused at once, nothing sent: not the lane, not Ray
+        with pytest.raises(Overloaded, match="has not answered"):
+            await p._call("t", "s", method, "next")
+    assert fake.ray_turns == [] and fake.lookups == 1  # the lane is kept: the host may wake
+
+    hanging_host.wake()
+    await _until(lambda: not p._lanes[p.actor_name("t", "s")].stalled)
+    assert msgspec.json.decode(await p._call("t", "s", "send", "hang")) == ["hang"]  # its retry
+    assert hanging_host.calls == [["ok"], ["hang"], ["hang"]] and fake.lookups == 1
+    p.close_lanes()
+
+
+async def test_a_host_that_does_not_say_its_lane_address_in_time_is_503_host_unresponsive(monkeypatch):
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    monkeypatch.setattr("actors.placement.LANE_LOOKUP_TIMEOUT_S", 0.2)
+    never = asyncio.Event()
+
+    class HungHandle(FakeHostHandle):
+        async def _lane(self) -> bytes:
+            self.lookups += 1
+            await never.wait()
+            raise AssertionError("unreachable")
+
+    p = Placement(Settings(shards=1))
+    fake = HungHandle(LaneAddress(host="127.0.0.1", port=1, token="t"))
+    p._routed_handle = lambda _name: fake
+    with pytest.raises(Overloaded, match="has not answered") as hung:
+        await p._call("t", "s", "send", "hello")
+    assert hung.value.reason == "host_unresponsive" and fake.ray_turns == []  # not sent through Ray either
