@@ -6,7 +6,10 @@ costs it ~0.8 ms of CPU (caller and actor) and ~1.5 ms of latency on an idle 2-c
 (measured: README § Performance). So a shard host also listens on its node's address, on a port
 the OS picks, and the gateway sends `send`/`decide` there: length-prefixed msgpack frames,
 many calls multiplexed on one connection, replies matched by call id (they come back out of
-order). The host's reply body is the same encoded HostResult the Ray path returns.
+order). The host's reply body is the same encoded HostResult the Ray path returns. A streamed
+turn (`stream`, for a host whose address lists STREAM) is answered with one frame per event
+(`more` set), then a last frame without it: the same encoded StreamEvents as Ray's streaming
+generator yields.
 
 Only a gateway that got the host's address from the host itself (a Ray call) may use it: the
 address carries a random token, the connection's first frame must present it, and a connection
@@ -41,7 +44,7 @@ import hmac
 import secrets
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -103,10 +106,13 @@ class _Call(msgspec.Struct, array_like=True):
     args: list[Any]
 
 
-class _Reply(msgspec.Struct, array_like=True):
+class _Reply(msgspec.Struct, array_like=True, omit_defaults=True):
     id: int
     body: bytes = b""
     error: str | None = None  # the call could not be dispatched (unknown method, dispatcher failed)
+    #: one event of a streamed call; the stream's last frame has it False (trailing defaults are
+    #: not encoded, so a plain reply is the [id, body] a gateway of an earlier version reads)
+    more: bool = False
 
 
 class LaneBroken(ConnectionError):
@@ -125,6 +131,9 @@ class LaneStalled(RuntimeError):
     """The host did not answer a ping within PING_TIMEOUT_S: alive to TCP but hung. A call that
     was waiting may have run, or may run when the host wakes; a new call was not sent."""
 
+
+#: a streamed call's events, and how its stream ends: _END, or the exception it raises
+_END = object()
 
 _encode = msgspec.msgpack.Encoder().encode
 _call_decoder = msgspec.msgpack.Decoder(_Call)
@@ -165,17 +174,24 @@ def _keep_alive(sock: Any) -> None:
 
 
 Dispatch = Callable[[str, list[Any]], Awaitable[bytes]]
+StreamDispatch = Callable[[str, list[Any]], AsyncIterator[bytes]]
+#: the feature a host's address lists when its lane carries streamed turns
+STREAM = "stream"
 
 
 class LaneServer:
     """Accepts gateways' connections and runs each call through `dispatch(method, args)`.
 
-    `methods` is what a call may name; anything else is answered with an error and not run.
+    `methods` is what a call may name; anything else is answered with an error and not run. A call
+    of one of `streams` runs through `stream(method, args)` instead, each item it yields a frame.
     """
 
-    def __init__(self, dispatch: Dispatch, methods: frozenset[str]) -> None:
+    def __init__(self, dispatch: Dispatch, methods: frozenset[str], *, stream: StreamDispatch | None = None,
+                 streams: frozenset[str] = frozenset()) -> None:
         self._dispatch = dispatch
-        self._methods = methods
+        self._stream = stream
+        self._streams = streams if stream is not None else frozenset()
+        self._methods = methods | self._streams
         self._token = secrets.token_urlsafe(32)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -253,6 +269,8 @@ class LaneServer:
     async def _run(self, call: _Call, writer: asyncio.StreamWriter) -> None:
         if call.method not in self._methods:
             reply = _Reply(id=call.id, error=f"the lane does not carry {call.method!r}")
+        elif call.method in self._streams:
+            reply = await self._run_stream(call, writer)
         else:
             self.calls += 1
             try:
@@ -266,6 +284,24 @@ class LaneServer:
             payload = _encode(_Reply(id=call.id, error=f"the reply of {len(payload)} bytes exceeds the lane's frame limit"))
         if not writer.is_closing():
             writer.write(frame(payload))
+
+    async def _run_stream(self, call: _Call, writer: asyncio.StreamWriter) -> _Reply:
+        """Write each event of a streamed call as it comes; the reply that ends the stream is returned.
+        A gateway that went away does not stop the call: the turn runs on and is stored."""
+        assert self._stream is not None
+        self.calls += 1
+        try:
+            async for body in self._stream(call.method, call.args):
+                payload = _encode(_Reply(id=call.id, body=body, more=True))
+                if len(payload) > MAX_FRAME:
+                    log.error("lane_reply_too_large", method=call.method, size=len(payload))
+                    return _Reply(id=call.id, error=f"an event of {len(payload)} bytes exceeds the lane's frame limit")
+                if not writer.is_closing():
+                    writer.write(frame(payload))
+        except Exception as exc:
+            log.error("lane_dispatch_failed", method=call.method, exc_info=exc)
+            return _Reply(id=call.id, error="the session host failed to run this call")
+        return _Reply(id=call.id)
 
 
 class LaneClient:
@@ -284,6 +320,7 @@ class LaneClient:
         self._watch_task: asyncio.Task | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._streams: dict[int, asyncio.Queue[Any]] = {}  # a streamed call's events, then how it ended
         self._next_id = 0
         self._heard = 0.0  # loop time of the last frame from the host (or of the connection)
         self._ping: tuple[int, float] | None = None  # the ping waiting for its answer: id, sent at
@@ -306,6 +343,30 @@ class LaneClient:
             return await future
         finally:
             self._pending.pop(call_id, None)
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[bytes]:
+        """A streamed call's events, as the host yields them. Raises as `call` does: LaneBroken,
+        LaneUnreachable (before anything was sent), LaneStalled, LaneError (the host refused the
+        call, or failed while running it)."""
+        if self.broken:
+            raise LaneBroken("the lane to this host failed; ask the host for its address again")
+        if self.stalled:
+            raise LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; nothing was sent to it")
+        writer = self._writer or await self._connect()
+        if self.broken:
+            raise LaneBroken("the lane to this host failed; ask the host for its address again")
+        self._next_id += 1
+        call_id = self._next_id
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[call_id] = events
+        try:
+            writer.write(frame(_encode(_Call(id=call_id, method=method, args=list(args)))))
+            while (item := await events.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(call_id, None)  # a consumer that stops early: later frames are dropped
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
@@ -336,7 +397,7 @@ class LaneClient:
             if self._ping is not None:
                 if not self.stalled and now - self._ping[1] >= PING_TIMEOUT_S:
                     self._stall()
-            elif self._pending and now - self._heard >= PROBE_QUIET_S and self._writer is not None:
+            elif (self._pending or self._streams) and now - self._heard >= PROBE_QUIET_S and self._writer is not None:
                 self._next_id += 1
                 self._ping = (self._next_id, now)
                 self._writer.write(frame(_encode(_Call(id=self._next_id, method=PING, args=[]))))
@@ -344,12 +405,15 @@ class LaneClient:
     def _stall(self) -> None:
         self.stalled = True
         log.warning("session_host_unresponsive", lane=f"{self.address.host}:{self.address.port}",
-                    waiting_calls=len(self._pending), ping_timeout_s=PING_TIMEOUT_S)
+                    waiting_calls=len(self._pending) + len(self._streams), ping_timeout_s=PING_TIMEOUT_S)
         error = LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; "
                             "the call may have run, or may run once the host wakes")
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
+        for events in self._streams.values():
+            events.put_nowait(error)
+        self._streams.clear()  # what the host sends of them once it wakes is dropped
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         error: BaseException = LaneBroken("the host closed the lane")
@@ -363,6 +427,15 @@ class LaneClient:
                     log.warning("session_host_responsive", lane=f"{self.address.host}:{self.address.port}")
                 if self._ping is not None and reply.id == self._ping[0]:
                     self._ping = None
+                    continue
+                events = self._streams.get(reply.id)
+                if events is not None:
+                    if reply.error is not None:
+                        events.put_nowait(LaneError(reply.error))
+                    else:
+                        events.put_nowait(reply.body if reply.more else _END)
+                    if reply.error is not None or not reply.more:
+                        del self._streams[reply.id]
                     continue
                 future = self._pending.get(reply.id)
                 if future is None or future.done():
@@ -387,6 +460,9 @@ class LaneClient:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(LaneBroken(str(error)))
+        for events in self._streams.values():
+            events.put_nowait(LaneBroken(str(error)))
+        self._streams.clear()
         if self._writer is not None:
             self._writer.close()
 

@@ -47,6 +47,7 @@ from ray.exceptions import (
 
 from actors.lane import (
     PING_TIMEOUT_S,
+    STREAM,
     LaneAddress,
     LaneBroken,
     LaneClient,
@@ -477,11 +478,9 @@ class Placement:
             seen = self._lanes.get(name)  # a turn lost to its host's failure takes this lane with it (_call)
             refused: ShardState | bool | None = None  # None: no event yet; truthy: retry
             try:
-                gen = self._routed_handle(name).stream.options(num_returns="streaming").remote(
-                    tenant_id, session_id, text, message_id, approval, *self._new_id_arg(name, new_id)
-                )
-                async for ref in gen:
-                    event = event_decoder.decode(await ref)
+                async for raw in self._stream_events(name, tenant_id, session_id, text, message_id, approval,
+                                                     new_id=new_id):
+                    event = event_decoder.decode(raw)
                     reason = _refusal(event)
                     if refused is None and self._ran_nothing(reason) and time.monotonic() < deadline:
                         raw = event.data.get("shard_state")  # the first event: nothing ran
@@ -494,7 +493,7 @@ class Placement:
                     if event.event == "error":
                         raise _host_exception(_host_error(event.data))
                     yield event
-            except HOST_LOST as exc:
+            except (*HOST_LOST, LaneBroken) as exc:  # the host died (or its lane broke) mid-stream
                 self._forget(name, seen)
                 if not (exiting and refused is None and time.monotonic() < deadline):
                     raise _restarting() from exc
@@ -508,6 +507,26 @@ class Placement:
             if not (isinstance(refused, ShardState) and self.apply_shard_state(refused)):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
+
+    async def _stream_events(self, name: str, *args: Any, new_id: bool) -> AsyncIterator[bytes]:
+        """A streamed turn's encoded events from host `name`: over its lane when the lane carries
+        streams, else (or when the lane cannot be connected to: nothing was sent) through Ray's
+        streaming generator. Raises what either path raises for a host lost, and 503
+        "host_unresponsive" for a hung one."""
+        handle = self._routed_handle(name)
+        args = (*args, *self._new_id_arg(name, new_id))
+        lane = await self._lane(name, handle) if self._use_lanes else None
+        if lane is not None and STREAM in lane.address.features:
+            try:
+                async for raw in lane.stream("stream", *args):
+                    yield raw
+                return
+            except LaneUnreachable as exc:  # raised before any event: nothing was sent
+                self._lane_unreachable(name, lane, exc)
+            except LaneStalled as exc:
+                raise _unresponsive() from exc
+        async for ref in handle.stream.options(num_returns="streaming").remote(*args):
+            yield await ref
 
     def _absent(self, tenant_id: str, session_id: str) -> bool:
         """Dedicated and no actor runs the session: it is not live, and reading it (or passivating

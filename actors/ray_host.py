@@ -17,7 +17,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import msgspec
@@ -25,7 +25,7 @@ import ray
 import structlog
 
 from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved, TurnNotSaved
-from actors.lane import LaneAddress, LaneServer
+from actors.lane import STREAM, LaneAddress, LaneServer
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
@@ -53,12 +53,15 @@ class HostResult(msgspec.Struct, frozen=True, kw_only=True):
 SHARD_POOL_SIZE = 10  # Postgres connections of a shard host (thousands of sessions)
 DEDICATED_POOL_SIZE = 2  # of a dedicated actor (one session: the listener and one working)
 
-#: the calls a gateway may send over a shard host's lane (actors/lane.py): the turns
+#: the calls a gateway may send over a shard host's lane (actors/lane.py): the turns, and the
+#: streamed turn (an SSE client's), each of its events a frame
 LANE_METHODS = frozenset({"send", "decide"})
+LANE_STREAMS = frozenset({"stream"})
 #: a host lists in its lane address that `send` and `stream` take `new_id` (SessionHost.send): a
-#: gateway passes it only to a host that lists it, so gateways may be rolled before hosts
+#: gateway passes it only to a host that lists it, so gateways may be rolled before hosts; and
+#: that its lane carries `stream` (STREAM): to a host that does not, streamed turns go through Ray
 NEW_ID = "new_id"
-LANE_FEATURES = (NEW_ID,)
+LANE_FEATURES = (NEW_ID, STREAM)
 
 #: a shard host that refuses a turn as "moved" reads the stored shard state again, at most this often
 SHARD_REFRESH_S = 1.0
@@ -180,7 +183,8 @@ class SessionHostActor:
                     host.set_ownership(self._owns)
                 self._host = host
                 if not self._dedicated and self._settings.host_lane:
-                    self._lane = LaneServer(self._lane_dispatch, LANE_METHODS)
+                    self._lane = LaneServer(self._lane_dispatch, LANE_METHODS, stream=self._lane_stream,
+                                            streams=LANE_STREAMS)
                     self._lane_address = await self._lane.start(ray.util.get_node_ip_address(), LANE_FEATURES)
                 if self._dedicated:
                     self._watchdog = asyncio.create_task(self._exit_when_idle())
@@ -198,6 +202,9 @@ class SessionHostActor:
 
     async def _lane_dispatch(self, method: str, args: list[Any]) -> bytes:
         return await getattr(self, method)(*args)
+
+    def _lane_stream(self, method: str, args: list[Any]) -> AsyncIterator[bytes]:
+        return getattr(self, method)(*args)
 
     # -- shard ownership ------------------------------------------------------------------------
 

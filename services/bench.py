@@ -93,6 +93,15 @@ def reply_ok(body: dict[str, Any], *, tool_round: bool) -> bool:
     return len(calls) == 1 and bool(calls[0].get("success")) and body.get("rounds") == 2
 
 
+def sse_done(raw: bytes) -> dict[str, Any] | None:
+    """The reply of a streamed turn: its `done` event's data (None when the stream has none)."""
+    for chunk in raw.split(b"\n\n"):
+        lines = chunk.split(b"\n")
+        if lines[0] == b"event: done" and len(lines) > 1 and lines[1].startswith(b"data: "):
+            return msgspec.json.decode(lines[1][len(b"data: "):])
+    return None
+
+
 def sessions_per_host(tenant_id: str, sessions: list[str], shards: int) -> list[int]:
     """How many of `sessions` each of `shards` hosts owns (the gateway's routing)."""
     from actors.sharding import rendezvous_index, session_key
@@ -420,6 +429,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     urls: dict[str, str] = {}  # interleaved: way -> its gateway's URL (every way but "inprocess")
     slices: int = 10  # interleaved: each way's messages are sent in this many slices, ways in turns
     process_labels: dict[int, str] = {}  # interleaved: pid -> label for the CPU by process
+    stream: bool = False  # every message a streamed turn: SSE over HTTP, SessionHost.stream in process
 
 
 async def _worker(spec: WorkerSpec) -> None:
@@ -551,6 +561,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     from services.logging import configure_logging
     from services.runtime import Runtime
     from services.settings import Settings
+    from services.wire import TurnReply
 
     settings = msgspec.json.decode(spec.settings or b"", type=Settings)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
@@ -563,9 +574,21 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     gc.freeze()  # as the Ray host does after start-up (actors.ray_host): the same treatment both ways
     tenant_id = spec.tenant_id or ""
 
+    async def turn(sid: str, text: str) -> TurnReply:
+        if not spec.stream:
+            return await host.send(tenant_id, sid, text, None)
+        done = None
+        async for event in host.stream(tenant_id, sid, text, None, None):
+            if event.event == "error":
+                raise ChatEngineError(str(event.data))
+            done = event if event.event == "done" else done
+        if done is None:
+            raise ChatEngineError("the stream ended without its done event")
+        return msgspec.convert(done.data, TurnReply)
+
     async def send(sid: str, text: str) -> Times | None:
         try:
-            reply = await host.send(tenant_id, sid, text, None)
+            reply = await turn(sid, text)
         except ChatEngineError as exc:
             _error_sample(f"{type(exc).__name__}: {exc}")
             return None
@@ -589,6 +612,8 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
                                      force_close=False)
     client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
     headers = {"Authorization": f"Bearer {spec.api_key}", "Content-Type": "application/json"}
+    if spec.stream:
+        headers["Accept"] = "text/event-stream"
     encode = msgspec.json.encode
     decode = msgspec.json.decode
 
@@ -604,10 +629,11 @@ async def _http_sender(spec: WorkerSpec, base: str, tool_round: bool):
         except (TimeoutError, aiohttp.ClientError) as exc:
             _error_sample(f"{type(exc).__name__}: {exc}")
             return None
-        if not reply_ok(decode(raw), tool_round=tool_round):
+        body = decode(raw) if not spec.stream else sse_done(raw)
+        if body is None or not reply_ok(body, tool_round=tool_round):
             _error_sample(f"unexpected reply: {raw[:300]!r}")
             return None
-        said = server_timing(timing)
+        said = server_timing(timing)  # a stream's headers go before its turn ran: none
         return said.get("host", math.nan), said.get("gate", math.nan), said.get("gateway", math.nan)
 
     async def close() -> None:
@@ -1014,7 +1040,7 @@ class Bench:
         sessions = [f"{tag}-{i}" for i in range(n_sessions)]
         spec = WorkerSpec(mode="inprocess" if way == "inprocess" else "http", sessions=sessions,
                           concurrency=concurrency, messages=messages or a.messages,
-                          warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key)
+                          warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key, stream=a.stream)
         settings = msgspec.structs.replace(self.settings, output_gate=gate)
         placement = None
         gateway = None
@@ -1144,7 +1170,7 @@ class Bench:
         spec = WorkerSpec(
             mode="interleaved", sessions=[], concurrency=a.concurrency, messages=messages, rate=rate,
             warm_rounds=a.warm_rounds, tenant_id=self.tenant_id, api_key=self.key,
-            settings=msgspec.json.encode(settings), urls=urls, slices=a.half_load_slices,
+            settings=msgspec.json.encode(settings), urls=urls, slices=a.half_load_slices, stream=a.stream,
             way_sessions={w: [f"{tag}-{w}-{i}" for i in range(max(a.sessions, a.concurrency))] for w in ways},
             process_labels={os.getpid(): "gateway (bench)", **{c.pid: name for c, name in ((self.model, "model"), (self.store, "store")) if c}})
         worker = await Child.start("worker", stdin_line=msgspec.json.encode(spec))
@@ -1769,6 +1795,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="leave (b) through Ray's actor task path out of the half-peak latency runs")
     p.add_argument("--half-load-rate", type=float, default=None,
                    help="msgs/s of the latency runs instead of half the measured peak (the hops' floor at a light load)")
+    p.add_argument("--stream", action="store_true",
+                   help="every message a streamed turn (SSE through the gateways, SessionHost.stream in process)")
     p.add_argument("--growth", action="store_true", help="also measure 100 -> 1,000 -> 10,000 live sessions")
     p.add_argument("--growth-levels", default="100,1000,10000")
     p.add_argument("--growth-shards", type=int, default=1, help="hosts in the growth host set")

@@ -66,12 +66,22 @@ async def test_gateway_turns_go_over_the_hosts_lanes_and_through_ray_when_switch
         lane_turns = scraped[f'ce_host_lane_turns{{host="{host}"}}']
         assert 0 < lane_turns <= scraped[f'ce_host_turns{{host="{host}"}}']
 
+    # a streamed turn (an SSE client's) goes over the lane too, each event a frame
+    before = await host_counts(stack.placement)
+    async with client.post(f"{url}/v1/sessions/{sessions[2]}/messages", json={"text": text, "message_id": "sse-m1"},
+                           headers={**headers, "Accept": "text/event-stream"}) as r:
+        streamed = await r.text()
+    assert r.status == 200 and "event: tool_call" in streamed and "event: done" in streamed, streamed
+    assert delta(await host_counts(stack.placement), before) == (1, 1)
+
     # the same hosts, a gateway-side placement with the lane switched off: Ray's task path
     off = Placement(msgspec.structs.replace(stack.settings, host_lane=False))
     before = await host_counts(stack.placement)
     reply = await off.send(tenant_id, sessions[0], text, "lane-off-m1")
     assert reply.tool_calls[0].success and reply.message_id == "lane-off-m1"
     assert delta(await host_counts(stack.placement), before) == (1, 0)
+    events = [e.event async for e in off.stream(tenant_id, sessions[3], text, "lane-off-sse")]
+    assert events[-1] == "done" and delta(await host_counts(stack.placement), before) == (2, 0)
     # a message id answered over the lane is answered again through Ray: the stored reply
     again = await off.send(tenant_id, sessions[1], "ignored", f"{sessions[1]}-m0")
     assert again.replay and again.reply == sent[1].reply["reply"]
@@ -137,7 +147,7 @@ async def test_a_long_session_looks_for_a_stored_answer_only_under_a_clients_mes
             assert r.status == 200, await r.text()
     async with client.post(f"{url}/v1/sessions/{session}/messages", json={"text": "and streamed"},
                            headers={**headers, "Accept": "text/event-stream"}) as r:
-        assert r.status == 200 and "event: done" in await r.text()  # through Ray, the lane open
+        assert r.status == 200 and "event: done" in await r.text()  # over the lane
     assert await reads() == before  # a made-up id has no stored answer to look for
 
     again = await send(client, url, headers, session, "not run", "ll-m0")  # older than the cache
@@ -178,6 +188,9 @@ async def test_a_hung_host_is_answered_503_host_unresponsive_and_its_turns_run_o
         assert other.reply is not None and other.reply["tool_calls"][0]["success"], other.failures
         status, _ra, body = await post(client, url, headers, hung_session, text, "hung-m2")  # at once, not sent
         assert status == 503 and "has not answered" in body["detail"], body
+        async with client.post(f"{url}/v1/sessions/{hung_session}/messages", json={"text": text, "message_id": "hung-m3"},
+                               headers={**headers, "Accept": "text/event-stream"}) as r:  # an SSE turn alike
+            assert (r.status, r.headers.get("Retry-After")) == (503, "5"), await r.text()
     finally:
         os.kill(pid, signal.SIGCONT)
 

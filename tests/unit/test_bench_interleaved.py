@@ -259,3 +259,12 @@ def test_a_tail_split_over_rounds_takes_each_figures_median():
               {"turns": 3, "bursts": 2, "burst_starts_s": [2.0], "host_ms": 5.0}]
     assert bench._median_tail(rounds) == {"turns": 3, "bursts": 2, "host_ms": 7.0}
     assert bench._median_tail([None, None]) is None
+
+
+def test_a_streamed_turns_reply_is_its_done_events_data():
+    raw = (b'event: delta\ndata: {"text":"done"}\n\n'
+           b'event: tool_call\ndata: {"name":"check_order"}\n\n'
+           b'event: done\ndata: {"reply":"Shipped.","rounds":2}\n\n')
+    assert bench.sse_done(raw) == {"reply": "Shipped.", "rounds": 2}
+    assert bench.sse_done(b'event: error\ndata: {"status":503}\n\n') is None  # no reply: counted an error
+    assert parse_args(["--stream"]).stream and not parse_args([]).stream

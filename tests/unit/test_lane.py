@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import socket
 import struct
@@ -17,6 +18,7 @@ from structlog.testing import capture_logs
 from actors.lane import (
     MAX_FRAME,
     MAX_HELLO,
+    STREAM,
     LaneAddress,
     LaneBroken,
     LaneClient,
@@ -705,8 +707,13 @@ class HangingHost:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.server = LaneServer(self._dispatch, frozenset({"send", "view"}))
-        self.address = self._run(self.server.start("127.0.0.1"))
+        self.server = LaneServer(self._dispatch, frozenset({"send", "view"}), stream=self._stream,
+                                 streams=frozenset({"stream"}))
+        self.address = self._run(self.server.start("127.0.0.1", (STREAM,)))
+
+    async def _stream(self, method: str, args: list):
+        yield msgspec.json.encode({"event": "delta", "data": {"text": "first"}})
+        yield await self._dispatch(method, args[2:3])
 
     async def _dispatch(self, method: str, args: list) -> bytes:
         self.calls.append(args)
@@ -848,3 +855,168 @@ async def test_a_host_that_does_not_say_its_lane_address_in_time_is_503_host_unr
     with pytest.raises(Overloaded, match="has not answered") as hung:
         await p._call("t", "s", "send", "hello")
     assert hung.value.reason == "host_unresponsive" and fake.ray_turns == []  # not sent through Ray either
+
+
+# -- streamed calls: each event a frame ------------------------------------------------------------
+
+class StreamingHost(Host):
+    """`stream` yields an event per word of its first argument; "fail" raises after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streamed: list[list] = []
+        self.gate = asyncio.Event()
+
+    async def stream(self, method: str, args: list):
+        self.streamed.append(args)
+        for i, word in enumerate(args[0].split()):
+            if word == "fail":
+                raise RuntimeError("a bug in the host's stream")
+            if word == "wait":
+                await self.gate.wait()
+            yield msgspec.json.encode({"i": i, "word": word})
+
+
+@pytest.fixture
+async def streaming_lane():
+    host = StreamingHost()
+    server = LaneServer(host.dispatch, frozenset({"send"}), stream=host.stream, streams=frozenset({"stream"}))
+    client = LaneClient(await server.start("127.0.0.1", (STREAM,)))
+    yield host, server, client
+    client.close()
+    await server.close()
+
+
+async def _events(client: LaneClient, text: str) -> list[str]:
+    return [msgspec.json.decode(raw)["word"] async for raw in client.stream("stream", text)]
+
+
+async def test_a_streamed_call_yields_each_event_as_the_host_does_beside_plain_calls(streaming_lane):
+    host, _, client = streaming_lane
+    assert client.address.features == (STREAM,)
+    events = client.stream("stream", "one wait two three")
+    assert msgspec.json.decode(await anext(events))["word"] == "one"  # before the host has the rest
+    assert msgspec.json.decode(await client.call("send", "between")) == {"method": "send", "args": ["between"]}
+    host.gate.set()
+    assert [msgspec.json.decode(raw)["word"] async for raw in events] == ["wait", "two", "three"]
+    many = await asyncio.gather(*(_events(client, f"a{i} b{i}") for i in range(50)))
+    assert many == [[f"a{i}", f"b{i}"] for i in range(50)]
+    assert await _events(client, "") == [] and not client._streams
+
+
+async def test_a_stream_that_fails_on_the_host_ends_in_lane_error_and_the_lane_lives_on(streaming_lane):
+    _, _, client = streaming_lane
+    got = []
+    with pytest.raises(LaneError, match="failed to run"), capture_logs():
+        async for raw in client.stream("stream", "first fail never"):
+            got.append(msgspec.json.decode(raw)["word"])
+    assert got == ["first"]
+    assert await _events(client, "still here") == ["still", "here"]
+
+
+async def test_a_stream_cut_by_its_connection_raises_lane_broken(streaming_lane, monkeypatch):
+    host, server, client = streaming_lane
+    monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
+    events = client.stream("stream", "one wait two")
+    assert msgspec.json.decode(await anext(events))["word"] == "one"
+    await server.close()
+    with pytest.raises(LaneBroken):
+        await asyncio.wait_for(anext(events), 5)
+    host.gate.set()
+
+
+async def test_a_consumer_that_stops_early_leaves_the_call_running_and_its_frames_dropped(streaming_lane):
+    host, _, client = streaming_lane
+    events = client.stream("stream", "one wait two three")
+    await anext(events)
+    await events.aclose()  # an SSE client hung up
+    assert not client._streams
+    host.gate.set()
+    assert await _events(client, "next") == ["next"]  # the late frames of the first were dropped
+
+
+async def test_a_plain_reply_is_what_a_gateway_of_an_earlier_version_decodes():
+    class EarlierReply(msgspec.Struct, array_like=True):  # the reply as it was before `more`
+        id: int
+        body: bytes = b""
+        error: str | None = None
+
+    earlier = msgspec.msgpack.Decoder(EarlierReply)
+    from actors.lane import _Reply
+
+    assert earlier.decode(msgspec.msgpack.encode(_Reply(id=3, body=b"x"))) == EarlierReply(id=3, body=b"x")
+    assert earlier.decode(msgspec.msgpack.encode(_Reply(id=4, error="no"))) == EarlierReply(id=4, error="no")
+
+
+async def test_a_stream_on_a_hung_host_raises_lane_stalled(hanging_host):
+    client = LaneClient(hanging_host.address)
+    await client.call("send", "first")  # connected
+
+    async def hang_then_stream():
+        hang = asyncio.create_task(client.call("send", "hang"))
+        await asyncio.sleep(0.05)
+        try:
+            return [raw async for raw in client.stream("view", "x")]  # not a stream method here: waits
+        finally:
+            with contextlib.suppress(LaneStalled):
+                await hang
+
+    with pytest.raises(LaneStalled), capture_logs():
+        await asyncio.wait_for(hang_then_stream(), 5)
+    assert not client._streams
+    client.close()
+
+
+async def test_an_sse_turn_goes_over_a_lane_that_carries_streams_and_through_ray_otherwise():
+    from actors.placement import Placement
+    from services.settings import Settings
+
+    host = StreamingHost()
+    server = LaneServer(host.dispatch, frozenset({"send"}), stream=host.stream, streams=frozenset({"stream"}))
+    address = await server.start("127.0.0.1", (STREAM,))
+    p = Placement(Settings(shards=1))
+    fake = FakeHostHandle(address)
+    fake.stream = _FailingStream()  # Ray's path: never reached while the lane carries streams
+    p._routed_handle = lambda _name: fake
+
+    def as_events(words: list[str]) -> list[bytes]:
+        return [msgspec.json.encode({"event": "delta", "data": {"text": w}}) for w in words]
+
+    async def stream_dispatch(method: str, args: list):
+        host.streamed.append(args)
+        for raw in as_events(["hi", "there"]):
+            yield raw
+        yield msgspec.json.encode({"event": "done", "data": {}})
+
+    server._stream = stream_dispatch
+    got = [(e.event, e.data) async for e in p.stream("t", "s", "hello", "m1")]
+    assert got == [("delta", {"text": "hi"}), ("delta", {"text": "there"}), ("done", {})]
+    assert host.streamed == [["t", "s", "hello", "m1", None]] and fake.lookups == 1
+
+    # a host whose lane does not list STREAM (an earlier version): the same turn through Ray
+    p.close_lanes()
+    fake.address = msgspec.structs.replace(address, features=())
+    fake.stream.gate.set()
+    with pytest.raises(Exception, match="restarting"):  # _FailingStream: Ray's path was taken
+        async for _ in p.stream("t", "s", "hello", "m2"):
+            pass
+    assert len(host.streamed) == 1
+    await server.close()
+
+
+async def test_an_sse_turn_on_a_host_that_hangs_mid_stream_is_503_host_unresponsive(hanging_host):
+    from actors.placement import Placement
+    from services.errors import Overloaded
+    from services.settings import Settings
+
+    p = Placement(Settings(shards=1))
+    fake = FakeHostHandle(hanging_host.address)
+    fake.stream = _FailingStream()  # never reached: the lane carries streams
+    p._routed_handle = lambda _name: fake
+    got = []
+    with pytest.raises(Overloaded, match="has not answered") as hung, capture_logs():
+        async for event in p.stream("t", "s", "hang", "m1"):
+            got.append(event.data)
+    assert got == [{"text": "first"}] and hung.value.reason == "host_unresponsive"
+    hanging_host.wake()
+    p.close_lanes()
