@@ -514,8 +514,8 @@ class Placement:
         streaming generator. Raises what either path raises for a host lost, and 503
         "host_unresponsive" for a hung one."""
         handle = self._routed_handle(name)
-        args = (*args, *self._new_id_arg(name, new_id))
         lane = await self._lane(name, handle) if self._use_lanes else None
+        args = (*args, *self._new_id_arg(name, new_id))  # after the lookup: the lane says if the host takes it
         if lane is not None and STREAM in lane.address.features:
             try:
                 async for raw in lane.stream("stream", *args):
