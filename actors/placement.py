@@ -109,6 +109,11 @@ LANE_LOOKUP_TIMEOUT_S = 15.0
 UNRESPONSIVE_RETRY_S = 5.0
 #: how long a stats read (a /metrics scrape) waits for a host before leaving it out
 STATS_TIMEOUT_S = 2.0
+#: a host being retired (restart-hosts, a scale-down) that does not answer a stats read within
+#: RETIRE_PROBE_S is hung: it is killed without its flush; one that answers may take
+#: RETIRE_SHUTDOWN_S to flush and stop before it is killed anyway
+RETIRE_PROBE_S = 10.0
+RETIRE_SHUTDOWN_S = 30.0
 #: a rescale that stopped after its pending step commits a count this many times at most, waiting
 #: COMMIT_BACKOFF_S, then twice that, ... between attempts (0.5 + 1 + 2 + 4 s: a Postgres restart)
 COMMIT_ATTEMPTS = 5
@@ -803,25 +808,46 @@ class Placement:
         pending = list(names)
         while pending and time.monotonic() < deadline:
             await asyncio.sleep(RETIRE_QUIET_S)
-            stats = await asyncio.gather(
-                *(ray.get_actor(n, namespace=NAMESPACE).stats.remote() for n in pending), return_exceptions=True
+            stats = await asyncio.gather(  # a hung host's read times out: it takes no turns, nothing to wait for
+                *(asyncio.wait_for(_plain(ray.get_actor(n, namespace=NAMESPACE).stats.remote()), STATS_TIMEOUT_S)
+                  for n in pending), return_exceptions=True,
             )
             pending = [n for n, st in zip(pending, stats, strict=True)
                        if isinstance(st, dict) and st.get("idle_s", RETIRE_QUIET_S) < RETIRE_QUIET_S]
 
     async def _retire(self, names: list[str]) -> None:
+        """Stop hosts `names`: each flushes and stops (up to RETIRE_SHUTDOWN_S), then is killed. A
+        host that does not answer a stats read within RETIRE_PROBE_S (hung, or stopped) is killed
+        at once: it could not flush, and with the output gate on every turn it acknowledged is
+        in Postgres already."""
         for name in names:
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
                 continue
-            try:
-                await asyncio.wait_for(handle.shutdown.remote(), 30.0)
-            except Exception:  # noqa: BLE001 - it owns nothing any more; stop it anyway
-                log.warning("retired_host_shutdown_failed", host=name)
+            if await _answers(handle):
+                try:
+                    await asyncio.wait_for(handle.shutdown.remote(), RETIRE_SHUTDOWN_S)
+                except Exception:  # noqa: BLE001 - it owns nothing any more; stop it anyway
+                    log.warning("retired_host_shutdown_failed", host=name)
+            else:
+                log.warning("retired_host_unresponsive", host=name, waited_s=RETIRE_PROBE_S,
+                            detail="killed without its flush")
             ray.kill(handle, no_restart=True)
             self._forget(name)
             self._drop_lane(name)
+
+
+async def _answers(handle: Any) -> bool:
+    """Whether a host answers a stats read within RETIRE_PROBE_S (an error is an answer: the
+    host's loop ran; only silence means hung)."""
+    try:
+        await asyncio.wait_for(_plain(handle.stats.remote()), RETIRE_PROBE_S)
+    except TimeoutError:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return True
 
 
 async def _plain(ref: Any) -> Any:

@@ -9,12 +9,14 @@ gateway finds by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
 import msgspec
 import pytest
 import ray
+from structlog.testing import capture_logs
 
 from actors.lane import LaneAddress, LaneBroken, LaneClient
 from actors.placement import NAMESPACE, Placement
@@ -201,3 +203,35 @@ async def test_a_hung_host_is_answered_503_host_unresponsive_and_its_turns_run_o
     assert runs == {"hung-m1": 1}  # the turn that reached the stopped host ran once; the refused one never
     stats = {s["host"]: s for s in await stack.placement.stats()}[hung_host]
     assert stats["pid"] == pid and stats["lane_calls"] >= lane_calls + 2  # the same process, woken
+
+
+async def test_restart_hosts_replaces_a_hung_host_without_waiting_for_its_flush(stack, client, tenant, monkeypatch):
+    """The operator's remedy for a host stuck for good: `restart-hosts` kills one that does not
+    answer (RETIRE_PROBE_S) instead of waiting for the flush it cannot do; its sessions come back
+    from Postgres on the new process with everything acknowledged. (Last in this file: it
+    replaces both of the stack's hosts.)"""
+    monkeypatch.setattr("actors.placement.RETIRE_PROBE_S", 1.0)
+    monkeypatch.setattr("actors.placement.RETIRE_SHUTDOWN_S", 600.0)  # waited for, the restart would time out
+    tenant_id, _key, headers = tenant
+    url = stack.gateway.url
+    session = sessions_on_every_host(stack.placement, tenant_id, per_host=1)[0]
+    name = stack.placement.actor_name(tenant_id, session)
+    first = await send(client, url, headers, session, "hello", "rh-m0")
+    assert first.reply is not None, first.failures
+    before = {s["host"]: s["pid"] for s in await stack.placement.stats()}
+
+    os.kill(before[name], signal.SIGSTOP)
+    try:
+        with capture_logs() as logs:
+            restarted = await asyncio.wait_for(stack.placement.restart_hosts(), 90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before[name], signal.SIGCONT)
+    assert restarted == sorted(before)
+    assert [e["host"] for e in logs if e["event"] == "retired_host_unresponsive"] == [name]
+    after = {s["host"]: s["pid"] for s in await stack.placement.stats()}
+    assert set(after) == set(before) and all(after[h] != before[h] for h in before), (before, after)
+    again = await send(client, url, headers, session, "not run", "rh-m0", retries=20, max_wait_s=0.5)
+    assert again.reply is not None and again.reply["reply"] == first.reply["reply"], again.failures  # from Postgres
+    later = await send(client, url, headers, session, "hello again", "rh-m1", retries=20, max_wait_s=0.5)
+    assert later.reply is not None, later.failures

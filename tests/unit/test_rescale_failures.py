@@ -279,3 +279,26 @@ async def test_a_hung_host_is_left_out_of_a_stats_read_after_its_timeout(cluster
     stats = await asyncio.wait_for(cluster.gateway.stats(timeout_s=1.0), T)  # ce-host-0 answers in well under it
     assert [s["host"] for s in stats] == ["ce-host-0"]
     assert cluster.gateway.host_names() == ["ce-host-0", "ce-host-1"]  # still expected: reported down
+
+
+async def test_a_scale_down_whose_retired_host_is_hung_drains_and_kills_it_without_waiting_for_its_flush(
+    cluster, monkeypatch,
+):
+    # a host whose loop is stuck answers nothing (here: its stats and its shutdown never return);
+    # before, the drain's stats read waited for it for ever, and the retire 30 s for its shutdown
+    monkeypatch.setattr(placement_module, "STATS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(placement_module, "RETIRE_PROBE_S", 0.2)
+    monkeypatch.setattr(placement_module, "RETIRE_SHUTDOWN_S", 600.0)
+
+    async def host_1_hangs_once_released(name: str, method: str, args: tuple) -> None:
+        if name == "ce-host-1" and method in ("stats", "shutdown"):
+            await asyncio.Event().wait()
+
+    cluster.ray.intercept = host_1_hangs_once_released
+    with structlog.testing.capture_logs() as logs:
+        report = await asyncio.wait_for(cluster.operator.rescale(1, cluster.shards, ack_timeout_s=T), T)
+    assert (report.after, report.retired) == (1, ["ce-host-1"]) and cluster.ray.killed == ["ce-host-1"]
+    assert ("ce-host-1", "shutdown") not in cluster.ray.calls  # hung: killed without asking it to flush
+    assert [e["host"] for e in logs if e["event"] == "retired_host_unresponsive"] == ["ce-host-1"]
+    cluster.ray.intercept = None
+    await check_served_by(cluster, 1)
