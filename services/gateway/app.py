@@ -182,6 +182,13 @@ def _http_problem(exc: web.HTTPException, request: web.Request) -> tuple[int, st
     return exc.status, exc.reason, exc.text or exc.reason, None
 
 
+def _count_refusal(request: web.Request, exc: Exception) -> None:
+    """`ce_refused_total{reason}` for a request refused with Retry-After (Overloaded)."""
+    deps = request.app.get(DEPS)
+    if isinstance(exc, Overloaded) and deps is not None:
+        deps.metrics.refused.labels(exc.reason).inc()
+
+
 def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, float | None]:
     """What a request that failed with `exc` answers: (status, title, detail, retry after s or
     None). A problem+json response says it, or, once an SSE stream began, its last event."""
@@ -267,6 +274,7 @@ async def _answer(request: web.Request, handler, request_id: str) -> web.StreamR
         status, title, detail, headers = _http_problem(exc, request)
         return problem(status, title, detail, headers=headers)
     except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
+        _count_refusal(request, exc)
         status, title, detail, retry_after = failure(exc, request_id, request.path)
         headers = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
         return problem(status, title, detail, headers=headers)
@@ -486,6 +494,7 @@ async def _sse(request: web.Request, events: AsyncIterator[StreamEvent], started
     except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
         # After the first event a failure is the last event, as a problem's fields, not a
         # connection cut without a word.
+        _count_refusal(request, exc)
         status, title, detail, retry_after = failure(exc, request[REQUEST_ID], request.path)
         data = {"title": title, "status": status, "detail": detail}
         if retry_after is not None:

@@ -42,5 +42,8 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after(stack, client, t
                 statuses.append((r.status, r.headers.get("Retry-After")))
         assert [s for s, _ in statuses[:3]] == [200, 200, 200]
         assert any(s == 429 and ra for s, ra in statuses[3:])
+        async with client.get(f"{gateway.url}/metrics") as r:  # counted by reason for the operator
+            refused = sum(s == 429 for s, _ in statuses)
+            assert f'ce_refused_total{{reason="tenant_rate"}} {refused}.0' in await r.text()
     finally:
         await gateway.close()

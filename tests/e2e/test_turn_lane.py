@@ -44,6 +44,15 @@ def sessions_on_every_host(placement, tenant_id: str, per_host: int) -> list[str
     raise AssertionError(f"no {per_host} sessions on each of {placement.shards} hosts: {by_host}")
 
 
+async def refusals(client, url: str, reason: str) -> float:
+    """The gateway's `ce_refused_total{reason}` on /metrics (0 before the first)."""
+    async with client.get(f"{url}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith(f'ce_refused_total{{reason="{reason}"}} '):
+                return float(line.split(" ")[1])
+    return 0.0
+
+
 def delta(after: dict, before: dict) -> tuple[int, int]:
     return (sum(a[0] for a in after.values()) - sum(b[0] for b in before.values()),
             sum(a[1] for a in after.values()) - sum(b[1] for b in before.values()))
@@ -181,6 +190,7 @@ async def test_a_hung_host_is_answered_503_host_unresponsive_and_its_turns_run_o
         assert warm.reply is not None, warm.failures
     pid = {s["host"]: s["pid"] for s in await stack.placement.stats()}[hung_host]
     lane_calls = {s["host"]: s["lane_calls"] for s in await stack.placement.stats()}[hung_host]
+    refused = await refusals(client, url, "host_unresponsive")
 
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -195,6 +205,7 @@ async def test_a_hung_host_is_answered_503_host_unresponsive_and_its_turns_run_o
             assert (r.status, r.headers.get("Retry-After")) == (503, "5"), await r.text()
     finally:
         os.kill(pid, signal.SIGCONT)
+    assert await refusals(client, url, "host_unresponsive") == refused + 3  # what an operator sees
 
     again = await send(client, url, headers, hung_session, text, "hung-m1", retries=20, max_wait_s=0.2)
     assert again.reply is not None and again.reply["tool_calls"][0]["success"], again.failures
