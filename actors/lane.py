@@ -106,12 +106,13 @@ class _Call(msgspec.Struct, array_like=True):
     args: list[Any]
 
 
-class _Reply(msgspec.Struct, array_like=True, omit_defaults=True):
+class _Reply(msgspec.Struct, array_like=True):
     id: int
     body: bytes = b""
     error: str | None = None  # the call could not be dispatched (unknown method, dispatcher failed)
-    #: one event of a streamed call; the stream's last frame has it False (trailing defaults are
-    #: not encoded, so a plain reply is the [id, body] a gateway of an earlier version reads)
+    #: one event of a streamed call; the stream's last frame has it False (a gateway of an earlier
+    #: version decodes the reply's first three items and ignores this fourth: msgspec's array-like
+    #: structs skip trailing items they do not declare)
     more: bool = False
 
 
@@ -241,7 +242,8 @@ class LaneServer:
             while True:
                 call = _call_decoder.decode(await read_frame(reader))
                 if call.method == PING:  # the loop that reads it is alive: that is the answer
-                    writer.write(frame(_encode(_Reply(id=call.id))))
+                    if not writer.is_closing():
+                        writer.write(frame(_encode(_Reply(id=call.id))))
                     continue
                 task = asyncio.create_task(self._run(call, writer))
                 self._running.add(task)
@@ -290,18 +292,19 @@ class LaneServer:
         A gateway that went away does not stop the call: the turn runs on and is stored."""
         assert self._stream is not None
         self.calls += 1
+        too_large = None  # an event past the frame limit ends the stream in an error; the turn runs on
         try:
             async for body in self._stream(call.method, call.args):
                 payload = _encode(_Reply(id=call.id, body=body, more=True))
-                if len(payload) > MAX_FRAME:
+                if too_large is None and len(payload) > MAX_FRAME:
                     log.error("lane_reply_too_large", method=call.method, size=len(payload))
-                    return _Reply(id=call.id, error=f"an event of {len(payload)} bytes exceeds the lane's frame limit")
-                if not writer.is_closing():
+                    too_large = f"an event of {len(payload)} bytes exceeds the lane's frame limit"
+                if too_large is None and not writer.is_closing():
                     writer.write(frame(payload))
         except Exception as exc:
             log.error("lane_dispatch_failed", method=call.method, exc_info=exc)
             return _Reply(id=call.id, error="the session host failed to run this call")
-        return _Reply(id=call.id)
+        return _Reply(id=call.id, error=too_large)
 
 
 class LaneClient:
@@ -324,16 +327,21 @@ class LaneClient:
         self._next_id = 0
         self._heard = 0.0  # loop time of the last frame from the host (or of the connection)
         self._ping: tuple[int, float] | None = None  # the ping waiting for its answer: id, sent at
+        self._unreachable: str | None = None  # why the connection could not be made (nothing was ever sent)
 
-    async def call(self, method: str, *args: Any) -> bytes:
+    def _check(self) -> None:
+        """Raise, having sent nothing, when no call can go out on this lane now."""
+        if self._unreachable is not None:
+            raise LaneUnreachable(self._unreachable)
         if self.broken:
             raise LaneBroken("the lane to this host failed; ask the host for its address again")
         if self.stalled:
-            raise LaneStalled("the session host has not answered for "
-                              f"{PING_TIMEOUT_S:.0f} s; nothing was sent to it")
+            raise LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; nothing was sent to it")
+
+    async def call(self, method: str, *args: Any) -> bytes:
+        self._check()
         writer = self._writer or await self._connect()
-        if self.broken:  # failed while this call waited for the connection
-            raise LaneBroken("the lane to this host failed; ask the host for its address again")
+        self._check()  # it failed, or its host stopped answering, while this call waited for the connection
         self._next_id += 1
         call_id = self._next_id
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -348,13 +356,9 @@ class LaneClient:
         """A streamed call's events, as the host yields them. Raises as `call` does: LaneBroken,
         LaneUnreachable (before anything was sent), LaneStalled, LaneError (the host refused the
         call, or failed while running it)."""
-        if self.broken:
-            raise LaneBroken("the lane to this host failed; ask the host for its address again")
-        if self.stalled:
-            raise LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; nothing was sent to it")
+        self._check()
         writer = self._writer or await self._connect()
-        if self.broken:
-            raise LaneBroken("the lane to this host failed; ask the host for its address again")
+        self._check()
         self._next_id += 1
         call_id = self._next_id
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -370,15 +374,15 @@ class LaneClient:
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
-            if self.broken:
-                raise LaneBroken("the lane to this host failed; ask the host for its address again")
+            self._check()  # a caller that waited for another's failed connect is told it is unreachable
             if self._writer is None:
                 try:
                     reader, writer = await asyncio.wait_for(
                         asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
                 except (OSError, TimeoutError) as exc:
                     self.broken = True
-                    raise LaneUnreachable(f"cannot connect to the host's lane: {str(exc) or type(exc).__name__}") from exc
+                    self._unreachable = f"cannot connect to the host's lane: {str(exc) or type(exc).__name__}"
+                    raise LaneUnreachable(self._unreachable) from exc
                 _keep_alive(writer.get_extra_info("socket"))
                 writer.write(frame(_encode(self.address.token)))
                 self._writer = writer
@@ -406,13 +410,12 @@ class LaneClient:
         self.stalled = True
         log.warning("session_host_unresponsive", lane=f"{self.address.host}:{self.address.port}",
                     waiting_calls=len(self._pending) + len(self._streams), ping_timeout_s=PING_TIMEOUT_S)
-        error = LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; "
-                            "the call may have run, or may run once the host wakes")
+        said = f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; the call may have run, or may run once the host wakes"
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(LaneStalled(said))
         for events in self._streams.values():
-            events.put_nowait(error)
+            events.put_nowait(LaneStalled(said))
         self._streams.clear()  # what the host sends of them once it wakes is dropped
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -425,8 +428,8 @@ class LaneClient:
                 if self.stalled:
                     self.stalled = False
                     log.warning("session_host_responsive", lane=f"{self.address.host}:{self.address.port}")
-                if self._ping is not None and reply.id == self._ping[0]:
-                    self._ping = None
+                ping, self._ping = self._ping, None  # any frame answers the ping: the host's loop runs
+                if ping is not None and reply.id == ping[0]:
                     continue
                 events = self._streams.get(reply.id)
                 if events is not None:

@@ -186,6 +186,8 @@ class Placement:
         # name -> (address, retry after): a lane that could not be connected to, or (None, ...) a
         # host that could not say its address; its turns go through Ray until then
         self._unreachable: dict[str, tuple[LaneAddress | None, float]] = {}
+        #: host -> until when its turns are refused as unresponsive, having not said its lane's address in time
+        self._unresponsive_until: dict[str, float] = {}
 
     @property
     def mode(self) -> str:
@@ -263,6 +265,7 @@ class Placement:
         failed says nothing of a lane that works (a stale handle's error, say)."""
         self._handles.pop(name, None)
         self._sessions.pop(name, None)
+        self._unresponsive_until.pop(name, None)  # a host lost, or retired: its successor is asked anew
         if lane is not None:
             self._drop_lane(name, lane)
 
@@ -311,6 +314,8 @@ class Placement:
             except TimeoutError:
                 log.warning("session_host_unresponsive", host=name, waited_s=LANE_LOOKUP_TIMEOUT_S,
                             asked="lane address")
+                # the next turns are refused at once for a while, not each held for another lookup
+                self._unresponsive_until[name] = time.monotonic() + UNRESPONSIVE_RETRY_S
                 raise _unresponsive() from None
             except Exception as exc:  # noqa: BLE001 - the host raised (restarting, shutting down)
                 # The turn goes through Ray, whose answer says what is wrong in the host's words;
@@ -419,6 +424,11 @@ class Placement:
         lane = self._lanes.get(name)
         if lane is not None and lane.stalled and not lane.broken:
             raise _unresponsive()
+        until = self._unresponsive_until.get(name)
+        if until is not None:
+            if time.monotonic() < until:
+                raise _unresponsive()
+            del self._unresponsive_until[name]
 
     def _new_id_arg(self, name: str, new_id: bool) -> tuple[bool, ...]:
         """`new_id` as the last argument of a turn, for a host that takes it; nothing otherwise."""
@@ -520,17 +530,18 @@ class Placement:
         "host_unresponsive" for a hung one."""
         handle = self._routed_handle(name)
         lane = await self._lane(name, handle) if self._use_lanes else None
-        args = (*args, *self._new_id_arg(name, new_id))  # after the lookup: the lane says if the host takes it
         if lane is not None and STREAM in lane.address.features:
             try:
-                async for raw in lane.stream("stream", *args):
+                # new_id after the lookup: the lane says whether the host takes it
+                async for raw in lane.stream("stream", *args, *self._new_id_arg(name, new_id)):
                     yield raw
                 return
             except LaneUnreachable as exc:  # raised before any event: nothing was sent
                 self._lane_unreachable(name, lane, exc)
             except LaneStalled as exc:
                 raise _unresponsive() from exc
-        async for ref in handle.stream.options(num_returns="streaming").remote(*args):
+        # through Ray: new_id only to a host whose open lane says it takes it (none once unreachable)
+        async for ref in handle.stream.options(num_returns="streaming").remote(*args, *self._new_id_arg(name, new_id)):
             yield await ref
 
     def _absent(self, tenant_id: str, session_id: str) -> bool:

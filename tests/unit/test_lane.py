@@ -852,9 +852,13 @@ async def test_a_host_that_does_not_say_its_lane_address_in_time_is_503_host_unr
     p = Placement(Settings(shards=1))
     fake = HungHandle(LaneAddress(host="127.0.0.1", port=1, token="t"))
     p._routed_handle = lambda _name: fake
-    with pytest.raises(Overloaded, match="has not answered") as hung:
+    with pytest.raises(Overloaded, match="has not answered") as hung, capture_logs():
         await p._call("t", "s", "send", "hello")
     assert hung.value.reason == "host_unresponsive" and fake.ray_turns == []  # not sent through Ray either
+    for method in ("send", "view"):  # the next ones for UNRESPONSIVE_RETRY_S: at once, no new lookup held
+        with pytest.raises(Overloaded, match="has not answered"):
+            await asyncio.wait_for(p._call("t", "s", method, "again"), 0.1)
+    assert fake.lookups == 1
 
 
 # -- streamed calls: each event a frame ------------------------------------------------------------
@@ -1020,3 +1024,60 @@ async def test_an_sse_turn_on_a_host_that_hangs_mid_stream_is_503_host_unrespons
     assert got == [{"text": "first"}] and hung.value.reason == "host_unresponsive"
     hanging_host.wake()
     p.close_lanes()
+
+
+class PingDeafHost:
+    """A raw lane peer that answers calls but no ping until `hear_pings`; a call whose first
+    argument is "held" is answered only once `release` is set."""
+
+    def __init__(self) -> None:
+        self.hear_pings = False
+        self.release = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> LaneAddress:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return LaneAddress(host="127.0.0.1", port=self.server.sockets[0].getsockname()[1], token="t")
+
+    async def _serve(self, reader, writer) -> None:
+        await read_frame(reader)  # the hello
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                call = msgspec.msgpack.decode(await read_frame(reader), type=_Call)
+                if call.method == "ping" and not self.hear_pings:
+                    continue
+                asyncio.create_task(self._answer(call, writer))
+
+    async def _answer(self, call, writer) -> None:
+        if call.args[:1] == ["held"]:
+            await self.release.wait()
+        writer.write(frame(msgspec.msgpack.encode([call.id, msgspec.json.encode(call.args)])))
+
+    async def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_lane_that_hears_its_host_again_before_the_pings_answer_is_not_found_hung_again(fast_watch):
+    host = PingDeafHost()
+    client = LaneClient(await host.start())
+    with capture_logs() as logs:
+        with pytest.raises(LaneStalled):
+            await asyncio.wait_for(client.call("send", "held"), 5)  # the ping goes unanswered: stalled
+        host.release.set()  # the host wakes: the held call's late reply comes back, the ping's answer not yet
+        await _until(lambda: not client.stalled)
+        await asyncio.sleep(0.3)  # past PING_TIMEOUT_S since that ping went out
+        assert not client.stalled
+        assert msgspec.json.decode(await client.call("send", "after")) == ["after"]
+    assert [e["event"] for e in logs] == ["session_host_unresponsive", "session_host_responsive"]
+    client.close()
+    await host.close()
+
+
+async def test_calls_that_waited_for_a_connect_that_failed_are_all_told_it_was_unreachable():
+    server = LaneServer(Host().dispatch, frozenset({"send"}))
+    address = await server.start("127.0.0.1")
+    await server.close()  # nothing listens there
+    client = LaneClient(address)
+    results = await asyncio.gather(client.call("send", "a"), client.call("send", "b"),
+                                   anext(client.stream("stream", "c")), return_exceptions=True)
+    assert [type(r) for r in results] == [LaneUnreachable] * 3  # nothing was sent: Ray's path may take them
