@@ -819,10 +819,8 @@ class Placement:
         pending = list(names)
         while pending and time.monotonic() < deadline:
             await asyncio.sleep(RETIRE_QUIET_S)
-            stats = await asyncio.gather(  # a hung host's read times out: it takes no turns, nothing to wait for
-                *(asyncio.wait_for(_plain(ray.get_actor(n, namespace=NAMESPACE).stats.remote()), STATS_TIMEOUT_S)
-                  for n in pending), return_exceptions=True,
-            )
+            # a hung host's read times out, a host gone meanwhile raises: neither takes turns any more
+            stats = await asyncio.gather(*(_stats_of(n) for n in pending), return_exceptions=True)
             pending = [n for n, st in zip(pending, stats, strict=True)
                        if isinstance(st, dict) and st.get("idle_s", RETIRE_QUIET_S) < RETIRE_QUIET_S]
 
@@ -847,6 +845,11 @@ class Placement:
             ray.kill(handle, no_restart=True)
             self._forget(name)
             self._drop_lane(name)
+
+
+async def _stats_of(name: str) -> dict[str, Any]:
+    """Host `name`'s stats within STATS_TIMEOUT_S; raises ValueError for a host that no longer exists."""
+    return await asyncio.wait_for(_plain(ray.get_actor(name, namespace=NAMESPACE).stats.remote()), STATS_TIMEOUT_S)
 
 
 async def _answers(handle: Any) -> bool:

@@ -302,3 +302,20 @@ async def test_a_scale_down_whose_retired_host_is_hung_drains_and_kills_it_witho
     assert [e["host"] for e in logs if e["event"] == "retired_host_unresponsive"] == ["ce-host-1"]
     cluster.ray.intercept = None
     await check_served_by(cluster, 1)
+
+
+async def test_a_scale_down_whose_retired_host_is_gone_before_its_drain_still_completes(cluster):
+    # another operator (or Ray, on a node lost) took the retired host away between the steps
+    told = []
+
+    async def host_1_vanishes_once_told(name: str, method: str, args: tuple) -> None:
+        if name == "ce-host-1" and method == "set_shard_state":
+            told.append(args)
+            if len(told) == 2:  # the committed count: gone before the drain reads its stats
+                asyncio.get_running_loop().call_soon(cluster.ray.actors.pop, "ce-host-1", None)
+
+    cluster.ray.intercept = host_1_vanishes_once_told
+    report = await asyncio.wait_for(cluster.operator.rescale(1, cluster.shards, ack_timeout_s=T), T)
+    assert (report.after, report.retired) == (1, ["ce-host-1"]) and "ce-host-1" not in cluster.ray.actors
+    cluster.ray.intercept = None
+    await check_served_by(cluster, 1)
