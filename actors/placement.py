@@ -51,6 +51,7 @@ from actors.lane import (
     LaneAddress,
     LaneBroken,
     LaneClient,
+    LaneError,
     LaneStalled,
     LaneUnreachable,
 )
@@ -399,6 +400,8 @@ class Placement:
                             self._lane_unreachable(name, lane, exc)
                         except LaneStalled as exc:
                             raise _unresponsive() from exc
+                        except LaneError as exc:
+                            raise _lane_refused(name, exc) from exc
                         except LaneBroken:
                             failed = lane
                             raise
@@ -540,6 +543,8 @@ class Placement:
                 self._lane_unreachable(name, lane, exc)
             except LaneStalled as exc:
                 raise _unresponsive() from exc
+            except LaneError as exc:
+                raise _lane_refused(name, exc) from exc
         # through Ray: new_id only to a host whose open lane says it takes it (none once unreachable)
         async for ref in handle.stream.options(num_returns="streaming").remote(*args, *self._new_id_arg(name, new_id)):
             yield await ref
@@ -925,6 +930,14 @@ def _host_error(data: Any) -> HostError:
 def _restarting() -> Overloaded:
     return Overloaded("the session host is restarting; retry with the same message_id", retry_after=1.0,
                       reason="restarting")
+
+
+def _lane_refused(name: str, exc: LaneError) -> HostFailure:
+    """A host's lane answered a call with an error (its dispatcher failed, a reply over the frame
+    limit): the host logged why; the client gets a 500 that says so, not an unhandled error."""
+    log.error("session_host_lane_error", host=name, error=str(exc)[:200])
+    return HostFailure(HostError(kind="internal", message="the session host failed to run this turn; it logged "
+                                 "why (lane_dispatch_failed or lane_reply_too_large)"))
 
 
 def _unresponsive() -> Overloaded:

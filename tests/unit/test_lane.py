@@ -1081,3 +1081,33 @@ async def test_calls_that_waited_for_a_connect_that_failed_are_all_told_it_was_u
     results = await asyncio.gather(client.call("send", "a"), client.call("send", "b"),
                                    anext(client.stream("stream", "c")), return_exceptions=True)
     assert [type(r) for r in results] == [LaneUnreachable] * 3  # nothing was sent: Ray's path may take them
+
+
+async def test_a_turn_the_hosts_lane_failed_to_run_is_a_500_that_says_so_not_an_unhandled_error():
+    from actors.placement import HostFailure, Placement
+    from services.gateway.app import failure
+    from services.settings import Settings
+
+    host = StreamingHost()
+
+    async def failing_dispatch(method: str, args: list) -> bytes:
+        raise RuntimeError("a bug in the host")
+
+    server = LaneServer(failing_dispatch, frozenset({"send"}), stream=host.stream, streams=frozenset({"stream"}))
+    p = Placement(Settings(shards=1))
+    fake = FakeHostHandle(await server.start("127.0.0.1", (STREAM,)))
+    p._routed_handle = lambda _name: fake
+    with capture_logs() as logs:
+        with pytest.raises(HostFailure) as sent:
+            await p._call("t", "s", "send", "t", "s", "hi", "m1")
+        with pytest.raises(HostFailure) as streamed:
+            async for _ in p._stream_events(p.actor_name("t", "s"), "first fail", new_id=False):
+                pass
+        for exc in (sent.value, streamed.value):
+            status, _title, detail, retry_after = failure(exc, "r1", "/v1/sessions/s/messages")
+            assert (status, retry_after) == (500, None) and "failed to run this turn" in detail
+    events = [e["event"] for e in logs]
+    assert events.count("session_host_lane_error") == 2 and "unhandled_error" not in events
+    assert fake.ray_turns == []  # not run again through Ray: it may have run
+    p.close_lanes()
+    await server.close()
