@@ -338,12 +338,16 @@ class LaneClient:
         if self.stalled:
             raise LaneStalled(f"the session host has not answered for {PING_TIMEOUT_S:.0f} s; nothing was sent to it")
 
-    async def call(self, method: str, *args: Any) -> bytes:
+    async def _open_call(self) -> tuple[asyncio.StreamWriter, int]:
+        """The connection and a new call's id; raises, having sent nothing, when no call can go out."""
         self._check()
         writer = self._writer or await self._connect()
         self._check()  # it failed, or its host stopped answering, while this call waited for the connection
         self._next_id += 1
-        call_id = self._next_id
+        return writer, self._next_id
+
+    async def call(self, method: str, *args: Any) -> bytes:
+        writer, call_id = await self._open_call()
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         try:
@@ -356,11 +360,7 @@ class LaneClient:
         """A streamed call's events, as the host yields them. Raises as `call` does: LaneBroken,
         LaneUnreachable (before anything was sent), LaneStalled, LaneError (the host refused the
         call, or failed while running it)."""
-        self._check()
-        writer = self._writer or await self._connect()
-        self._check()
-        self._next_id += 1
-        call_id = self._next_id
+        writer, call_id = await self._open_call()
         events: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call_id] = events
         try:

@@ -398,10 +398,8 @@ class Placement:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
                             self._lane_unreachable(name, lane, exc)
-                        except LaneStalled as exc:
-                            raise _unresponsive() from exc
-                        except LaneError as exc:
-                            raise _lane_refused(name, exc) from exc
+                        except (LaneStalled, LaneError) as exc:
+                            raise _lane_failure(name, exc) from exc
                         except LaneBroken:
                             failed = lane
                             raise
@@ -541,10 +539,8 @@ class Placement:
                 return
             except LaneUnreachable as exc:  # raised before any event: nothing was sent
                 self._lane_unreachable(name, lane, exc)
-            except LaneStalled as exc:
-                raise _unresponsive() from exc
-            except LaneError as exc:
-                raise _lane_refused(name, exc) from exc
+            except (LaneStalled, LaneError) as exc:
+                raise _lane_failure(name, exc) from exc
         # through Ray: new_id only to a host whose open lane says it takes it (none once unreachable)
         async for ref in handle.stream.options(num_returns="streaming").remote(*args, *self._new_id_arg(name, new_id)):
             yield await ref
@@ -599,10 +595,7 @@ class Placement:
         a /metrics scrape)."""
         handles = self.host_handles() if self._mode == "sharded" else []
 
-        async def one(handle: Any) -> Any:
-            return await asyncio.wait_for(_awaited(handle.stats.remote()), timeout_s)
-
-        results = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
+        results = await asyncio.gather(*(_stats(h, timeout_s) for h in handles), return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
     def session_handles(self) -> list[Any]:
@@ -852,16 +845,21 @@ class Placement:
             self._drop_lane(name)
 
 
+async def _stats(handle: Any, timeout_s: float) -> dict[str, Any]:
+    """A host's stats, waited for `timeout_s` at most (TimeoutError: a hung host)."""
+    return await asyncio.wait_for(_plain(handle.stats.remote()), timeout_s)
+
+
 async def _stats_of(name: str) -> dict[str, Any]:
     """Host `name`'s stats within STATS_TIMEOUT_S; raises ValueError for a host that no longer exists."""
-    return await asyncio.wait_for(_plain(ray.get_actor(name, namespace=NAMESPACE).stats.remote()), STATS_TIMEOUT_S)
+    return await _stats(ray.get_actor(name, namespace=NAMESPACE), STATS_TIMEOUT_S)
 
 
 async def _answers(handle: Any) -> bool:
     """Whether a host answers a stats read within RETIRE_PROBE_S (an error is an answer: the
     host's loop ran; only silence means hung)."""
     try:
-        await asyncio.wait_for(_plain(handle.stats.remote()), RETIRE_PROBE_S)
+        await _stats(handle, RETIRE_PROBE_S)
     except TimeoutError:
         return False
     except Exception:  # noqa: BLE001
@@ -932,9 +930,12 @@ def _restarting() -> Overloaded:
                       reason="restarting")
 
 
-def _lane_refused(name: str, exc: LaneError) -> HostFailure:
-    """A host's lane answered a call with an error (its dispatcher failed, a reply over the frame
-    limit): the host logged why; the client gets a 500 that says so, not an unhandled error."""
+def _lane_failure(name: str, exc: LaneStalled | LaneError) -> ChatEngineError:
+    """What a turn raises when host `name`'s lane found it hung (503 "host_unresponsive"), or
+    answered it with an error (its dispatcher failed, a reply over the frame limit): the host
+    logged why, and the client gets a 500 that says so, not an unhandled error."""
+    if isinstance(exc, LaneStalled):
+        return _unresponsive()
     log.error("session_host_lane_error", host=name, error=str(exc)[:200])
     return HostFailure(HostError(kind="internal", message="the session host failed to run this turn; it logged "
                                  "why (lane_dispatch_failed or lane_reply_too_large)"))
@@ -959,7 +960,3 @@ def _unwrap(result: HostResult) -> TurnReply:
         raise _host_exception(result.error)
     assert result.reply is not None
     return result.reply
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
