@@ -1768,13 +1768,29 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_shards(cpus: int | None = None) -> int:
+    """Way b's session hosts when --shards is not given: one per two CPUs, at least one.
+
+    The hosts do about half of what the machine does for a message: the gateway, Postgres, the
+    model, the store and the load worker take about as much CPU again. A host beyond that only
+    time-shares the cores, and each is one more process a turn may wake: on 2 cores, two hosts
+    used 0.5 ms more CPU per message than one, one host's peak was 0.96 of (a)'s against two's
+    0.84, and the added latency at half peak was the same within the noise (README § Performance,
+    run 50). `cpus`: the CPUs this process may run on, when not given."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, cpus // 2)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--messages", type=int, default=1200, help="timed messages per way and round")
     p.add_argument("--concurrency", type=int, default=16, help="clients sending at once, every way")
     p.add_argument("--sessions", type=int, default=64, help="sessions for ways a and b")
     p.add_argument("--dedicated-sessions", type=int, default=16, help="sessions (= actors) for way c")
-    p.add_argument("--shards", type=int, default=2, help="session hosts for way b")
+    p.add_argument("--shards", type=int, default=default_shards(),
+                   help="session hosts for way b (default: one per two of the CPUs this process may use, "
+                        "at least one; see default_shards)")
     p.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
     p.add_argument("--warm-rounds", type=int, default=1, help="messages per session before timing")
     p.add_argument("--ways", default=",".join(WAYS), help="subset of inprocess,sharded,dedicated")

@@ -10,6 +10,7 @@ from services import bench
 from services.bench import (
     CpuShare,
     ProcessCpu,
+    default_shards,
     interleaved_summary,
     open_loop,
     paired_growth,
@@ -268,3 +269,9 @@ def test_a_streamed_turns_reply_is_its_done_events_data():
     assert bench.sse_done(raw) == {"reply": "Shipped.", "rounds": 2}
     assert bench.sse_done(b'event: error\ndata: {"status":503}\n\n') is None  # no reply: counted an error
     assert parse_args(["--stream"]).stream and not parse_args([]).stream
+
+
+def test_way_b_runs_one_host_per_two_cpus_unless_told():
+    assert [default_shards(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
+    assert parse_args([]).shards == default_shards()
+    assert parse_args(["--shards", "3"]).shards == 3
