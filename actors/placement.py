@@ -823,26 +823,30 @@ class Placement:
                        if isinstance(st, dict) and st.get("idle_s", RETIRE_QUIET_S) < RETIRE_QUIET_S]
 
     async def _retire(self, names: list[str]) -> None:
-        """Stop hosts `names`: each flushes and stops (up to RETIRE_SHUTDOWN_S), then is killed. A
-        host that does not answer a stats read within RETIRE_PROBE_S (hung, or stopped) is killed
-        at once: it could not flush, and with the output gate on every turn it acknowledged is
-        in Postgres already."""
-        for name in names:
+        """Stop hosts `names`, all at once (they own nothing any more, so no order is needed, and
+        one after another N slow or hung hosts would hold the command N times as long)."""
+        await asyncio.gather(*(self._retire_one(name) for name in names))
+
+    async def _retire_one(self, name: str) -> None:
+        """Stop host `name`: it flushes and stops (up to RETIRE_SHUTDOWN_S), then is killed. A host
+        that does not answer a stats read within RETIRE_PROBE_S (hung, or stopped) is killed at
+        once: it could not flush, and with the output gate on every turn it acknowledged is in
+        Postgres already."""
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        if await _answers(handle):
             try:
-                handle = ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                continue
-            if await _answers(handle):
-                try:
-                    await asyncio.wait_for(handle.shutdown.remote(), RETIRE_SHUTDOWN_S)
-                except Exception:  # noqa: BLE001 - it owns nothing any more; stop it anyway
-                    log.warning("retired_host_shutdown_failed", host=name)
-            else:
-                log.warning("retired_host_unresponsive", host=name, waited_s=RETIRE_PROBE_S,
-                            detail="killed without its flush")
-            ray.kill(handle, no_restart=True)
-            self._forget(name)
-            self._drop_lane(name)
+                await asyncio.wait_for(handle.shutdown.remote(), RETIRE_SHUTDOWN_S)
+            except Exception:  # noqa: BLE001 - it owns nothing any more; stop it anyway
+                log.warning("retired_host_shutdown_failed", host=name)
+        else:
+            log.warning("retired_host_unresponsive", host=name, waited_s=RETIRE_PROBE_S,
+                        detail="killed without its flush")
+        ray.kill(handle, no_restart=True)
+        self._forget(name)
+        self._drop_lane(name)
 
 
 async def _stats(handle: Any, timeout_s: float) -> dict[str, Any]:

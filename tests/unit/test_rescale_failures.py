@@ -304,6 +304,32 @@ async def test_a_scale_down_whose_retired_host_is_hung_drains_and_kills_it_witho
     await check_served_by(cluster, 1)
 
 
+async def test_a_scale_down_retires_its_hosts_together_not_one_after_another(cluster):
+    # each retired host is probed (up to RETIRE_PROBE_S) and flushes and stops (up to
+    # RETIRE_SHUTDOWN_S); one after another, N slow or hung hosts held the command N times that
+    await asyncio.wait_for(cluster.operator.rescale(3, cluster.shards, ack_timeout_s=T), T)
+    stopping: set[str] = set()
+    both_stopping = asyncio.Event()
+    release = asyncio.Event()
+
+    async def shutdowns_wait_to_be_released(name: str, method: str, args: tuple) -> None:
+        if method == "shutdown":
+            stopping.add(name)
+            if stopping == {"ce-host-1", "ce-host-2"}:
+                both_stopping.set()
+            await release.wait()
+
+    cluster.ray.intercept = shutdowns_wait_to_be_released
+    scale = asyncio.create_task(cluster.operator.rescale(1, cluster.shards, ack_timeout_s=T))
+    await asyncio.wait_for(both_stopping.wait(), T)  # one host at a time never gets here
+    release.set()
+    report = await asyncio.wait_for(scale, T)
+    assert report.retired == ["ce-host-1", "ce-host-2"]
+    assert sorted(cluster.ray.killed) == ["ce-host-1", "ce-host-2"]
+    cluster.ray.intercept = None
+    await check_served_by(cluster, 1)
+
+
 async def test_a_scale_down_whose_retired_host_is_gone_before_its_drain_still_completes(cluster):
     # another operator (or Ray, on a node lost) took the retired host away between the steps
     told = []
