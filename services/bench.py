@@ -1855,9 +1855,16 @@ def _process_name(pid: int) -> str:
 
     try:
         process = psutil.Process(pid)
-        argv = process.cmdline() or [process.name()]
+        return process_label(process.cmdline(), process.name())
     except psutil.Error:
         return "gone"
+
+
+def process_label(argv: list[str], comm: str) -> str:
+    """`_process_name` from a process's command line and its kernel name (`comm`). A kernel
+    thread has no command line: its name is kept whole (`kworker/0:1`, `kdamond.0`)."""
+    if not argv:
+        return comm[:40] or "unnamed"
     name = argv[0].split(" ")[0].rsplit("/", 1)[-1][:40] or "unnamed"
     if name.startswith("python") and len(argv) > 1:  # Ray's daemons in Python: the script's name
         rest = [a for a in argv[1:] if a == "-m" or not a.startswith("-")]

@@ -17,6 +17,7 @@ from services.bench import (
     parse_args,
     peak_index,
     percentile,
+    process_label,
     server_timing,
     slice_order,
     slice_sizes,
@@ -275,3 +276,13 @@ def test_way_b_runs_one_host_per_two_cpus_unless_told():
     assert [default_shards(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
     assert parse_args([]).shards == default_shards()
     assert parse_args(["--shards", "3"]).shards == 3
+
+
+def test_a_process_is_labelled_by_its_command_line_and_a_kernel_thread_by_its_whole_name():
+    assert process_label(["ray::SessionHostActor"], "ray::SessionHo") == "ray::SessionHostActor"
+    assert process_label(["/usr/bin/python3", "-u", "/x/ray/_private/log_monitor.py", "--a"], "python3") == (
+        "python3 log_monitor.py")
+    assert process_label(["/v/bin/python", "-m", "services.bench", "worker"], "python") == "python services.bench"
+    assert process_label(["/usr/lib/postgresql/16/bin/postgres", "-D", "/d"], "postgres") == "postgres"
+    assert process_label([], "kworker/0:1") == "kworker/0:1"  # before: "0:1"
+    assert process_label([], "") == "unnamed"
