@@ -1774,9 +1774,10 @@ def default_shards(cpus: int | None = None) -> int:
     The hosts do about half of what the machine does for a message: the gateway, Postgres, the
     model, the store and the load worker take about as much CPU again. A host beyond that only
     time-shares the cores, and each is one more process a turn may wake: on 2 cores, two hosts
-    used 0.5 ms more CPU per message than one, one host's peak was 0.96 of (a)'s against two's
-    0.84, and the added latency at half peak was the same within the noise (README § Performance,
-    run 50). `cpus`: the CPUs this process may run on, when not given."""
+    used 0.5-0.8 ms more CPU per message than one, one host's peak was 0.90-0.96 of (a)'s against
+    two's 0.84, and the added latency at half peak was the same within the noise (+3.9 and +4.4 ms
+    p50 against two hosts' +2.4 and +6.3 in the same slices: README § Performance, runs 50-51).
+    `cpus`: the CPUs this process may run on, when not given."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(1, cpus // 2)
