@@ -341,8 +341,10 @@ class LaneClient:
     async def _open_call(self) -> tuple[asyncio.StreamWriter, int]:
         """The connection and a new call's id; raises, having sent nothing, when no call can go out."""
         self._check()
-        writer = self._writer or await self._connect()
-        self._check()  # it failed, or its host stopped answering, while this call waited for the connection
+        writer = self._writer
+        if writer is None:
+            writer = await self._connect()
+            self._check()  # it failed, or its host stopped answering, while this call waited for the connection
         self._next_id += 1
         return writer, self._next_id
 

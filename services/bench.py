@@ -1778,9 +1778,7 @@ def default_shards(cpus: int | None = None) -> int:
     two's 0.84, and the added latency at half peak was the same within the noise (+3.9 and +4.4 ms
     p50 against two hosts' +2.4 and +6.3 in the same slices: README § Performance, runs 50-51).
     `cpus`: the CPUs this process may run on, when not given."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, cpus // 2)
+    return max(1, (len(os.sched_getaffinity(0)) if cpus is None else cpus) // 2)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
