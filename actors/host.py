@@ -929,7 +929,8 @@ class SessionHost:
                 if not f.done():
                     f.set_exception(_lease_lost(key[1]))
             log.warning("flush_refused_stale_epoch", session_id=key[1])
-        for key, (entry, _) in deltas.items():  # written, or dropped: new turns may be let in again
+        for key, (entry, taken) in deltas.items():  # written, or dropped: new turns may be let in again
+            entry.state.settle_turns(taken)
             self._count_unwritten(key, entry)
         _resolve(waiters)
 

@@ -242,8 +242,8 @@ class SessionState:
         #: whole turns' changes not yet taken by a flush, one delta per turn, oldest first: kept
         #: apart so that a turn Postgres refuses for good takes none of the turns before it along
         self._sealed: list[SessionDelta] = []
-        #: the turns the latest flush took: written, unless it hands them back (`restore_turns`)
-        #: before the next take (a host runs one flush at a time)
+        #: the turns the flush running now took, until it settles: handed back (`restore_turns`)
+        #: or let go (`settle_turns`); a host runs one flush at a time
         self._taken: list[SessionDelta] = []
         self._attempted = 0  # leading turns of `_sealed` a failed flush held (their usage kept apart)
         #: turns sealed in this activation: the newest one's number (the host's gate counts by it)
@@ -270,6 +270,13 @@ class SessionState:
         taken = SealedTurns(self._sealed, attempted=self._attempted, last=self.sealed_turns)
         self._taken, self._sealed, self._attempted = self._sealed, [], 0
         return taken
+
+    def settle_turns(self, taken: SealedTurns) -> None:
+        """The flush that took `taken` is over without handing it back (written, or refused for
+        good): let go of it. Until then its answers count as unwritten (the turn cache keeps
+        them); after, an idle session holds its state and not also its last flush's delta."""
+        if self._taken is taken.turns:
+            self._taken = []
 
     def take_delta(self) -> SessionDelta | None:
         """What whole turns changed since the last take, as one delta, or None."""

@@ -759,6 +759,27 @@ async def test_a_message_id_answered_before_passivation_returns_the_stored_reply
     assert store.seqs(KEY) == [0, 1, 2, 3]
 
 
+async def test_a_session_lets_go_of_what_a_flush_took_once_it_is_written(world):
+    """An idle session holds its state, not also the delta its last flush wrote (a copy of the
+    snapshot, the turn's messages, tool calls and answer): with 10,000 cached sessions that was
+    about a kilobyte each. A flush that fails still hands its turns back (Postgres away, below)."""
+    host = await world.host(output_gate=True)
+    await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    state = host._sessions[KEY].state
+    assert not state.dirty
+    assert state._taken == [] and state._unwritten_turns() == set()
+
+    world.store.down = True  # the next flush fails: its turn is unwritten again, not let go
+    ungated = await world.host("h2", output_gate=False)
+    await asyncio.wait_for(ungated.send("t1", "s2", "hello", "m2"), T)
+    other = ungated._sessions[("t1", "s2")].state
+    await eventually(lambda: world.store.failed_flushes > 0 and other._taken == [])
+    assert other.dirty and other._unwritten_turns() == {"m2"}
+    world.store.down = False
+    await eventually(lambda: not other.dirty)
+    assert other._taken == [] and other._unwritten_turns() == set()
+
+
 async def test_a_message_id_older_than_the_turn_cache_is_looked_up_in_the_store(world):
     from actors.session import TURN_CACHE
 
