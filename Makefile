@@ -9,9 +9,9 @@ SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -n )
 
 .PHONY: setup browser run test test-unit bench loadtest soak lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,8 +32,9 @@ test: setup browser
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
-# The benchmark's tools (locust, py-spy, pyinstrument, psutil): the `bench` extra, installed
-# here only, so `make test` installs what it always did. ARGS passes flags: make bench ARGS=--growth
+# The benchmark's tools (locust, py-spy, pyinstrument, psutil): the `bench` extra. `make test`
+# installs it too (tests/e2e/test_bench_programs.py runs both programs); a venv set up before
+# that gets it here. ARGS passes flags: make bench ARGS=--growth
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
