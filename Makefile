@@ -32,19 +32,13 @@ test: setup browser
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
-# The benchmark's tools (locust, py-spy, pyinstrument, psutil): the `bench` extra. `make test`
-# installs it too (tests/e2e/test_bench_programs.py runs both programs); a venv set up before
-# that gets it here. ARGS passes flags: make bench ARGS=--growth
-BENCH_STAMP := $(VENV)/.bench-stamp
-
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
-	@touch $(BENCH_STAMP)
-
-bench: $(BENCH_STAMP)
+# The benchmark's tools (locust, py-spy, pyinstrument, psutil) are the `bench` extra, which setup
+# installs with the rest (tests/e2e/test_bench_programs.py runs both programs).
+# ARGS passes flags: make bench ARGS=--growth
+bench: setup
 	$(BIN)/python -m services.bench $(ARGS)
 
-loadtest: $(BENCH_STAMP)
+loadtest: setup
 	$(BIN)/python -m services.loadtest $(ARGS)
 
 # 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json.
