@@ -37,12 +37,16 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
     doc = json.loads(out.read_text())
 
     ways = ("inprocess", "sharded", "dedicated")
+    # the shape ../shared/CONTRACT.md promises for `make bench`'s .data/bench.json
+    assert doc["gate"] is True and doc["gate_off"]["gate"] is False
+    assert isinstance(doc["machine"], str) and doc["machine"]
     for part in (doc, doc["gate_off"]):  # gate on, then the same with the gate off
         assert set(part["ways"]) == set(ways)
         for way in ways:
             figures = part["ways"][way]
             assert figures["msgs_per_s"] > 0 and figures["cpu_s_per_msg"] > 0 and figures["peak_rss_mb"] > 0
             assert figures["p50_ms"] <= figures["p95_ms"] <= figures["p99_ms"]
+        assert isinstance(part["ratio_sharded"], float) and isinstance(part["ratio_dedicated"], float)
         assert part["ratio_sharded"] > 0 and part["ratio_dedicated"] > 0
     for gate in ("gate_on", "gate_off"):
         for way in ways:
