@@ -78,12 +78,12 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
 
 def test_the_load_test_runs_every_scenario_writes_its_csvs_and_says_where_the_knee_is(tmp_path):
     data = tmp_path / "data"
-    _run(["services.loadtest", "--data-dir", str(data), "--stages", "8:8", "--think", "0.1:0.3"],
+    _run(["services.loadtest", "--data-dir", str(data), "--stages", "4:5,8:6", "--think", "0.1:0.3"],
          tmp_path, timeout=300)
     summary = json.loads((data / "loadtest" / "summary.json").read_text())
-    assert [s["users"] for s in summary["stages"]] == [8]
-    stage = summary["stages"][0]
-    assert stage["requests"] > 0 and stage["failures"] == 0, stage  # every scenario's own checks passed
+    assert [s["users"] for s in summary["stages"]] == [4, 8]  # the sessions stepped up stage by stage
+    for stage in summary["stages"]:
+        assert stage["requests"] > 0 and stage["failures"] == 0, stage  # every scenario's own checks passed
     assert "knee" in summary
 
     with open(summary["csv"], newline="") as f:
