@@ -48,6 +48,7 @@ from services.gateway.bodies import (
 )
 from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
+from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
 from services.tools.ssrf import DestinationPolicy
 from services.wire import (
     DecideApproval,
@@ -328,6 +329,8 @@ async def _key_lookup(deps: GatewayDeps, digest: str, key: str) -> Any:
     return await asyncio.shield(pending)  # one waiter cancelled does not cancel the others' lookup
 
 
+_TOO_DEEP_BODY = (f"the body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
+                  "send a flatter JSON object")
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # a JSON \u0000 escape (not an escaped backslash)
 
 
@@ -354,10 +357,12 @@ async def decode_body(request: web.Request, type_: type) -> Any:
     decoder = _decoders.get(type_)
     if decoder is None:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    if raw_nests_deeper_than(raw):  # counted, not left to the decoder: the same answer on every Python
+        raise InvalidInput(_TOO_DEEP_BODY)
     try:
         body = decoder.decode(raw)
-    except RecursionError:
-        raise InvalidInput("the body nests arrays or objects too deeply; send a flatter JSON object") from None
+    except RecursionError:  # only under an unusually deep stack on Python 3.11: the same answer
+        raise InvalidInput(_TOO_DEEP_BODY) from None
     if _NUL_ESCAPE.search(raw):
         raise InvalidInput("the body holds a NUL character (\\u0000), which cannot be stored; remove it")
     return body

@@ -52,6 +52,7 @@ from services.llm.port import (
     ToolUseBlock,
     Usage,
 )
+from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +155,11 @@ class AnthropicLLM:
         try:
             raw = await self._client.post(
                 _MESSAGES_PATH, cast_to=httpx2.Response, content=_encode_body(_body(request)))
-            return _response_of(_decode_message(await raw.aread()), request.model)
+            body = await raw.aread()
+            if raw_nests_deeper_than(body):
+                raise LLMError(f"the model's answer nests more than {MAX_JSON_DEPTH} levels deep; try again",
+                               retryable=True)
+            return _response_of(_decode_message(body), request.model)
         except LLMError:
             raise
         except Exception as exc:
@@ -335,6 +340,9 @@ def _tool_input(parts: list[str], name: str) -> dict[str, Any]:
     raw = "".join(parts)
     if not raw:
         return {}
+    if raw_nests_deeper_than(raw.encode()):
+        raise LLMError(f"the model sent tool input for {name!r} nested more than {MAX_JSON_DEPTH} levels deep; "
+                       "try again", retryable=True)
     try:
         value = _decode_json(raw)
     except msgspec.DecodeError:

@@ -42,6 +42,7 @@ import msgspec
 import structlog
 
 from services.botconfig import BotConfig
+from services.nesting import nests_deeper_than
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     MISCONFIGURED_ADVICE,
@@ -55,7 +56,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
-from services.tools.model import MAX_VALUE_DEPTH, is_protected, nests_deeper_than, protected_forms
+from services.tools.model import MAX_VALUE_DEPTH, is_protected, protected_forms
 from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
@@ -446,11 +447,12 @@ class Executor:
             # A handler returned something that cannot be JSON-encoded: a bug in the tool, in-band.
             log.exception("tool_result_unencodable", tool_name=d.name)
             return self._failed(prepared, ctx, ToolCrashed("internal error in the tool"), run_ms, queue_ms)
-        except RecursionError:
-            # A result nested past what encoding or redacting its record can walk (the webhook and
-            # MCP clients refuse those as they decode them; a handler in code may still return one).
+        except (ResultTooDeep, RecursionError):
+            # A result nested more than MAX_VALUE_DEPTH levels (the webhook and MCP clients refuse
+            # those as they decode them; a handler in code may still return one). RecursionError:
+            # one so deep that converting it to JSON values ran out of stack first, the same answer.
             # No traceback: it would be a thousand frames of the same line.
-            log.warning("tool_result_too_deep", tool_name=d.name)
+            log.warning("tool_result_too_deep", tool_name=d.name, limit=MAX_VALUE_DEPTH)
             return self._failed(prepared, ctx, ToolCrashed("the result nests too deeply to be read"), run_ms, queue_ms)
         except Exception:
             # Anything else building the outcome or its record: the call ran, so its turn must go on
@@ -508,6 +510,8 @@ class Executor:
             value = value.result
         client_action = value if isinstance(value, ClientAction) else None
         data = msgspec.to_builtins(value) if value is not None else None
+        if nests_deeper_than(data, MAX_VALUE_DEPTH):
+            raise ResultTooDeep  # its record is redacted by a recursive walk: counted before, not left to the stack
         if client_action is not None:
             content = f"Shown to the customer in the app: {d.name}. Continue the conversation."
         else:
@@ -617,6 +621,8 @@ def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> 
     if validator is None or isinstance(value, (ClientAction, JobStarted)):
         return
     result = msgspec.to_builtins(value.result if isinstance(value, SetVariables) else value)
+    if nests_deeper_than(result, MAX_VALUE_DEPTH):
+        return  # not walked by the validator: `Executor._succeeded` refuses it, whatever its schema
     problems = validator.errors(result)
     if problems:
         values = sensitive_values(result, sensitive)
@@ -624,6 +630,11 @@ def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> 
             scrub_text("result does not match its declared output schema: " + "; ".join(problems[:3]), values),
             advice="Do not rely on this result; tell the customer you cannot confirm this right now.",
         )
+
+
+class ResultTooDeep(Exception):
+    """A handler's result nests more than MAX_VALUE_DEPTH levels: `execute` makes it an in-band
+    ToolCrashed, as for a result that cannot be encoded."""
 
 
 def scoped_args(model_args: dict[str, Any], trusted_scope: dict[str, Any], *, protected: frozenset[str]) -> dict[str, Any]:

@@ -37,9 +37,10 @@ import msgspec
 import structlog
 
 from services.errors import InvalidInput
+from services.nesting import nests_deeper_than
 from services.tools.context import TrustedContext
 from services.tools.errors import ToolError, UpstreamMalformed
-from services.tools.model import MAX_VALUE_DEPTH, Mutability, ToolBase, nests_deeper_than
+from services.tools.model import MAX_VALUE_DEPTH, Mutability, ToolBase
 from services.tools.registry import Catalog, CompiledTool
 from services.tools.validation import check_schema
 from storage.records import McpServerRecord

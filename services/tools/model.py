@@ -6,7 +6,8 @@ handler with a known compiler; nothing in a definition is ever evaluated as code
 Also the rules every family's values share, so the executor, the schema the model is offered and
 the backends apply them alike: which argument names are protected (`is_protected`: compared
 case-insensitively, `_` and `-` ignored), which spellings of them the trusted scope fills
-(`held_spellings`: the exact ones only) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`).
+(`held_spellings`: the exact ones only) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`,
+checked with services.nesting).
 """
 
 from __future__ import annotations
@@ -173,18 +174,6 @@ def unheld_spellings(names: Iterable[Any]) -> list[str]:
         if isinstance(name, str) and name not in TRUSTED_SCOPE_KEYS and held_spellings(name) and name not in out:
             out.append(name)
     return out
-
-
-def nests_deeper_than(value: Any, limit: int) -> bool:
-    """Whether `value` (a JSON value) nests more than `limit` levels of objects and arrays, found
-    without recursion (a value deep enough to matter would exhaust the stack of a recursive walk)."""
-    level: list[Any] = [value]
-    for _ in range(limit + 1):
-        level = [child for node in level
-                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())]
-        if not level:
-            return False
-    return True
 
 
 def template_holes(template: str) -> list[str]:

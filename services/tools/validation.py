@@ -200,10 +200,7 @@ class ArgumentValidator:
         a string) is a problem here, never an exception."""
         if self._validator is None:
             return [_UNCHECKABLE]
-        try:
-            steps = MAX_CHECK_STEPS + CHECK_STEPS_PER_NODE * _nodes(arguments)
-        except RecursionError:
-            return [_ENDLESS]
+        steps = MAX_CHECK_STEPS + CHECK_STEPS_PER_NODE * _nodes(arguments)
         token = _steps_left.set([steps])
         try:
             found = sorted(self._validator.iter_errors(arguments), key=_error_rank)
@@ -223,12 +220,17 @@ class ArgumentValidator:
 
 
 def _nodes(value: Any) -> int:
-    """How many objects, lists and scalars `value` holds, itself included."""
-    if isinstance(value, dict):
-        return 1 + sum(_nodes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return 1 + sum(_nodes(item) for item in value)
-    return 1
+    """How many objects, lists and scalars `value` holds, itself included; counted without
+    recursion, so no depth runs it out of stack."""
+    count, pending = 0, [value]
+    while pending:
+        node = pending.pop()
+        count += 1
+        if isinstance(node, dict):
+            pending.extend(node.values())
+        elif isinstance(node, list | tuple):
+            pending.extend(node)
+    return count
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters", checked_formats_only: bool = False) -> None:

@@ -16,8 +16,9 @@ Owns
   every credential the call sent (the decrypted `Authorization`, any header with a secret-looking
   name, a credential the url template carries itself: `redaction.url_secrets`) replaced by
   [redacted] before it is decoded: an upstream that echoes its request headers or its url cannot
-  hand the credential to the model, the call record or a log. A tool's 2xx body nested
-  more than `MAX_VALUE_DEPTH` levels is refused as malformed (its call record could not be made).
+  hand the credential to the model, the call record or a log. A 2xx body nested more than
+  `services.nesting.MAX_JSON_DEPTH` levels is malformed (counted before it is decoded), and a
+  tool's result more than `MAX_VALUE_DEPTH` levels too (its call record could not be made).
 
 Protected keys (tenant/account, a tool's own `protected`) reach a webhook only in the URL holes
 they name, with the trusted scope's value (`WebhookClient.call_webhook`).
@@ -49,6 +50,7 @@ import structlog
 import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from services.nesting import MAX_JSON_DEPTH, nests_deeper_than, raw_nests_deeper_than
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, SecretDecryptError
 from services.tools.errors import (
@@ -68,7 +70,6 @@ from services.tools.model import (
     BackendBindingTool,
     WebhookTool,
     is_protected,
-    nests_deeper_than,
     protected_forms,
 )
 from services.tools.redaction import (
@@ -870,9 +871,11 @@ def upstream_explanation(raw: bytes, content_type: str, secrets: tuple[bytes, ..
     mime = content_type.split(";", 1)[0].strip().lower()
     text: str | None = None
     if mime == "application/json" or mime.endswith("+json") or mime == "text/json":
+        if raw_nests_deeper_than(raw):
+            return None
         try:
             value = msgspec.json.decode(raw)
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: as in _decode_json
             return None
         text = _said(value, problem=mime == "application/problem+json")
     elif mime == "text/plain":
@@ -948,6 +951,9 @@ def _status_error(status: int, explanation: str | None = None) -> UpstreamStatus
     )
 
 
+_TOO_DEEP_JSON = f"upstream returned json nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+
+
 def _decode_json(raw: bytes, content_type: str) -> Any:
     """The JSON value of a 2xx body; None for an empty body. Raises UpstreamMalformed."""
     if not raw.strip():
@@ -956,14 +962,16 @@ def _decode_json(raw: bytes, content_type: str) -> Any:
     if mime and not (mime == "application/json" or mime.endswith("+json") or mime == "text/json"):
         shown = mime if _MIME_RE.match(mime) else "a non-json type"
         raise UpstreamMalformed(f"upstream returned {shown}, not json", advice=_MALFORMED_ADVICE)
+    if raw_nests_deeper_than(raw):  # counted before decoding: the same answer on every Python
+        raise UpstreamMalformed(_TOO_DEEP_JSON, advice=_MALFORMED_ADVICE)
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:
         raise UpstreamMalformed(
             "upstream returned malformed json", advice=_MALFORMED_ADVICE
         ) from None
-    except RecursionError:  # msgspec gives up past ~1,000 levels: a tool error like any bad body
-        raise UpstreamMalformed("upstream returned json nested too deeply", advice=_MALFORMED_ADVICE) from None
+    except RecursionError:  # only under a caller's unusually deep stack on 3.11: the same answer
+        raise UpstreamMalformed(_TOO_DEEP_JSON, advice=_MALFORMED_ADVICE) from None
 
 
 def idempotency_header(key: str) -> str:

@@ -28,6 +28,7 @@ from actors.placement import _host_exception
 from actors.ray_host import to_host_error
 from services.gateway.app import GatewayDeps, build_app
 from services.gateway.bodies import MAX_VARIABLE_NAME
+from services.nesting import MAX_JSON_DEPTH
 from services.tools.crypto import SecretBox, generate_key
 from services.wire import ToolCallSummary, TurnReply, UsageOut
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
@@ -281,3 +282,30 @@ async def test_a_turn_not_saved_through_ray_is_400_like_in_process(gateway):
         r = await client.post("/v1/sessions/s1/messages", headers=headers, json={"text": "hi"})
         answers.append(await problem_of(r, 400))
     assert answers == [str(exc), str(exc)]
+
+
+# -- a body nested too deeply ---------------------------------------------------------------------
+
+def tool_with_parameters_nested(levels: int) -> bytes:
+    deep = b'{"a":' * levels + b"1" + b"}" * levels
+    return (b'{"name": "deep", "description": "d", "webhook_url": "https://example.test/x", "parameters": {"x": '
+            + deep + b"}}")
+
+
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH, 5000])
+async def test_a_body_nested_past_the_limit_is_422_saying_so_on_every_python(gateway, levels):
+    # counted before decoding: Python 3.11's decoder gave up near 1,000 levels (RecursionError),
+    # 3.13's does not, so a depth between them was refused on one and accepted on the other
+    client, _, headers = gateway
+    r = await client.post("/v1/tools", data=tool_with_parameters_nested(levels),
+                          headers={**headers, "Content-Type": "application/json"})
+    detail = await problem_of(r, 422)
+    assert f"the body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep" in detail
+
+
+async def test_a_body_within_the_limit_is_decoded_and_its_schema_judged(gateway):
+    client, _, headers = gateway
+    r = await client.post("/v1/tools", data=tool_with_parameters_nested(MAX_JSON_DEPTH - 3),
+                          headers={**headers, "Content-Type": "application/json"})
+    detail = await problem_of(r, 422)
+    assert "the schema nests too deeply" in detail and "levels deep" not in detail
