@@ -29,7 +29,7 @@ daemons, and the session-host actors that way used), sampled every 0.5 s.
     python -m services.bench [--messages N] [--concurrency C] [--sessions S]
                              [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
 
-Writes .data/bench.json in the shape of CONTRACT.md (gate on), with "gate_off", "peak",
+Writes .data/bench.json in the shape docs/performance.md gives (gate on), with "gate_off", "peak",
 "half_load", "detail" and, with --growth, "growth" beside it. A program that reports numbers, not a test.
 """
 

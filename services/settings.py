@@ -1,7 +1,7 @@
 """Settings: one frozen object read from the environment once, at start-up, by the entrypoint.
 
-No other module reads `os.environ`. Every variable is listed in ../shared/CONTRACT.md § Configuration;
-the CE_* tuning knobs beyond it are documented in README.md. Its repr (a log line, a traceback with
+No other module reads `os.environ`. Every variable, the CE_* tuning knobs included, is listed in
+README.md § Configuration. Its repr (a log line, a traceback with
 locals, a debugger) shows the API key, the encryption keys and any URL's password as [redacted].
 """
 

@@ -1,4 +1,4 @@
-"""Public wire shapes of the chat API (CONTRACT.md § HTTP API): request bodies, replies, events.
+"""Public wire shapes of the chat API (docs/api.md § Chat): request bodies, replies, events.
 
 Bodies are decoded once at the gateway with `forbid_unknown_fields`; replies are built by the
 session core and encoded once. The same structs feed /openapi.json.

@@ -1,4 +1,4 @@
-"""The stateless aiohttp gateway: tenant auth, the routes of CONTRACT.md, problem+json errors.
+"""The stateless aiohttp gateway: tenant auth, the routes of docs/api.md, problem+json errors.
 
 The tenant comes from the API key alone (never from a body). Bodies are decoded once with typed
 msgspec decoders; domain errors become one problem-details body here and nowhere else. The gateway
@@ -373,7 +373,7 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 
 
 def reply_body(reply: TurnReply | dict[str, Any]) -> dict[str, Any]:
-    """A turn's reply as CONTRACT.md shows it: `handoff` is always there, true or false.
+    """A turn's reply as docs/api.md shows it: `handoff` is always there, true or false.
 
     TurnReply omits default fields on the wire (so `pending_approval` appears only when set),
     which would drop `handoff: false` too; the contract makes it a required field.

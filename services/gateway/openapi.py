@@ -157,7 +157,7 @@ def _core_document() -> dict[str, Any]:
     reply = components["TurnReply"]
     for internal in ("replay", "timing"):  # the gateway strips them: X-Replayed, Server-Timing instead
         reply["properties"].pop(internal, None)
-    # reply_body() puts `handoff` in every reply, true or false (CONTRACT.md's body)
+    # reply_body() puts `handoff` in every reply, true or false (docs/api.md's body)
     required = reply.setdefault("required", [])
     if "handoff" not in required:
         required.append("handoff")
@@ -225,7 +225,7 @@ def _core_document() -> dict[str, Any]:
         "description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}
     del paths["/readyz"]["get"]["responses"]["503"]["headers"]  # not ready says no time to retry after
     for path in ("/healthz", "/readyz", "/metrics"):
-        paths[path]["get"]["security"] = []  # operations: no tenant key (CONTRACT.md)
+        paths[path]["get"]["security"] = []  # operations: no tenant key (docs/api.md)
     return {
         "openapi": "3.1.0",
         "info": {"title": "chat-engine", "version": "0.1.0"},

@@ -37,7 +37,7 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
     doc = json.loads(out.read_text())
 
     ways = ("inprocess", "sharded", "dedicated")
-    # the shape ../shared/CONTRACT.md promises for `make bench`'s .data/bench.json
+    # the shape docs/performance.md promises for `make bench`'s .data/bench.json
     assert doc["gate"] is True and doc["gate_off"]["gate"] is False
     assert isinstance(doc["machine"], str) and doc["machine"]
     for part in (doc, doc["gate_off"]):  # gate on, then the same with the gate off

@@ -47,7 +47,7 @@ UNAUTHENTICATED = ("/healthz", "/readyz", "/metrics")
 
 
 def _own_checks(response, keys: tuple[str, ...]) -> list[str]:
-    """What CONTRACT.md promises of every answer, beyond the document."""
+    """What docs/api.md promises of every answer, beyond the document."""
     problems = []
     text = response.content.decode("utf-8", "replace")
     for key in keys:

@@ -1,4 +1,4 @@
-"""The HTTP API of CONTRACT.md through the real stack (gateway + Ray hosts + Postgres + local
+"""The HTTP API of docs/api.md through the real stack (gateway + Ray hosts + Postgres + local
 model + demo store), as a tenant's admin and its contacts would use it.
 
 Every test works in its own tenant (the `tenant` fixture) and its own session ids, so they share
@@ -81,7 +81,7 @@ class Api:
 
 
 def assert_problem(status: int, content_type: str, body: Any) -> None:
-    """CONTRACT.md: every error is problem+json {type, title, status, detail} with a detail."""
+    """docs/api.md: every error is problem+json {type, title, status, detail} with a detail."""
     assert content_type == PROBLEM_JSON, (status, content_type, body)
     assert isinstance(body, dict) and {"type", "title", "status", "detail"} <= body.keys(), body
     assert body["status"] == status

@@ -187,7 +187,7 @@ async def test_a_turn_documents_its_json_reply_and_its_event_stream(gateway, pat
 
 
 async def test_every_field_a_turn_reply_always_carries_is_required(gateway):
-    # reply_body() puts `handoff` in every reply, true or false (CONTRACT.md's body)
+    # reply_body() puts `handoff` in every reply, true or false (docs/api.md's body)
     required = set(gateway.doc["components"]["schemas"]["TurnReply"]["required"])
     assert {"session_id", "message_id", "reply", "tool_calls", "rounds", "usage", "handoff"} <= required
 
