@@ -36,17 +36,17 @@ test-unit: setup
 # installs with the rest (tests/e2e/test_bench_programs.py runs both programs).
 # ARGS passes flags: make bench ARGS=--growth
 bench: setup
-	$(BIN)/python -m services.bench $(ARGS)
+	$(BIN)/python -m bench.measure $(ARGS)
 
 loadtest: setup
-	$(BIN)/python -m services.loadtest $(ARGS)
+	$(BIN)/python -m bench.loadtest $(ARGS)
 
 # 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json.
 # SOAK_ARGS=--overload instead measures the peak and offers twice that rate (.data/overload.json).
 SOAK_SECONDS ?= 900
 SOAK_ARGS ?=
 soak: setup
-	$(BIN)/python -m services.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
+	$(BIN)/python -m bench.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 lint: setup
 	$(BIN)/ruff check actors services storage tests

@@ -389,7 +389,7 @@ async def no_builtins(tenant_id: str) -> tuple:
 
 
 def tenant_catalogs(pool, **kw: Any):
-    from services.catalogs import TenantCatalogs
+    from actors.catalogs import TenantCatalogs
     from services.tools.registry import HandlerRegistry
 
     return TenantCatalogs(

@@ -81,7 +81,7 @@ async def webhooks() -> AsyncIterator[WebhookClient]:
 
 class Api:
     """The gateway's real routes and repositories for one new tenant; the contract report is
-    made as services.runtime.Runtime.contract_report makes it, from the tenant's published rows."""
+    made as actors.runtime.Runtime.contract_report makes it, from the tenant's published rows."""
 
     def __init__(self, client: TestClient, pool, tenant_id: str, api_key: str, webhooks: WebhookClient) -> None:
         self.client = client

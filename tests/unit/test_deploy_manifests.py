@@ -360,7 +360,7 @@ def test_the_operations_guide_names_only_metrics_the_gateway_exports_and_real_co
     tables = set(re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(ce_[a-z_]+)", migrations))
     named = set(re.findall(r"\bce_[a-z_]+\b", text)) - tables  # tables (and the ce_cluster channel)
     assert named and named <= exported, named - exported
-    from services.cli import main
+    from app.cli import main
 
     assert "chat-engine scale" in text and "chat-engine restart-hosts" in text
     for command in set(re.findall(r"chat-engine ([a-z][a-z-]*)", text)):

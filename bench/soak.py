@@ -80,7 +80,7 @@ class StackProcess:
 
     def _spawn(self, env: dict[str, str]) -> None:
         self._log = open(self.data / "stack.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "run"], env=env,
                                      stdout=self._log, stderr=self._log, start_new_session=True)
 
     def host_pids(self) -> list[int]:
