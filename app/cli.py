@@ -27,6 +27,7 @@ import msgspec
 
 from app.chat_client import chat, print_contract
 from services.errors import ChatEngineError, Conflict, NotFound
+from services.gateway.common import KEY_CACHE_TTL_S
 from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
 from services.logging import configure_logging
@@ -130,9 +131,8 @@ def _join_cluster(settings: Settings) -> None:
     no-op then), so that an unreachable cluster is one sentence (ConfigError), not Ray's traceback
     minutes later. Without RAY_ADDRESS the command itself says to set it."""
     if settings.ray_address:
-        from actors.cluster import (
-            connect_ray,  # Ray's import only where Ray is used (module docstring)
-        )
+        # here, not at the top: only the commands that use Ray import it (module docstring)
+        from actors.cluster import connect_ray
 
         connect_ray(settings)
 
@@ -326,8 +326,6 @@ async def _tenant_add_key(settings: Settings, name: str) -> None:
 async def _tenant_revoke_key(settings: Settings, name: str, key_id: str) -> None:
     """Revoke one of the tenant's keys. Raises NotFound (no such tenant, no such key, another
     tenant's key) or Conflict (already revoked), each saying what to do."""
-    from services.gateway.app import KEY_CACHE_TTL_S
-
     async with _tenant_repo(settings) as tenants:
         tenant = await _tenant_named(tenants, name)
         try:

@@ -33,6 +33,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from app.stack import Stack
+from services.logging import configure_logging
+from services.settings import Settings
+
 DEFAULT_STAGES = "10:20,25:20,50:20,100:20,150:20,200:20"
 BOOK_TOOL = "lt_book_table"
 FAILING_TOOL = "lt_stock_check"
@@ -88,10 +92,6 @@ def demo_env(data_dir: Path) -> dict[str, str]:
 
 
 async def own_stack(data_dir: str) -> Any:
-    from app.stack import Stack
-    from services.logging import configure_logging
-    from services.settings import Settings
-
     configure_logging(fmt="json", level="warning")
     env = {k: v for k, v in os.environ.items() if k.startswith(("CE_", "DATABASE_URL", "RAY_"))}
     env.update({"CE_DATA_DIR": data_dir, "CE_LOG_LEVEL": "warning", "CE_LOG_FORMAT": "json"})

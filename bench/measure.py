@@ -34,6 +34,10 @@ Writes .data/bench.json in the shape of CONTRACT.md (gate on), with "gate_off", 
 bench/results/<UTC time>.json and regenerates docs/benchmarks.md from every run kept there
 (bench/report.py: the document, its printed table and that page). A program that reports
 numbers, not a test.
+
+The engine's modules are imported inside the functions that use them, not at the top: the worker
+and helper processes this program starts load only what their part needs, so that way (a)'s
+worker, whose memory is way (a)'s peak RSS, holds no gateway or Ray code it does not run.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from actors.session import TurnEnv, handle_message, new_state
 from services.botconfig import BotConfig
 from services.contract import build_report
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.executor import Executor
 from services.tools.model import ToolDefinition

@@ -161,7 +161,8 @@ def resolved_env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def gateway_routes() -> set[str]:
-    from services.gateway.app import GatewayDeps, build_app
+    from services.gateway.app import build_app
+    from services.gateway.common import GatewayDeps
 
     app = build_app(GatewayDeps(router=None, tenants=None, tools=None, calls=None, sessions=None, configs=None,
                                 secret_box=None))
