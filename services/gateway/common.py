@@ -48,6 +48,7 @@ KEY_CACHE_MAX = 10_000
 UNKNOWN_KEY_TTL_S = 30.0
 UNKNOWN_KEY_CACHE_MAX = 4096
 
+
 class SessionRouter(Protocol):
     """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
 
@@ -96,7 +97,6 @@ MESSAGE_ID = web.RequestKey("ce_message_id", str)  # the turn's message id, the 
 _DIGITS_RE = re.compile(r"[0-9]+")  # ASCII only, unlike str.isdigit() and \d
 _decoders: dict[type, msgspec.json.Decoder] = {}
 _encoder = msgspec.json.Encoder()
-
 
 
 # -- problems ---------------------------------------------------------------------------------

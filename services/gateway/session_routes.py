@@ -180,8 +180,6 @@ async def get_session(request: web.Request) -> web.Response:
     return json_response(view)
 
 
-
-
 def add_session_routes(app: web.Application) -> None:
     """Register the routes above on the gateway app (called once from build_app)."""
     r = app.router

@@ -155,8 +155,6 @@ async def tool_analytics(request: web.Request) -> web.Response:
     })
 
 
-
-
 def add_tool_routes(app: web.Application) -> None:
     """Register the routes above on the gateway app (called once from build_app)."""
     r = app.router
