@@ -54,7 +54,8 @@ browser:
 run: setup
 	$(BIN)/chat-engine run
 
-test: setup browser
+# lint first: an upward import or an import circle fails the run before any test does
+test: lint browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-unit: setup
@@ -67,22 +68,27 @@ test-core: setup
 
 # The benchmark's tools (locust, py-spy, pyinstrument, psutil) are the `bench` extra, which setup
 # installs with the rest (tests/e2e/test_bench_programs.py runs both programs).
-# ARGS passes flags: make bench ARGS=--growth
+# ARGS passes flags: make bench ARGS=--growth. Writes .data/bench.json, keeps the run as
+# bench/results/<UTC time>.json and regenerates docs/benchmarks.md from every run kept there.
 bench: setup
-	$(BIN)/python -m services.bench $(ARGS)
+	$(BIN)/python -m bench.measure $(ARGS)
 
 loadtest: setup
-	$(BIN)/python -m services.loadtest $(ARGS)
+	$(BIN)/python -m bench.loadtest $(ARGS)
 
 # 15 minutes of mixed load with faults on a schedule (SOAK_SECONDS to change); writes .data/soak.json.
 # SOAK_ARGS=--overload instead measures the peak and offers twice that rate (.data/overload.json).
 SOAK_SECONDS ?= 900
 SOAK_ARGS ?=
 soak: setup
-	$(BIN)/python -m services.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
+	$(BIN)/python -m bench.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
+# ruff, then the import contracts of pyproject.toml [tool.importlinter]: the folders are layers
+# (bench > app > actors > services > storage), services.tools imports no gateway, actors or
+# storage, and no two sibling modules import each other
 lint: setup
-	$(BIN)/ruff check actors services storage tests
+	$(BIN)/ruff check bench app actors services storage tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf .venv .venv-3.* .data build *.egg-info

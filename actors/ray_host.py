@@ -26,11 +26,14 @@ import structlog
 
 from actors.host import HostSettings, LeaseLost, SessionHost, SessionMoved, TurnNotSaved
 from actors.lane import STREAM, LaneAddress, LaneServer
+from actors.runtime import Runtime
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from services.errors import ChatEngineError, Overloaded
 from services.heap import tune_collector
+from services.logging import configure_logging
 from services.settings import Settings
+from services.tracing import configure_tracing
 from services.wire import StreamEvent, TurnReply
 from storage.repos.cluster import ClusterRepo, ShardState
 
@@ -152,13 +155,8 @@ class SessionHostActor:
             self._init_lock = asyncio.Lock()
         async with self._init_lock:
             if self._host is None:
-                from services.logging import configure_logging
-                from services.runtime import Runtime
-
                 configure_logging(fmt=self._settings.log_format, level=self._settings.log_level)
                 self._niceness = normal_priority()
-                from services.tracing import configure_tracing
-
                 self._tracing = configure_tracing(self._settings.otlp_endpoint, service_name=f"chat-engine.{self._name}")
                 # A dedicated actor runs one session, one turn at a time: the catalog listener and
                 # one working connection. Ten each, as a shard host has, and a few dozen live

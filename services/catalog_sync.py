@@ -1,6 +1,6 @@
 """When a process may trust its cached catalogs without reading a stamp on every turn.
 
-A process that caches tenants' catalogs (services.catalogs.TenantCatalogs) listens on the catalog
+A process that caches tenants' catalogs (actors.catalogs.TenantCatalogs) listens on the catalog
 channel and registers as a listener (storage.repos.catalog_sync): writers of a change then wait
 for its acknowledgement before they answer, so the change reaches its next message with no read.
 That holds only while the process's LISTEN connection is up and its beats reach Postgres; the

@@ -22,7 +22,7 @@ from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, check_app
 from services.errors import ConfigError, InvalidInput
 
 Placement = Literal["sharded", "dedicated"]
-#: how a turn knows its cached catalog is current (CE_CATALOG_CHECK; see services.catalogs)
+#: how a turn knows its cached catalog is current (CE_CATALOG_CHECK; see actors.catalogs)
 CatalogCheck = Literal["notify", "read"]
 
 #: CE_LOG_LEVEL's accepted values (structlog's filtering levels)

@@ -7,7 +7,7 @@
     submit_form              services.builtins.forms          JSON-schema forms, validated rows
     escalate_to_human        services.builtins.handoff        handoff row, handoff.requested
 
-`install(runtime)` is called by the composition root (services.runtime): it builds the services on
+`install(runtime)` is called by the composition root (actors.runtime): it builds the services on
 the runtime's pool and webhook client, registers their handlers in `runtime.registry` under
 `builtin.<tool>`, and returns the zero-argument callable that yields the definitions every
 tenant's catalog starts with (built-ins win over tenant tools of the same name).

@@ -1,4 +1,5 @@
-"""Tool API bodies (seed 000's shape plus seed 001's families) and their conversion to definitions.
+"""Tool API bodies (seed 000's shape plus seed 001's families) and their conversion to definitions;
+the bot config's body (BotConfigIn).
 
 Pure: no aiohttp. A body is decoded once with `forbid_unknown_fields`; `definition_from_body`
 checks what a JSON schema cannot (name, URL, template holes, schema validity) and encrypts the
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yarl
 
+from services.botconfig import Intent
 from services.errors import InvalidInput
 from services.tools.model import (
     PROTECTED_KEYS,
@@ -115,6 +117,39 @@ class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     retries: int | msgspec.UnsetType = UNSET
     output_schema: dict[str, Any] | None | msgspec.UnsetType = UNSET
     publish: bool = True
+
+
+class BackendIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    base_url: str
+    auth_header: str | None = None
+    openapi: dict | None = None
+    #: what GET shows of the write-only header, taken back: false removes the stored header, true
+    #: or absent keeps it (unless `auth_header` replaces it) while base_url stays on the origin it
+    #: was written for; true with no header stored is refused, like the `[set]` placeholder
+    auth_header_set: bool | None = None
+
+
+class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PUT /v1/bot-config: BotConfig with its credentials write-only. It takes back what GET
+    shows: a credential left out, or sent back as the view shows it (`notification_secret:
+    "[set]"`, `backend.auth_header_set: true`), keeps the stored one; null (false) removes it.
+    The backend's header is kept only while `backend.base_url` keeps its origin (scheme, host,
+    port): a move to another origin must send it again, or `auth_header_set: false`."""
+
+    persona: str | None = None
+    main_model: str | None = None
+    cheap_model: str | None = None
+    intents: dict[str, Intent] = {}
+    allowlist: list[str] | None = None
+    allow_writes: bool = True
+    language: str = "english"
+    notification_webhook: str | None = None
+    notification_secret: str | None | msgspec.UnsetType = msgspec.UNSET
+    backend: BackendIn | None = None
+    approval_ttl_s: float | None = None
+    recall_across_sessions: bool = False
+    #: the session variable that names the contact (collect_lead sets it; recall reads by it)
+    contact_id_variable: str = "contact_id"
 
 
 class Encryptor:

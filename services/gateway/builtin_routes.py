@@ -12,7 +12,7 @@
     POST   /v1/notifications/{id}/retry         a given-up notification, on a fresh schedule
 
 Tenant-scoped like every /v1 route: the tenant comes from the API key (request[TENANT]). Errors
-are raised as domain errors and become problem+json in services.gateway.app's middleware.
+are raised as domain errors and become problem+json in services.gateway.middleware.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from aiohttp import web
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form, form_problems
 from services.errors import InvalidInput, NotFound
-from services.gateway.app import DEPS, TENANT, decode_body, json_response, parse_since, whole_number
+from services.gateway.common import (
+    DEPS,
+    TENANT,
+    decode_body,
+    json_response,
+    parse_since,
+    whole_number,
+)
 from storage.repos.builtins import BuiltinRepos
 from storage.repos.notifications import NotFailed
 

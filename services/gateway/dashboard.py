@@ -24,12 +24,12 @@ from typing import Any
 from aiohttp import web
 
 from services.errors import InvalidInput, NotFound
-from services.gateway.app import (
+from services.gateway.common import (
     DEPS,
-    SESSION_ID_RE,
     TENANT,
     json_response,
     parse_since,
+    path_session_id,
     whole_number,
 )
 from services.tools.redaction import REDACTED, secret_name
@@ -116,15 +116,6 @@ def _limit(request: web.Request, default: int) -> int:
     return whole_number(raw, name="limit", low=1, high=_LIMIT_MAX, at="?limit")
 
 
-def _session_id(request: web.Request) -> str:
-    sid = request.match_info["session_id"]
-    if not SESSION_ID_RE.match(sid):
-        raise InvalidInput(
-            f"session id {sid[:40]!r} must be 1-128 letters, digits or . _ : @ - and start with a letter or digit"
-        )
-    return sid
-
-
 def redact(value: Any, sensitive: frozenset[str]) -> Any:
     """`value` with every value under a sensitive or secret-looking key replaced, at any depth.
 
@@ -156,7 +147,7 @@ async def list_sessions(request: web.Request) -> web.Response:
 async def session_calls(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     tenant_id = request[TENANT]
-    session_id = _session_id(request)
+    session_id = path_session_id(request)
     limit = _limit(request, 20)  # what was asked is checked before anything is looked up
     if await deps.sessions.current_epoch(tenant_id, session_id) is None:
         raise NotFound(f"session {session_id!r} does not exist for this tenant", kind="session", key=session_id)

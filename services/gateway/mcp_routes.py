@@ -13,7 +13,7 @@ of the server is a write held for approval, whatever the server's annotations sa
 Tenant-scoped like every /v1 route (request[TENANT]). The auth header is encrypted before it is
 stored and never returned (`auth_header_set` says whether there is one). It follows a PATCH of
 `url` only on the same origin (scheme, host, port): a move elsewhere must send `auth_header` again
-(or null), else 422. Errors are domain errors, made problem+json by services.gateway.app's middleware.
+(or null), else 422. Errors are domain errors, made problem+json by services.gateway.middleware.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import msgspec
 from aiohttp import web
 
 from services.errors import InvalidInput, NotFound
-from services.gateway.app import DEPS, TENANT, decode_body, json_response
 from services.gateway.bodies import check_credential_stays
 from services.gateway.bodies import check_url as check_destination
+from services.gateway.common import DEPS, TENANT, decode_body, json_response
 from services.tools.mcp import DEFAULT_TIMEOUT_MS, ORIGIN, SEPARATOR, check_server_name
 from storage.records import McpServerRecord
 from storage.repos.mcp_servers import McpServerRepo

@@ -1,7 +1,7 @@
 """/openapi.json, generated from the msgspec types the gateway decodes and encodes.
 
 What each route answers (its success status and every problem status its handler can give) is
-the table ANSWERS, read from the handlers and from how services.gateway.app.failure() maps the
+the table ANSWERS, read from the handlers and from how services.gateway.common.failure() maps the
 errors they raise; tests/integration/test_openapi_statuses.py checks it against what they answer.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.bodies import ToolCreate, ToolPatch
+from services.gateway.bodies import BotConfigIn, ToolCreate, ToolPatch
 from services.wire import DecideApproval, SendMessage, SessionView, TurnReply
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
@@ -145,8 +145,6 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
 
 @cache
 def _core_document() -> dict[str, Any]:
-    from services.gateway.app import BotConfigIn
-
     types = [SendMessage, DecideApproval, TurnReply, SessionView, ToolCreate, ToolPatch, BotConfigIn]
     (refs, components) = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     components["Problem"] = {

@@ -13,7 +13,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from services.errors import ConfigError
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.gateway.limits import TenantLimiter
 from services.settings import Settings
 from services.tools.crypto import SecretBox

@@ -4,7 +4,7 @@ The only module that imports `anthropic`.
 One `anthropic.AsyncAnthropic` serves the whole process (it holds the connection pool; building
 one costs far more than a call): the composition root makes it with `make_anthropic_client` and
 passes it in, and closes it with the runtime. The same code talks to the real API and to the local
-model (`services.llm.local_model`, reached with `base_url`). Its HTTP runs on the SDK's aiohttp
+model (`app.local_model`, reached with `base_url`). Its HTTP runs on the SDK's aiohttp
 transport (`anthropic.DefaultAioHttpClient`, the `aiohttp` extra) rather than its default httpx
 one: the same streamed call costs the caller ~0.4 ms less CPU (README § Performance, optimisation
 7), and aiohttp is already the engine's HTTP stack. Proxy variables are honoured as before.
@@ -149,7 +149,7 @@ class AnthropicLLM:
         errors) and hands back the raw response (`cast_to=httpx2.Response`), whose body msgspec
         decodes straight into our types: the SDK's model objects would be built only to be copied
         into ours. Against the local model this costs the caller less than reading the same answer
-        as a stream (`python -m services.bench_llm --compare calls`).
+        as a stream (`python -m bench.llm --compare calls`).
         """
         error: LLMError | None = None
         try:

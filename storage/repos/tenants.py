@@ -93,7 +93,7 @@ class TenantRepo:
 
     async def revoke_key(self, tenant_id: str, key_id: str) -> datetime:
         """Revoke one of the tenant's keys; returns when. Gateways that cached the key accept it
-        until their cache entry expires (services.gateway.app.KEY_CACHE_TTL_S).
+        until their cache entry expires (services.gateway.common.KEY_CACHE_TTL_S).
 
         Raises NotFound if the tenant has no such live key (unknown, another tenant's or already
         revoked: one answer, as for every tenant-scoped lookup; `get_key` tells them apart).

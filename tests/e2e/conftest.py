@@ -21,7 +21,7 @@ from services.settings import Settings
 
 @pytest_asyncio.fixture(scope="session")
 async def stack(fresh_db) -> AsyncIterator[object]:
-    from services.stack import Stack
+    from app.stack import Stack
 
     data_dir = tempfile.mkdtemp(prefix="ce-e2e-")
     settings = Settings.from_env({

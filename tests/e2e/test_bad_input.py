@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 import pytest_asyncio
 
-from services.gateway.app import MAX_BODY, MAX_TEXT
+from services.gateway.common import MAX_BODY, MAX_TEXT
 from storage.records import session_uid
 from tests.e2e.backend_support import Backend
 

@@ -28,7 +28,10 @@ def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProc
 
 def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_growth(tmp_path):
     out = tmp_path / "bench.json"
-    done = _run(["services.bench", "--data-dir", str(tmp_path / "data"), "--output", str(out),
+    # the run is kept under a results folder of the test's own, not the repository's bench/results
+    results, table = tmp_path / "results", tmp_path / "benchmarks.md"
+    done = _run(["bench.measure", "--data-dir", str(tmp_path / "data"), "--output", str(out),
+                 "--results-dir", str(results), "--table", str(table),
                  "--messages", "40", "--concurrency", "4", "--sessions", "8", "--dedicated-sessions", "2",
                  "--warm-rounds", "1", "--peak-concurrency", "4,8", "--half-load-seconds", "1",
                  "--half-load-slices", "2", "--growth", "--growth-levels", "5,10", "--growth-messages", "20",
@@ -74,11 +77,14 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
     assert growth["reactivation"]["p50_ms"] > 0
 
     assert "gate on (one tool round per message)" in done.stdout + done.stderr  # the printed table
+    kept = list(results.glob("*.json"))  # the run kept as data, and the page made from every run kept
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == doc
+    assert kept[0].stem in table.read_text()
 
 
 def test_the_load_test_runs_every_scenario_writes_its_csvs_and_says_where_the_knee_is(tmp_path):
     data = tmp_path / "data"
-    _run(["services.loadtest", "--data-dir", str(data), "--stages", "4:5,8:6", "--think", "0.1:0.3"],
+    _run(["bench.loadtest", "--data-dir", str(data), "--stages", "4:5,8:6", "--think", "0.1:0.3"],
          tmp_path, timeout=300)
     summary = json.loads((data / "loadtest" / "summary.json").read_text())
     assert [s["users"] for s in summary["stages"]] == [4, 8]  # the sessions stepped up stage by stage

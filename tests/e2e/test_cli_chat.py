@@ -10,7 +10,7 @@ import sys
 
 def run_cli(args: list[str], stdin: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CE_")}
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], input=stdin, env=env,
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], input=stdin, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
 
 

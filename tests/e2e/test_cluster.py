@@ -204,7 +204,7 @@ async def backend():
 
 @pytest_asyncio.fixture(scope="module")
 async def model():
-    from services.llm.local_model import start_local_model
+    from app.local_model import start_local_model
 
     m = await start_local_model()
     yield m

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.demo_store import order
+from app.demo_store import order
 
 SECRET = "sk-test-SECRET"
 PROBLEM_JSON = "application/problem+json"

@@ -28,8 +28,8 @@ import ray
 
 from actors.placement import NAMESPACE, SESSION_PREFIX
 from actors.ray_host import DEDICATED_POOL_SIZE
+from app.stack import DEMO_STORE_HOST
 from services.errors import Overloaded
-from services.stack import DEMO_STORE_HOST
 from storage.records import SessionDelta, session_uid
 from tests.e2e.helpers import (
     MESSAGES_PER_TOOL_TURN,

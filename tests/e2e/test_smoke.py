@@ -37,7 +37,7 @@ async def test_the_cli_finds_the_stack_through_demo_env_whatever_port_it_was_giv
     assert (data / "demo.env").read_text().splitlines() == [f"CE_URL={stack.gateway.url}",
                                                              f"CE_API_KEY={stack.demo_key}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CE_", "DATABASE_URL"))}
-    result = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "contract"],
+    result = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "app.cli", "contract"],
                                      env={**env, "CE_DATA_DIR": str(data)}, capture_output=True, text=True,
                                      timeout=60, check=False)
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from services.soak import Contacts, StackProcess, lost_records, order_call
+from bench.soak import Contacts, StackProcess, lost_records, order_call
 from storage.pool import create_pool
 
 SESSIONS = 100

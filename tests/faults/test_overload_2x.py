@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from services.soak import StackProcess, overload
+from bench.soak import StackProcess, overload
 
 
 async def test_twice_the_peak_load_is_shed_not_crashed_and_nothing_acknowledged_is_lost(capsys):

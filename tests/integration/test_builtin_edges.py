@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.errors import InvalidArguments
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime import Runtime
+from actors.runtime import Runtime
 from services.settings import Settings
 from services.tools.crypto import generate_key
 from storage.pool import create_pool

@@ -22,10 +22,11 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from actors.catalogs import TenantCatalogs
+from actors.runtime import Runtime
 from services.botconfig import botconfig_from_dict
-from services.catalogs import TenantCatalogs
-from services.gateway.app import GatewayDeps, build_app
-from services.runtime import Runtime
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.settings import Settings
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, generate_key

@@ -11,9 +11,9 @@ import time
 import asyncpg
 import pytest
 
+from actors.runtime import Runtime
 from services.builtins.appointments import service_from_body
 from services.catalog_sync import CatalogSync
-from services.runtime import Runtime
 from services.settings import Settings
 from services.tools.crypto import generate_key
 from storage.pool import create_pool

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "app.cli"]
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """One-shot commands print their report on stdout and nothing else (`chat-engine scale 4 | jq`):
 their log lines go to stderr. Servers (run, serve) keep logging on stdout.
 
-The commands run as subprocesses through the real `services.cli.main`; the Ray-side work of
+The commands run as subprocesses through the real `app.cli.main`; the Ray-side work of
 `scale` and `restart-hosts` is replaced by a stand-in that logs as Placement.rescale does (a
 structlog `info` line) and returns a report, so no Ray cluster is needed to see where each goes.
 """
@@ -18,7 +18,7 @@ import pytest
 STAND_IN = """
 import sys
 import structlog
-import services.shards as shards
+import app.shards as shards
 
 async def scale(settings, target):
     structlog.get_logger("actors.placement").info("rescaled", shards=target, moved=3)
@@ -29,7 +29,7 @@ async def restart_hosts(settings):
     return ["h0"]
 
 shards.scale, shards.restart_hosts = scale, restart_hosts
-from services.cli import main
+from app.cli import main
 main(sys.argv[1:])
 """
 

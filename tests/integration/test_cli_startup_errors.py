@@ -1,4 +1,4 @@
-"""Start-up failures an operator meets are one sentence and exit status 2 (services/cli.py's
+"""Start-up failures an operator meets are one sentence and exit status 2 (app/cli.py's
 promise), not a traceback: a taken CE_PORT, an unreachable RAY_ADDRESS. Loopback only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "app.cli"]
 
 
 def run_cli(*args: str, env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess:

@@ -22,7 +22,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.mcp_servers import McpServerRepo

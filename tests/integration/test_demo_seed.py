@@ -1,12 +1,12 @@
-"""The demo tenant is seeded once: `make run` again (services.stack.seed_demo_tenant on every start)
+"""The demo tenant is seeded once: `make run` again (app.stack.seed_demo_tenant on every start)
 keeps what the tenant changed since, with the real Postgres repositories."""
 
 from __future__ import annotations
 
 import pytest_asyncio
 
+from app.stack import seed_demo_tenant
 from services.settings import Settings
-from services.stack import seed_demo_tenant
 from services.tools.crypto import generate_key
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
@@ -73,7 +73,7 @@ async def test_a_demo_tool_the_tenant_lacks_is_seeded_again_and_nothing_else_cha
 
 
 async def test_when_the_demo_store_takes_another_port_what_points_at_it_follows(demo_db, tmp_path):
-    # port 8090 taken on a later start: the demo store falls back to a free port (services.stack)
+    # port 8090 taken on a later start: the demo store falls back to a free port (app.stack)
     pool = demo_db
     settings = Settings(secret_keys=(generate_key(),))
     key = await seed_demo_tenant(pool, settings, STORE, tmp_path)

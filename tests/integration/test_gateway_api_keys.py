@@ -16,12 +16,8 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 from cachetools import TTLCache
 
-from services.gateway.app import (
-    KEY_CACHE_TTL_S,
-    UNKNOWN_KEY_TTL_S,
-    GatewayDeps,
-    build_app,
-)
+from services.gateway.app import build_app
+from services.gateway.common import KEY_CACHE_TTL_S, UNKNOWN_KEY_TTL_S, GatewayDeps
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from tests.unit.fakes import FakeClock
 

@@ -26,8 +26,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from actors.host import TurnNotSaved
 from actors.placement import _host_exception
 from actors.ray_host import to_host_error
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
 from services.gateway.bodies import MAX_VARIABLE_NAME
+from services.gateway.common import GatewayDeps
 from services.nesting import MAX_JSON_DEPTH
 from services.tools.crypto import SecretBox, generate_key
 from services.wire import ToolCallSummary, TurnReply, UsageOut

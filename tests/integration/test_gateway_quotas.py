@@ -21,7 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 import storage.repos.mcp_servers as mcp_servers_repo
 import storage.repos.tools as tools_repo
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from tests.integration.test_gateway_bad_input import FakeRouter, problem_of

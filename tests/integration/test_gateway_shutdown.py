@@ -186,7 +186,7 @@ async def test_the_signal_wait_returns_an_event_the_next_signal_sets():
     import os
     import signal
 
-    from services.cli import _wait_for_signal
+    from app.cli import _wait_for_signal
 
     loop = asyncio.get_running_loop()
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -25,7 +25,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from actors.placement import HostFailure
 from actors.ray_host import HostError
 from services.errors import InvalidInput, NotFound, Overloaded
-from services.gateway.app import GatewayDeps, build_app, parse_since
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps, parse_since
 from services.tools.crypto import SecretBox, generate_key
 from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, TurnTiming, UsageOut
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
@@ -389,7 +390,7 @@ async def no_builtins(tenant_id: str) -> tuple:
 
 
 def tenant_catalogs(pool, **kw: Any):
-    from services.catalogs import TenantCatalogs
+    from actors.catalogs import TenantCatalogs
     from services.tools.registry import HandlerRegistry
 
     return TenantCatalogs(

@@ -17,9 +17,10 @@ import anthropic
 import pytest
 import pytest_asyncio
 
+from app.local_model import LocalModelServer, start_local_model
+from app.local_model_rules import respond
 from services.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
-from services.llm.local_model import LocalModelServer, start_local_model
 from services.llm.port import (
     ChatMessage,
     LLMError,
@@ -33,7 +34,6 @@ from services.llm.port import (
     ToolUseBlock,
     Usage,
 )
-from services.llm.rules import respond
 
 SECRET = "sk-ant-test-SECRET-never-shown"
 TODAY = date(2026, 12, 2)
@@ -403,7 +403,7 @@ async def test_the_module_runs_as_a_server_process():
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.llm.local_model",
+        "app.local_model",
         "--port",
         "0",
         stdout=asyncio.subprocess.PIPE,

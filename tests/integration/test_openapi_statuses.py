@@ -22,7 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from actors.host import HostSettings, SessionHost
 from actors.local import LocalRouter
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.gateway.limits import TenantLimiter
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo

@@ -27,7 +27,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from actors.session import TurnEnv, handle_message, new_state
 from services.botconfig import BotConfig
 from services.contract import build_report
-from services.gateway.app import GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.executor import Executor
 from services.tools.model import ToolDefinition
@@ -81,7 +82,7 @@ async def webhooks() -> AsyncIterator[WebhookClient]:
 
 class Api:
     """The gateway's real routes and repositories for one new tenant; the contract report is
-    made as services.runtime.Runtime.contract_report makes it, from the tenant's published rows."""
+    made as actors.runtime.Runtime.contract_report makes it, from the tenant's published rows."""
 
     def __init__(self, client: TestClient, pool, tenant_id: str, api_key: str, webhooks: WebhookClient) -> None:
         self.client = client

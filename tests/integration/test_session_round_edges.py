@@ -21,10 +21,10 @@ import pytest_asyncio
 
 from actors.host import HostSettings, SessionHost
 from actors.session import LLM_DOWN_REPLY, TURN_CACHE, TurnEnv, handle_message, new_state
+from app.local_model import LocalModelServer, start_local_model
 from services.botconfig import BotConfig
 from services.errors import Overloaded
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
-from services.llm.local_model import LocalModelServer, start_local_model
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog

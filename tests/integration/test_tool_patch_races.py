@@ -20,7 +20,9 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.app import PATCH_ATTEMPTS, GatewayDeps, build_app
+from services.gateway.app import build_app
+from services.gateway.common import GatewayDeps
+from services.gateway.tool_routes import PATCH_ATTEMPTS
 from services.tools.crypto import SecretBox, generate_key
 from storage.records import PublishedTool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo

@@ -1,4 +1,4 @@
-"""The benchmark's arithmetic (services/bench.py): ways in turns, pooled and paired figures, the peak."""
+"""The benchmark's arithmetic (bench/measure.py): ways in turns, pooled and paired figures, the peak."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from services import bench
-from services.bench import (
+import bench.measure as bench
+from bench.measure import (
     CpuShare,
     ProcessCpu,
     default_shards,
@@ -194,7 +194,7 @@ def test_the_peak_is_the_last_level_that_beat_the_one_before_it():
 def test_a_variant_changes_only_the_settings_its_variables_name():
     import msgspec
 
-    from services.bench import Bench
+    from bench.measure import Bench
     from services.settings import Settings
 
     bench = Bench(parse_args(["--half-load-variant", "CE_FLUSH_INTERVAL_MS=0"]))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services import catalogs
-from services.catalogs import TenantCatalogs
+from actors import catalogs
+from actors.catalogs import TenantCatalogs
 from services.tools.registry import HandlerRegistry
 
 

@@ -161,7 +161,8 @@ def resolved_env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def gateway_routes() -> set[str]:
-    from services.gateway.app import GatewayDeps, build_app
+    from services.gateway.app import build_app
+    from services.gateway.common import GatewayDeps
 
     app = build_app(GatewayDeps(router=None, tenants=None, tools=None, calls=None, sessions=None, configs=None,
                                 secret_box=None))
@@ -360,7 +361,7 @@ def test_the_operations_guide_names_only_metrics_the_gateway_exports_and_real_co
     tables = set(re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(ce_[a-z_]+)", migrations))
     named = set(re.findall(r"\bce_[a-z_]+\b", text)) - tables  # tables (and the ce_cluster channel)
     assert named and named <= exported, named - exported
-    from services.cli import main
+    from app.cli import main
 
     assert "chat-engine scale" in text and "chat-engine restart-hosts" in text
     for command in set(re.findall(r"chat-engine ([a-z][a-z-]*)", text)):

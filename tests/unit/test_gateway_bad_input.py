@@ -11,8 +11,8 @@ from actors.host import TurnNotSaved
 from actors.placement import _host_exception
 from actors.ray_host import to_host_error
 from services.errors import InvalidInput
-from services.gateway.app import OutOfRange, failure, whole_number
 from services.gateway.bodies import MAX_VARIABLE_NAME, ToolCreate, definition_from_body
+from services.gateway.common import OutOfRange, failure, whole_number
 
 
 @pytest.mark.parametrize(("raw", "value"), [("1", 1), ("500", 500), ("007", 7), ("0" * 40 + "42", 42)])

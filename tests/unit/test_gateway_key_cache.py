@@ -3,7 +3,7 @@ TTL and eviction through the gateway: tests/integration/test_gateway_api_keys.py
 
 from __future__ import annotations
 
-from services.gateway.app import (
+from services.gateway.common import (
     KEY_CACHE_MAX,
     KEY_CACHE_TTL_S,
     UNKNOWN_KEY_CACHE_MAX,

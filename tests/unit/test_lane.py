@@ -1085,7 +1085,7 @@ async def test_calls_that_waited_for_a_connect_that_failed_are_all_told_it_was_u
 
 async def test_a_turn_the_hosts_lane_failed_to_run_is_a_500_that_says_so_not_an_unhandled_error():
     from actors.placement import HostFailure, Placement
-    from services.gateway.app import failure
+    from services.gateway.common import failure
     from services.settings import Settings
 
     host = StreamingHost()

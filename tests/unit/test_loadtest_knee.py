@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.loadtest import find_knee
+from bench.loadtest import find_knee
 
 
 def stage(users: int, ok_rps: float, p95_ms: float) -> dict:

@@ -1,4 +1,4 @@
-"""The local model's rules (services.llm.rules): markers, tool choice, argument extraction,
+"""The local model's rules (app.local_model_rules): markers, tool choice, argument extraction,
 replies to tool results. Pure: no server, no SDK."""
 
 from __future__ import annotations
@@ -8,15 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.llm.port import (
-    ChatMessage,
-    LLMRequest,
-    TextBlock,
-    ToolResultBlock,
-    ToolSpec,
-    ToolUseBlock,
-)
-from services.llm.rules import (
+from app.local_model_rules import (
     HANDOFF_MARKER,
     RuleReply,
     estimate_tokens,
@@ -25,6 +17,14 @@ from services.llm.rules import (
     relay_error,
     respond,
     summarise_result,
+)
+from services.llm.port import (
+    ChatMessage,
+    LLMRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolSpec,
+    ToolUseBlock,
 )
 
 TODAY = date(2026, 12, 2)  # a Wednesday

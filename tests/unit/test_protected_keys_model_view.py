@@ -14,8 +14,8 @@ import pytest
 from services.botconfig import BotConfig
 from services.contract import build_report
 from services.errors import InvalidInput
-from services.gateway.app import failure
 from services.gateway.bodies import ToolCreate, definition_from_body
+from services.gateway.common import failure
 from services.tools.model import PROTECTED_KEYS, WebhookTool
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import tool_specs

@@ -20,8 +20,8 @@ import pytest
 from services.botconfig import Backend, BotConfig
 from services.contract import build_report
 from services.errors import InvalidInput
-from services.gateway.app import failure
 from services.gateway.bodies import ToolCreate, definition_from_body
+from services.gateway.common import failure
 from services.tools.executor import Executor, ToolCall
 from services.tools.model import (
     PROTECTED_KEYS,

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from actors.catalogs import TenantCatalogs
 from actors.host import HostSettings, SessionHost
-from services.catalogs import TenantCatalogs
 from services.errors import InvalidInput, Overloaded
 from services.tools.registry import HandlerRegistry
 from services.tools.validation import (

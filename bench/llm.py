@@ -1,4 +1,4 @@
-"""`python -m services.bench_llm`: what one model call costs, per HTTP transport or per way of calling.
+"""`python -m bench.llm`: what one model call costs, per HTTP transport or per way of calling.
 
 `--compare transports` (the default): the anthropic SDK can send its requests over httpx (its
 default) or over aiohttp (`anthropic.DefaultAioHttpClient`, what `make_anthropic_client` uses);
@@ -92,7 +92,7 @@ async def main_async(args: argparse.Namespace) -> None:
     url = args.url
     if url is None:  # a process of its own, so that its CPU is not the caller's
         server = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.llm.local_model", "--port", "0",
+            sys.executable, "-m", "app.local_model", "--port", "0",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         async with asyncio.timeout(30):
             while url is None:
@@ -117,8 +117,8 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m services.bench_llm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running local model (python -m services.llm.local_model --port N); "
+    p = argparse.ArgumentParser(prog="python -m bench.llm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running local model (python -m app.local_model --port N); "
                    "without it one is started in a process of its own")
     p.add_argument("--compare", choices=("transports", "calls"), default="transports",
                    help="transports: httpx against aiohttp, both streamed; calls: streamed against "

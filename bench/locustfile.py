@@ -1,5 +1,5 @@
-"""Locust scenarios for `make loadtest` (services/loadtest.py runs this headless; it can also be
-run by hand: `locust -f services/locustfile.py --host $CE_URL` with CE_API_KEY set).
+"""Locust scenarios for `make loadtest` (bench/loadtest.py runs this headless; it can also be
+run by hand: `locust -f bench/locustfile.py --host $CE_URL` with CE_API_KEY set).
 
 Each locust user is one contact with its own chat session, pausing between messages as a person
 would. Scenarios, by weight:
@@ -16,7 +16,7 @@ answered 429 or 503 is retried after Retry-After, as a person would, so the held
 abandoned (a decision asked again answers as it did: nothing runs twice).
 
 Stages (users, seconds) come from LT_STAGES ("10:20,25:20,..."); every request is also kept per
-stage in LT_STAGE_FILE (JSON), from which services/loadtest.py finds the knee.
+stage in LT_STAGE_FILE (JSON), from which bench/loadtest.py finds the knee.
 """
 
 from __future__ import annotations

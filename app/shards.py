@@ -16,6 +16,8 @@ from typing import Any
 
 import structlog
 
+from actors import cluster
+from actors.placement import Placement
 from services.errors import ConfigError
 from services.settings import Settings
 from storage.pool import create_pool
@@ -112,9 +114,6 @@ async def scale(settings: Settings, target: int) -> Any:
 
     Returns the RescaleReport. Raises ConfigError without RAY_ADDRESS or DATABASE_URL.
     """
-    from actors import cluster
-    from actors.placement import Placement
-
     _check_operator_settings(settings, "scale")
     await asyncio.to_thread(cluster.connect, settings)
     pool = await create_pool(settings.database_url, min_size=1, max_size=3)
@@ -128,9 +127,6 @@ async def scale(settings: Settings, target: int) -> Any:
 async def restart_hosts(settings: Settings) -> list[str]:
     """`chat-engine restart-hosts`: re-create every session host, one at a time, with these
     settings (how a rotated secret or a changed CE_* value reaches the hosts). Returns their names."""
-    from actors import cluster
-    from actors.placement import Placement
-
     _check_operator_settings(settings, "restart-hosts")
     await asyncio.to_thread(cluster.connect, settings)
     pool = await create_pool(settings.database_url, min_size=1, max_size=2)

@@ -25,6 +25,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from storage.embedded import start_embedded
+from storage.pool import create_pool
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,7 +37,6 @@ def free_port() -> int:
 
 class StackProcess:
     """`chat-engine run` in a subprocess with its own data dir, Postgres and Ray."""
-
     def __init__(self, data: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.extra_env = dict(env or {})
         self.data = data or Path(tempfile.mkdtemp(prefix="ce-stack-"))
@@ -66,7 +68,6 @@ class StackProcess:
                 raise RuntimeError(f"the stack did not become ready in {timeout_s:.0f} s")
         env_file = dict(line.split("=", 1) for line in (self.data / "demo.env").read_text().split())
         self.headers = {"Authorization": f"Bearer {env_file['CE_API_KEY']}"}
-        from storage.embedded import start_embedded
 
         self.pg = await asyncio.to_thread(start_embedded, self.data)  # attach to its Postgres
 
@@ -74,13 +75,11 @@ class StackProcess:
         await asyncio.to_thread(self.pg.stop)
 
     async def start_postgres(self) -> None:
-        from storage.embedded import start_embedded
-
         self.pg = await asyncio.to_thread(start_embedded, self.data)
 
     def _spawn(self, env: dict[str, str]) -> None:
         self._log = open(self.data / "stack.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "run"], env=env,
                                      stdout=self._log, stderr=self._log, start_new_session=True)
 
     def host_pids(self) -> list[int]:
@@ -101,7 +100,6 @@ class StackProcess:
 
 class Contacts:
     """Contacts that retry a message (same message_id) until it is acknowledged."""
-
     def __init__(self, stack: StackProcess, client: aiohttp.ClientSession) -> None:
         self.stack, self.client = stack, client
         self.acked: dict[str, dict] = {}
@@ -133,8 +131,6 @@ class Contacts:
 
 async def lost_records(stack: StackProcess, acked: dict[str, dict]) -> tuple[list[str], list[str]]:
     """(acknowledged message ids missing from ce_turns, message ids with tools recorded twice)."""
-    from storage.pool import create_pool
-
     ids = list(acked)
     pool = await create_pool(stack.pg.url, max_size=2)
     try:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.contract_text import format_report
 from services.errors import ChatEngineError
 
 
@@ -116,6 +117,4 @@ async def print_contract(url: str, key: str) -> None:
         return json.loads(body)
 
     report = await asyncio.to_thread(fetch)
-    from services.contract_text import format_report
-
     print(format_report(report))

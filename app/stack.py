@@ -19,14 +19,25 @@ import structlog
 import yarl
 
 from actors import cluster
+from actors.cluster import connect_ray
 from actors.placement import Placement
-from services.demo_store import OPENAPI as DEMO_OPENAPI
+from app.demo_store import OPENAPI as DEMO_OPENAPI
+from app.demo_store import start_demo_store
+from app.local_model import start_local_model
+from app.shards import follow_shards
+from services.builtins.appointments import service_from_body
+from services.builtins.forms import check_form
+from services.errors import NotFound
+from services.gateway.bodies import ToolCreate, definition_from_body
 from services.gateway.server import Gateway, check_listen_address, open_gateway
-from services.runtime import connect_ray
 from services.settings import Settings
 from services.tools.crypto import SecretBox, load_or_create_key
+from storage.embedded import start_embedded
+from storage.migrate import migrate
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
+from storage.repos.builtins import BuiltinRepos
+from storage.repos.tools import ToolChanged
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +63,7 @@ class Stack:
         self.gateway: Gateway | None = None
         self.demo_key: str | None = None
         self.started_ray = False
-        self.shards: Any = None  # services.shards.ShardFollower: the stored shard count, followed
+        self.shards: Any = None  # app.shards.ShardFollower: the stored shard count, followed
 
     @classmethod
     async def start(cls, settings: Settings, *, port: int | None = None, seed_demo: bool = True) -> Stack:
@@ -71,20 +82,14 @@ class Stack:
         data.mkdir(parents=True, exist_ok=True)
         changes: dict[str, Any] = {}
         if not settings.database_url:
-            from storage.embedded import start_embedded
-
             self.pg = await asyncio.to_thread(start_embedded, data)
             changes["database_url"] = self.pg.url
         if not settings.secret_keys:
             changes["secret_keys"] = (load_or_create_key(data / "secret.key"),)
         if not settings.anthropic_api_key and not settings.anthropic_base_url:
-            from services.llm.local_model import start_local_model
-
             self.local_model = await start_local_model()
             changes["anthropic_base_url"] = self.local_model.url
         if seed_demo:
-            from services.demo_store import start_demo_store
-
             try:  # a stable address keeps the demo tools' URLs (and versions) the same across runs
                 self.demo_store = await start_demo_store(DEMO_STORE_HOST, DEMO_STORE_PORT)
             except OSError:  # taken (a second stack on this machine): any free port
@@ -92,8 +97,6 @@ class Stack:
             changes["webhook_allow"] = (*settings.webhook_allow, f"{DEMO_STORE_HOST}/32")
         settings = msgspec.structs.replace(settings, **changes)
         self.settings = settings
-
-        from storage.migrate import migrate
 
         pool = await create_pool(settings.database_url, min_size=1, max_size=2)
         try:
@@ -108,8 +111,6 @@ class Stack:
         self.started_ray = not settings.ray_address
         await asyncio.to_thread(connect_ray, settings)
         self.placement = Placement(settings)
-        from services.shards import follow_shards
-
         self.shards = await follow_shards(settings, self.placement)
         await self.placement.start_hosts()
         self.gateway = await open_gateway(
@@ -166,8 +167,6 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
     elif key is None or (await tenants.tenant_for_key(key)) is None:
         key = (await tenants.issue_key(tenant.id)).api_key
     box = SecretBox(settings.secret_keys)
-    from services.gateway.bodies import ToolCreate, definition_from_body
-
     check_order = definition_from_body(ToolCreate(
         name="check_order",
         description="Look up a customer order by order number. Use when customer asks about their order status.",
@@ -183,9 +182,6 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
         method="GET", path="/example/catalog", parameter_map={"search": "q", "limit": "per_page"},
         scope=["account_id"], intents=["shopping"],
     ), encrypt=box.encrypt)
-    from services.errors import NotFound
-    from storage.repos.tools import ToolChanged
-
     # Seeded once: what the tenant changed since (a persona set with PUT /v1/bot-config or the
     # dashboard, a tool edited or a form changed) is theirs and survives a restart. The demo
     # store's address is not theirs: when it had to take another port, what points at it follows.
@@ -218,10 +214,6 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
         })
     # A form and a bookable service, so the demo offers every built-in (submit_form and the
     # booking tools wait for a tenant's first form and service).
-    from services.builtins.appointments import service_from_body
-    from services.builtins.forms import check_form
-    from storage.repos.builtins import BuiltinRepos
-
     builtins = BuiltinRepos(pool)
     if await builtins.forms.get(tenant.id, "contact") is None:
         await builtins.forms.put(tenant.id, "contact", check_form("contact", DEMO_FORM))

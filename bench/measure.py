@@ -26,11 +26,18 @@ over the messages done; the helpers' CPU is reported beside it. Peak RSS is the 
 resident memory of the processes a way runs on (a: the worker; b, c: gateway process, Ray's own
 daemons, and the session-host actors that way used), sampled every 0.5 s.
 
-    python -m services.bench [--messages N] [--concurrency C] [--sessions S]
+    python -m bench.measure [--messages N] [--concurrency C] [--sessions S]
                              [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
 
 Writes .data/bench.json in the shape docs/performance.md gives (gate on), with "gate_off", "peak",
-"half_load", "detail" and, with --growth, "growth" beside it. A program that reports numbers, not a test.
+"half_load", "detail" and, with --growth, "growth" beside it; keeps the same document as
+bench/results/<UTC time>.json and regenerates docs/benchmarks.md from every run kept there
+(bench/report.py: the document, its printed table and that page). A program that reports
+numbers, not a test.
+
+The engine's modules are imported inside the functions that use them, not at the top: the worker
+and helper processes this program starts load only what their part needs, so that way (a)'s
+worker, whose memory is way (a)'s peak RSS, holds no gateway or Ray code it does not run.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -55,6 +61,16 @@ from typing import Any
 
 import msgspec
 
+from bench.report import (
+    RESULTS_DIR,
+    TABLE,
+    by_process_text,
+    ms_text,
+    print_table,
+    record_run,
+    report,
+    tail_text,
+)
 from services.heap import PAUSES, tune_collector
 
 WAYS = ("inprocess", "sharded", "dedicated")
@@ -557,9 +573,9 @@ async def _warm(send: Send, sessions: list[str], concurrency: int, rounds: int, 
 
 async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     from actors.host import HostSettings, SessionHost
+    from actors.runtime import Runtime
     from services.errors import ChatEngineError
     from services.logging import configure_logging
-    from services.runtime import Runtime
     from services.settings import Settings
     from services.wire import TurnReply
 
@@ -686,13 +702,13 @@ async def _backend(kind: str) -> None:
 
     configure_logging(fmt="json", level="warning")  # a log line per request would cost the helper CPU
     if kind == "model":
-        from services.llm.local_model import start_local_model
+        from app.local_model import start_local_model
 
         server = await start_local_model("127.0.0.1", 0)
         url = server.url
     else:
-        from services.demo_store import start_demo_store
-        from services.stack import DEMO_STORE_HOST
+        from app.demo_store import start_demo_store
+        from app.stack import DEMO_STORE_HOST
 
         server = await start_demo_store(DEMO_STORE_HOST, 0)
         url = server.url
@@ -834,7 +850,7 @@ class Child:
     @classmethod
     async def start(cls, *argv: str, stdin_line: bytes | None = None) -> Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.bench", *argv,
+            sys.executable, "-m", "bench.measure", *argv,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
         child = cls(proc)
@@ -945,9 +961,9 @@ class Bench:
     # -- set-up ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        from app.stack import DEMO_STORE_HOST, Stack, seed_demo_tenant
         from services.logging import configure_logging
         from services.settings import Settings
-        from services.stack import DEMO_STORE_HOST, Stack, seed_demo_tenant
         from storage.pool import create_pool
         from storage.repos import TenantRepo
 
@@ -1195,8 +1211,8 @@ class Bench:
                   f"{row['msgs_per_s']:7.1f} msg/s  p50 {row['p50_ms']:6.1f}  p99 {row['p99_ms']:7.1f} ms  "
                   f"errors {row['errors']}  steal {steal:.0f}%", file=sys.stderr)
         print("      p50 minus in process, median over slices: "
-              + ", ".join(f"{w} {_ms(v)}" for w, v in done["paired_added_p50_ms"].items())
-              + "; p99 the same way: " + ", ".join(f"{w} {_ms(v)}" for w, v in done["paired_added_p99_ms"].items()),
+              + ", ".join(f"{w} {ms_text(v)}" for w, v in done["paired_added_p50_ms"].items())
+              + "; p99 the same way: " + ", ".join(f"{w} {ms_text(v)}" for w, v in done["paired_added_p99_ms"].items()),
               file=sys.stderr)
         print("      the session host's own p50 (of it at the gate): " + ", ".join(
             f"{w} {v:.1f} ({done['gate_p50_ms'][w]:.1f}) ms" for w, v in done["host_p50_ms"].items())
@@ -1206,7 +1222,7 @@ class Bench:
             print("      in the gateway less the host's time (handler, lane both ways), p50: " + ", ".join(
                 f"{w} {v:.1f} ms" for w, v in done["gateway_own_p50_ms"].items()), file=sys.stderr)
         for way, used in done["cpu_ms_per_msg_by_process"].items():
-            print(f"      {way}'s CPU ms per message by process: {_by_process_text(used)}", file=sys.stderr)
+            print(f"      {way}'s CPU ms per message by process: {by_process_text(used)}", file=sys.stderr)
         hosts_gc = done["hosts_gc_pause"]
         print(f"      collector pauses: (a)'s process {done['inprocess_gc_pause_ms']:.1f} ms in its slices; "
               f"the shard hosts {hosts_gc['total_ms']:.1f} ms over the whole run (every way's slices), the longest "
@@ -1214,7 +1230,7 @@ class Bench:
         tails = {w: t for w, t in (done.get("tail") or {}).items() if t}
         if tails:
             print("      the slowest 1%, each way: " + "; ".join(
-                f"{w} {_tail_text(t)}, bursts from {', '.join(f'{b:.1f}' for b in t['burst_starts_s'])} s"
+                f"{w} {tail_text(t)}, bursts from {', '.join(f'{b:.1f}' for b in t['burst_starts_s'])} s"
                 for w, t in tails.items()), file=sys.stderr)
         # 64 sessions fall on the hosts as their ids hash: rarely evenly, and the host with more
         # of them queues longer (with thousands of sessions the shares even out)
@@ -1576,48 +1592,6 @@ def _aggregate(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-CONTRACT_KEYS = ("msgs_per_s", "p50_ms", "p95_ms", "p99_ms", "cpu_s_per_msg", "peak_rss_mb")
-
-
-def machine() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / 2**30
-    return (f"{platform.node()}: {os.cpu_count()} cpu ({platform.processor() or platform.machine()}), "
-            f"{mem:.0f} GiB, {platform.system()} {platform.release()}, Python {platform.python_version()}")
-
-
-def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, Any] | None) -> dict[str, Any]:
-    on = result["gate_on"]
-    doc: dict[str, Any] = {
-        "ways": {w: {k: round(v[k], 6) for k in CONTRACT_KEYS} for w, v in on["ways"].items()},
-        "ratio_sharded": on["ratio_sharded"], "ratio_dedicated": on["ratio_dedicated"],
-        "gate": True, "machine": machine(),
-    }
-    if result["gate_off"]:
-        off = result["gate_off"]
-        doc["gate_off"] = {
-            "ways": {w: {k: round(v[k], 6) for k in CONTRACT_KEYS} for w, v in off["ways"].items()},
-            "ratio_sharded": off["ratio_sharded"], "ratio_dedicated": off["ratio_dedicated"], "gate": False,
-            "machine": doc["machine"],
-        }
-    doc["paired_ratios"] = {"gate_on": on["paired_ratios"],
-                            "gate_off": result["gate_off"]["paired_ratios"] if result["gate_off"] else None}
-    doc["half_load"] = result["half_load"]
-    doc["peak"] = result["peak"]
-    doc["detail"] = {
-        "command": "python -m services.bench " + " ".join(sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
-        "gate_on": on["ways"], "gate_off": result["gate_off"]["ways"] if result["gate_off"] else None,
-        "runs": result["runs"],
-        "notes": "medians over --repeat rounds; cpu = engine processes + Postgres (helpers apart); "
-                 "rss = way's processes (a: the worker; b/c: gateway process, Ray daemons, its session actors)",
-    }
-    if growth is not None:
-        doc["growth"] = growth
-    return doc
-
-
 def _median_by_label(rows: list[dict[str, float]]) -> dict[str, float]:
     """Per label, the median over rows (a label missing from a row counts as 0 there), largest first."""
     labels = {k for row in rows for k in row}
@@ -1633,123 +1607,6 @@ def _median_tail(splits: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return {k: _median_known(s[k] for s in known) for k in known[0] if k != "burst_starts_s"}
 
 
-def _tail_text(t: dict[str, Any]) -> str:
-    share = "" if t.get("host_share") is None else f", host {t['host_share'] * 100:.0f}% of it"
-    ms = {k: _ms(t[k], signed=False) for k in ("latency_ms", "host_ms", "gate_ms", "hop_ms")}
-    return (f"{t['turns']:.0f} turns in {t['bursts']:.0f} bursts, p50 {ms['latency_ms']} "
-            f"(host {ms['host_ms']}, gate {ms['gate_ms']}, hop {ms['hop_ms']}{share})")
-
-
-def _each_way(values: dict[str, float], fmt: str) -> str:
-    return ", ".join(f"{w.replace('_ray', '/ray')} {fmt.format(v)}" for w, v in values.items())
-
-
-def _by_process_text(used: dict[str, float]) -> str:
-    return ", ".join(f"{label} {ms:.2f}" for label, ms in used.items())
-
-
-def _ms(value: float | None, *, signed: bool = True) -> str:
-    """A difference in ms (a duration with `signed` False), or "-" where no slice gave one."""
-    if value is None:
-        return "-"
-    return f"{value:+.1f} ms" if signed else f"{value:.1f} ms"
-
-
-def print_table(doc: dict[str, Any]) -> None:
-    def block(title: str, part: dict[str, Any]) -> None:
-        print(f"\n{title}")
-        print(f"  {'way':<10} {'msgs/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'cpu ms/msg':>11} "
-              f"{'peak RSS MB':>12} {'ratio':>6}")
-        base = part["ways"].get("inprocess", {}).get("msgs_per_s") or 0
-        for w, v in part["ways"].items():
-            ratio = v["msgs_per_s"] / base if base else float("nan")
-            print(f"  {w:<10} {v['msgs_per_s']:>8.1f} {v['p50_ms']:>8.1f} {v['p95_ms']:>8.1f} {v['p99_ms']:>8.1f} "
-                  f"{v['cpu_s_per_msg'] * 1000:>11.2f} {v['peak_rss_mb']:>12.0f} {ratio:>6.2f}")
-
-    block("gate on (one tool round per message)", doc)
-    if "gate_off" in doc:
-        block("gate off (lossy; benchmark only)", doc["gate_off"])
-    for gate, paired in (doc.get("paired_ratios") or {}).items():
-        if paired:
-            print(f"{gate}: median of per-round ratios " + ", ".join(f"{w} {r:.2f}" for w, r in paired.items()))
-    half = doc.get("half_load")
-    if half:
-        load = "--half-load-rate" if half.get("rate_given") else "half peak load"
-        print(f"\n{load} ({half['rate_msgs_per_s']:.0f} msg/s, open loop, the ways in turns over {half['slices']} slices): gateway + Ray add "
-              f"{half['added_p50_ms']:+.1f} ms p50, {half['added_p99_ms']:+.1f} ms p99 "
-              f"(in process p50 {half['ways']['inprocess']['p50_ms']:.1f} / p99 {half['ways']['inprocess']['p99_ms']:.1f}; "
-              f"sharded p50 {half['ways']['sharded']['p50_ms']:.1f} / p99 {half['ways']['sharded']['p99_ms']:.1f})")
-        if half.get("paired_added_p50_ms") is not None:
-            via_ray = half.get("paired_added_p50_ms_via_ray")
-            print(f"  p50 added, median over {half['slices']} slices of each slice's difference: "
-                  f"{half['paired_added_p50_ms']:+.1f} ms"
-                  + (f" (through Ray's task path {via_ray:+.1f} ms)" if via_ray is not None else ""))
-            if half.get("paired_added_p99_ms") is not None:
-                print(f"  p99 added, the same way (each slice's p99 difference, median over slices): "
-                      f"{half['paired_added_p99_ms']:+.1f} ms (pooled over every slice: {half['added_p99_ms']:+.1f} ms)")
-            in_host = half.get("paired_host_added_p50_ms")
-            if in_host is not None:
-                hop = half["paired_added_p50_ms"] - in_host
-                print(f"  of which the session host's own time of a turn (Server-Timing `host`, the same way paired): "
-                      f"{in_host:+.1f} ms; the rest, the hop (client, gateway, lane): {hop:+.1f} ms")
-                in_gateway = (half.get("gateway_own_p50_ms") or {}).get("sharded")
-                if in_gateway is not None:
-                    print(f"  of the hop, in the gateway (Server-Timing `gateway` less `host`, p50): {in_gateway:.1f} ms "
-                          f"(its handler and the lane both ways); about {hop - in_gateway:+.1f} ms the client, "
-                          "the HTTP legs and the gateway's HTTP server around its handler")
-        if half.get("gate_p50_ms"):
-            print("  the output gate's p50 wait, each way: " + _each_way(half["gate_p50_ms"], "{:.1f} ms"))
-        variant = half.get("variant")
-        if variant:
-            print(f"  (b) on hosts with {' '.join(f'{k}={v}' for k, v in variant['env'].items())}: "
-                  f"{_ms(variant['paired_added_p50_ms'])} p50 added (median over slices; the host's own "
-                  f"{_ms(variant['paired_host_added_p50_ms'])}), {_ms(variant['added_p99_ms'])} p99 "
-                  f"({_ms(variant.get('paired_added_p99_ms'))} median over slices)")
-        tails = {w: t for w, t in (half.get("tail") or {}).items() if t}
-        if tails:
-            print("  the slowest 1% of each way's turns (medians over rounds): "
-                  + "; ".join(f"{w} {_tail_text(t)}" for w, t in tails.items()))
-        if half.get("busy_pct"):
-            print("  the machine's CPU busy while each way ran its slices: " + _each_way(half["busy_pct"], "{:.0f}%"))
-        if half.get("gc_pause_ms"):
-            print("  collector pauses per round, (a)'s process in its slices / the shard hosts over the whole run "
-                  "(longest): " + ", ".join(f"{g['inprocess']:.0f} / {g['hosts']:.0f} ({g['hosts_longest']:.0f}) ms"
-                                            for g in half["gc_pause_ms"]))
-        for way, used in (half.get("cpu_ms_per_msg_by_process") or {}).items():
-            print(f"  {way}'s CPU ms per message by process, in its slices: {_by_process_text(used)}")
-        if "added_p50_ms_via_ray" in half:
-            print(f"  the same hosts, turns through Ray's actor task path instead of their lanes: "
-                  f"{half['added_p50_ms_via_ray']:+.1f} ms p50, {half['added_p99_ms_via_ray']:+.1f} ms p99")
-    det = doc["detail"]["gate_on"]
-    if "sharded" in det:
-        print(f"group commit at {doc['detail']['config']['concurrency']} clients (sharded, gate on): "
-              f"{det['sharded']['msgs_per_flush']:.1f} messages per flush transaction "
-              f"({det['sharded']['sessions_per_flush']:.1f} sessions)")
-    for way, sweep in (doc.get("peak") or {}).items():
-        top = sweep["peak"]
-        print(f"peak load ({way}, gate on): {top['msgs_per_s']:.1f} msg/s at {top['concurrency']} clients, "
-              f"{top['msgs_per_flush']:.1f} messages per flush transaction; sweep: " + ", ".join(
-                  f"{p['concurrency']}: {p['msgs_per_s']:.0f}/s {p['msgs_per_flush']:.1f}/flush"
-                  + (f" x{p['growth']:.2f}" if p.get("growth") is not None else "") for p in sweep["points"])
-              + " (xN: msgs/s over the level before, paired by rounds)")
-    g = doc.get("growth")
-    if g:
-        print(f"\ngrowth on {g['shards']} host(s), empty host set {g['empty_host_rss_mb']:.0f} MB")
-        print(f"  {'live':>7} {'msgs/s':>8} {'p99 ms':>8} {'host MB':>8} {'KB/session':>11} {'flush/s':>8} "
-              f"{'msgs/flush':>10} {'errors':>7}")
-        for lv in g["levels"]:
-            print(f"  {lv['live_sessions']:>7} {lv['msgs_per_s']:>8.1f} {lv['p99_ms']:>8.1f} {lv['host_rss_mb']:>8.0f} "
-                  f"{lv['rss_per_idle_session_kb']:>11.1f} {lv['flushes_per_s']:>8.1f} {lv['msgs_per_flush']:>10.1f} "
-                  f"{lv['errors']:>7}")
-        if g.get("burst"):
-            b = g["burst"]
-            print(f"  {b['concurrent_sessions']} concurrent sessions through the gateway: {b['messages']} messages, "
-                  f"{b['errors']} errors, p99 {b['p99_ms']:.0f} ms")
-        r = g["reactivation"]
-        print(f"  activation of a passivated session from Postgres: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
-              f"({r['sessions']} sessions)")
-
-
 async def main_async(args: argparse.Namespace) -> int:
     bench = Bench(args)
     started = time.perf_counter()
@@ -1763,8 +1620,9 @@ async def main_async(args: argparse.Namespace) -> int:
     out = Path(args.data_dir).parent / "bench.json" if args.output is None else Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    kept = record_run(doc, Path(args.results_dir), Path(args.table))
     print_table(doc)
-    print(f"\nwrote {out} in {time.perf_counter() - started:.0f}s")
+    print(f"\nwrote {out} in {time.perf_counter() - started:.0f}s (kept as {kept}; {args.table} regenerated)")
     return 0
 
 
@@ -1782,7 +1640,7 @@ def default_shards(cpus: int | None = None) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.measure", description=__doc__.split("\n\n")[0])
     p.add_argument("--messages", type=int, default=1200, help="timed messages per way and round")
     p.add_argument("--concurrency", type=int, default=16, help="clients sending at once, every way")
     p.add_argument("--sessions", type=int, default=64, help="sessions for ways a and b")
@@ -1826,6 +1684,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="directory: a pyinstrument report of way a's timed phase (slows that way down)")
     p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
     p.add_argument("--output", default=None, help="default: .data/bench.json")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR),
+                   help="where the run is also kept, as <UTC time>.json (default: bench/results)")
+    p.add_argument("--table", default=str(TABLE),
+                   help="the markdown page regenerated from every run kept there (default: docs/benchmarks.md)")
     args = p.parse_args(argv)
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     args.growth_levels = [int(x) for x in args.growth_levels.split(",")]

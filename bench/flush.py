@@ -1,4 +1,4 @@
-"""`python -m services.bench_flush`: what one group-commit flush costs, one statement against eight.
+"""`python -m bench.flush`: what one group-commit flush costs, one statement against eight.
 
 `SessionRepo.flush` writes a batch as one statement (`_FLUSH`: the lock with the epoch check and
 the six tables' writes, one round trip, its own transaction). The batches it cannot take go
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from services.bench import postgres_pids
+from bench.measure import postgres_pids
 from storage.embedded import start_embedded
 from storage.migrate import migrate
 from storage.pool import create_pool
@@ -126,7 +126,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.bench_flush", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.flush", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,4,16", help="sessions per flush, comma-separated")
     p.add_argument("--rounds", type=int, default=6, help="alternating rounds; figures are medians")
     p.add_argument("--flushes", type=int, default=300, help="flushes per way and round")

@@ -1,7 +1,7 @@
 """The local model: `POST /v1/messages` of the Anthropic Messages API, served on loopback by aiohttp.
 
 It owns the wire side only: decoding and validating the request body, turning the rules' answer
-(`services.llm.rules.respond`) into a Message JSON body or into the server-sent event sequence
+(`app.local_model_rules.respond`) into a Message JSON body or into the server-sent event sequence
 the anthropic SDK expects (message_start, ping, content_block_start, content_block_delta with
 text_delta / input_json_delta, content_block_stop, message_delta with stop_reason and usage,
 message_stop). The engine reaches it through the real SDK client with `base_url`, so tests run
@@ -28,7 +28,7 @@ makes the server misbehave:
     server-error       HTTP 500 api_error
     slow:<ms>          answer normally after <ms> milliseconds (for client timeouts)
 
-Run it alone with `python -m services.llm.local_model --port 8765`.
+Run it alone with `python -m app.local_model --port 8765`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from app.local_model_rules import RuleReply, respond
 from services.llm.port import (
     ChatMessage,
     ContentBlock,
@@ -55,7 +56,7 @@ from services.llm.port import (
     ToolSpec,
     ToolUseBlock,
 )
-from services.llm.rules import RuleReply, respond
+from services.logging import configure_logging
 
 log = structlog.get_logger(__name__)
 
@@ -625,9 +626,7 @@ async def _serve(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m services.llm.local_model [--host H] [--port N]`."""
-    from services.logging import configure_logging
-
+    """`python -m app.local_model [--host H] [--port N]`."""
     parser = argparse.ArgumentParser(
         description="Serve the deterministic local model (Anthropic Messages API)."
     )

@@ -7,16 +7,18 @@ benchmark and tests). Nothing here is a module-level singleton.
 from __future__ import annotations
 
 import asyncio
-import socket
+from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
+import msgspec
 import structlog
 
+from actors.catalogs import TenantCatalogs
 from services.approvals import approval_keys
 from services.botconfig import BotConfig
+from services.builtins import install as install_builtins
 from services.catalog_sync import CatalogSync
-from services.catalogs import TenantCatalogs
+from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
 from services.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.settings import Settings
@@ -25,7 +27,9 @@ from services.tools.crypto import SecretBox, SecretDecryptError
 from services.tools.errors import ToolError
 from services.tools.executor import Executor
 from services.tools.limiter import ResourceLimiter
-from services.tools.model import BackendBindingTool, WebhookTool
+from services.tools.mcp import McpCatalogSource
+from services.tools.mcp_client import McpHttpClient
+from services.tools.model import BackendBindingTool, ToolDefinition, WebhookTool
 from services.tools.registry import HandlerRegistry, ToolBackend
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient, WebhookToolBackend
@@ -41,59 +45,9 @@ from storage.repos import (
 )
 from storage.repos.catalog_sync import fence_number
 from storage.repos.jobs import JobRepo
+from storage.repos.mcp_servers import McpServerRepo
 
 log = structlog.get_logger(__name__)
-
-#: how long joining RAY_ADDRESS may take to answer a TCP connect before it counts as unreachable
-RAY_PROBE_TIMEOUT_S = 5.0
-
-
-def connect_ray(settings: Settings) -> None:
-    """Join RAY_ADDRESS, or start a local Ray (actors.cluster.connect), blocking.
-
-    Raises ConfigError naming RAY_ADDRESS when the cluster cannot be reached: Ray itself retries
-    for minutes and then raises a RuntimeError with its connection traceback in the message.
-    The address is tried with one TCP connect first so that an unreachable one fails in seconds.
-    """
-    import ray
-
-    from actors import cluster
-
-    address = settings.ray_address
-    if address and not ray.is_initialized():
-        _probe_ray_address(address)
-    try:
-        cluster.connect(settings)
-    except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
-        if not address:
-            raise
-        raise _ray_unreachable(address, type(exc).__name__) from None
-
-
-def _probe_ray_address(address: str) -> None:
-    """A TCP connect to RAY_ADDRESS's host:port (ray://host:port too); `auto` and anything that is
-    not host:port are left to Ray."""
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        raise _ray_unreachable(address, "its port is not a number") from None
-    if not host or port is None:
-        return
-    try:
-        socket.create_connection((host, port), timeout=RAY_PROBE_TIMEOUT_S).close()
-    except OSError as exc:
-        raise _ray_unreachable(address, exc.strerror or type(exc).__name__) from None
-
-
-def _ray_unreachable(address: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"cannot connect to the Ray cluster at RAY_ADDRESS={address} ({why.lower()}); check that its head "
-        "is running and the address is its GCS host:port (usually port 6379), or unset RAY_ADDRESS to "
-        "start a local Ray",
-        variable="RAY_ADDRESS",
-    )
-
 
 #: why a binding call fails when the bot config's backend auth header cannot be opened: the
 #: tool-call record an admin reads says what to do, the advice what the model tells the contact
@@ -194,23 +148,12 @@ class Runtime:
 
     def _install_mcp(self) -> None:
         """MCP servers as a tool source: the same SSRF policy as webhooks (CE_WEBHOOK_ALLOW)."""
-        from services.tools.mcp import McpCatalogSource
-        from services.tools.mcp_client import McpHttpClient
-        from storage.repos.mcp_servers import McpServerRepo
-
         client = McpHttpClient(policy=policy_from_entries(self.settings.webhook_allow))
         self.mcp = McpCatalogSource(McpServerRepo(self.pool), client, secret_box=self.secret_box)
         self.tenants.attach_mcp(self.mcp)
 
     def _install_builtins(self):
-        try:
-            from services.builtins import install
-        except ImportError:  # built-in tools ship in services.builtins when present
-            async def none(tenant_id: str) -> tuple:
-                return ()
-
-            return none
-        return install(self)
+        return install_builtins(self)
 
     def _backend_for(self, config: BotConfig) -> ToolBackend:
         """The tool backend of a tenant's catalog: its webhooks, and its bindings sent to the bot
@@ -240,13 +183,6 @@ class Runtime:
 
     async def contract_report(self, tenant_id: str) -> dict:
         """The tool-contract report against this process's running catalog."""
-        from datetime import UTC, datetime, timedelta
-
-        import msgspec
-
-        from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
-        from services.tools.model import ToolDefinition
-
         rows = await self.tools.list_published(tenant_id)
         env = await self.tenants.env_for(tenant_id)
         published = []

@@ -1,7 +1,7 @@
 """The local model's brain: a deterministic, rule-based stand-in for Claude. Pure: no I/O, no clock.
 
 `respond(request, today=...)` takes an `LLMRequest` (system, messages, tools) and returns the
-assistant's content blocks, a stop reason and a token estimate. `services.llm.local_model` serves
+assistant's content blocks, a stop reason and a token estimate. `app.local_model` serves
 it over the Anthropic Messages API; nothing here knows about HTTP or the SDK.
 
 Rules, applied to the last user message:
@@ -22,7 +22,7 @@ Rules, applied to the last user message:
       the same calls again (fresh ids) instead of a reply. The engine's 5-round cap is what stops
       it; this exists to test that cap.
     - `[[HANDOFF]]` anywhere, or a line `/handoff`: reply with a text containing `[[HANDOFF]]`.
-    - `/fault <name>` is read by the server (`services.llm.local_model`), not here; the rules
+    - `/fault <name>` is read by the server (`app.local_model`), not here; the rules
       ignore the line.
 * Text, natural language:
     - mentions a human, agent, person, representative or operator and `escalate_to_human` is

@@ -8,12 +8,12 @@ POST to a small bookings backend this process serves on the demo store's loopbac
 `lt_stock_check` (pointing at a closed port on that address, so every call fails and trips the
 breaker). Nothing leaves loopback.
 
-Locust runs headless (services/locustfile.py) with CSV out under .data/loadtest/; concurrent
+Locust runs headless (bench/locustfile.py) with CSV out under .data/loadtest/; concurrent
 sessions step up stage by stage (--stages users:seconds,...), and the knee is the first stage
 where p95 latency grew faster than throughput (relative to the stage before). A program that
 reports numbers, not a test.
 
-    python -m services.loadtest [--url URL --key KEY] [--stages 10:20,25:20,...] [--think 0.5:1.5]
+    python -m bench.loadtest [--url URL --key KEY] [--stages 10:20,25:20,...] [--think 0.5:1.5]
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from app.stack import Stack
+from services.logging import configure_logging
+from services.settings import Settings
 
 DEFAULT_STAGES = "10:20,25:20,50:20,100:20,150:20,200:20"
 BOOK_TOOL = "lt_book_table"
@@ -88,10 +92,6 @@ def demo_env(data_dir: Path) -> dict[str, str]:
 
 
 async def own_stack(data_dir: str) -> Any:
-    from services.logging import configure_logging
-    from services.settings import Settings
-    from services.stack import Stack
-
     configure_logging(fmt="json", level="warning")
     env = {k: v for k, v in os.environ.items() if k.startswith(("CE_", "DATABASE_URL", "RAY_"))}
     env.update({"CE_DATA_DIR": data_dir, "CE_LOG_LEVEL": "warning", "CE_LOG_FORMAT": "json"})
@@ -219,7 +219,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.loadtest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=os.environ.get("CE_URL"), help="gateway URL (default: .data/demo.env)")
     p.add_argument("--key", default=os.environ.get("CE_API_KEY"), help="tenant API key")
     p.add_argument("--stages", default=DEFAULT_STAGES, help="users:seconds,... concurrent sessions per stage")

@@ -5,6 +5,9 @@ once, when made; afterwards only by id and dates.
 
 The entrypoint reads Settings from the environment once and configures logging once. Bad
 configuration ends with one sentence saying what to set or install, and exit status 2.
+
+The commands that use Ray (run, serve, scale, restart-hosts) import it, and the modules that do,
+inside the command: `chat-engine chat`, `migrate` and `tenant` start without loading Ray.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from app.chat_client import chat, print_contract
 from services.errors import ChatEngineError, Conflict, NotFound
+from services.gateway.common import KEY_CACHE_TTL_S
+from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
+from storage.embedded import start_embedded
+from storage.migrate import migrate
+from storage.pool import create_pool
+from storage.repos import TenantRepo
 
 if TYPE_CHECKING:
     from storage.records import Tenant
-    from storage.repos import TenantRepo
 
 
 #: the long-running commands: they log on stdout; every other command logs on stderr
@@ -82,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
             _as_server()
             asyncio.run(_serve(settings))
         elif args.command == "scale":
-            from services.shards import scale
+            from app.shards import scale
 
             _join_cluster(settings)
             report = asyncio.run(scale(settings, args.shards))
             print(msgspec.json.encode(report).decode(), flush=True)
         elif args.command == "restart-hosts":
-            from services.shards import restart_hosts
+            from app.shards import restart_hosts
 
             _join_cluster(settings)
             restarted = asyncio.run(restart_hosts(settings))
@@ -105,13 +114,9 @@ def main(argv: list[str] | None = None) -> None:
             elif args.tenant_command == "revoke-key":
                 asyncio.run(_tenant_revoke_key(settings, args.name, args.key_id))
         elif args.command == "chat":
-            from services.chat_client import chat
-
             url, key = _client_target(settings, args.url, args.key)
             asyncio.run(chat(url, key, args.session or f"cli-{uuid.uuid4().hex[:8]}"))
         elif args.command == "contract":
-            from services.chat_client import print_contract
-
             url, key = _client_target(settings, args.url, args.key)
             asyncio.run(print_contract(url, key))
     except ChatEngineError as exc:
@@ -122,11 +127,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _join_cluster(settings: Settings) -> None:
-    """Join RAY_ADDRESS before an operator command uses it (services.shards connects again: a
+    """Join RAY_ADDRESS before an operator command uses it (app.shards connects again: a
     no-op then), so that an unreachable cluster is one sentence (ConfigError), not Ray's traceback
     minutes later. Without RAY_ADDRESS the command itself says to set it."""
     if settings.ray_address:
-        from services.runtime import connect_ray
+        # here, not at the top: only the commands that use Ray import it (module docstring)
+        from actors.cluster import connect_ray
 
         connect_ray(settings)
 
@@ -176,7 +182,7 @@ async def _wait_for_signal() -> asyncio.Event:
 
 
 async def _run(settings: Settings, *, port: int | None) -> None:
-    from services.stack import Stack
+    from app.stack import Stack
 
     print("chat-engine: starting (embedded Postgres, local Ray, local model, demo store)...", flush=True)
     stack = await Stack.start(settings, port=port)
@@ -205,15 +211,13 @@ Ctrl-C flushes every session and stops everything.
 
 
 async def _serve(settings: Settings) -> None:
+    from actors.cluster import connect_ray
     from actors.placement import Placement
-    from services.gateway.server import check_listen_address, open_gateway
-    from services.runtime import connect_ray
+    from app.shards import follow_shards
 
     if not settings.database_url:
         raise ChatEngineError("DATABASE_URL is not set; 'chat-engine serve' needs an existing Postgres "
                               "(or use 'chat-engine run' for the embedded one)")
-    from services.shards import follow_shards
-
     check_listen_address(settings.host, settings.port)
     await asyncio.to_thread(connect_ray, settings)
     placement = Placement(settings)
@@ -238,19 +242,13 @@ async def _serve(settings: Settings) -> None:
 
 
 async def _open_pool(settings: Settings):
-    from storage.pool import create_pool
-
     if settings.database_url:
         return None, await create_pool(settings.database_url, min_size=1, max_size=2)
-    from storage.embedded import start_embedded
-
     pg = await asyncio.to_thread(start_embedded, Path(settings.data_dir))
     return pg, await create_pool(pg.url, min_size=1, max_size=2)
 
 
 async def _migrate(settings: Settings) -> None:
-    from storage.migrate import migrate
-
     pg, pool = await _open_pool(settings)
     try:
         applied = await migrate(pool)
@@ -265,9 +263,6 @@ async def _migrate(settings: Settings) -> None:
 async def _tenant_repo(settings: Settings) -> AsyncIterator[TenantRepo]:
     """A TenantRepo on a migrated database (DATABASE_URL, else the embedded Postgres under
     CE_DATA_DIR), closed on the way out."""
-    from storage.migrate import migrate
-    from storage.repos import TenantRepo
-
     pg, pool = await _open_pool(settings)
     try:
         await migrate(pool)
@@ -331,8 +326,6 @@ async def _tenant_add_key(settings: Settings, name: str) -> None:
 async def _tenant_revoke_key(settings: Settings, name: str, key_id: str) -> None:
     """Revoke one of the tenant's keys. Raises NotFound (no such tenant, no such key, another
     tenant's key) or Conflict (already revoked), each saying what to do."""
-    from services.gateway.app import KEY_CACHE_TTL_S
-
     async with _tenant_repo(settings) as tenants:
         tenant = await _tenant_named(tenants, name)
         try:

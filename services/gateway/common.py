@@ -1,0 +1,254 @@
+"""What the gateway's route modules share: the dependencies and keys of the app, request helpers
+(typed body decoding, JSON answers, whole numbers and times from a URL, the session id of a path),
+and the one mapping of domain errors to problem-details answers.
+
+services/gateway/app.py assembles the app from the route modules; they import this module, never
+app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+from aiohttp import web
+from cachetools import TTLCache
+
+from services.errors import (
+    ChatEngineError,
+    Conflict,
+    InvalidInput,
+    LimitReached,
+    NotFound,
+    Overloaded,
+)
+from services.gateway.limits import TenantLimiter
+from services.gateway.metrics import GatewayMetrics
+from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
+from services.tools.ssrf import DestinationPolicy
+from services.wire import SessionView, StreamEvent, TurnReply
+
+log = structlog.get_logger(__name__)
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}\Z")
+MAX_TEXT = 16_000
+MAX_BODY = 256 * 1024
+#: how long a gateway trusts a key it found in Postgres: a revoked key is refused within this
+KEY_CACHE_TTL_S = 30.0
+KEY_CACHE_MAX = 10_000
+#: how long a gateway remembers that a key digest is unknown, so that the same bogus key sent again
+#: costs no Postgres lookup. Keys are random, so a digest unknown now becomes known only if that
+#: very key is issued later (never in practice); a newly issued key has a digest of its own and
+#: works at once. Bounded: under a flood of distinct bogus keys the least recently seen go first.
+UNKNOWN_KEY_TTL_S = 30.0
+UNKNOWN_KEY_CACHE_MAX = 4096
+
+
+class SessionRouter(Protocol):
+    """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
+
+    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
+                   new_id: bool = False) -> TurnReply: ...
+    async def decide(self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None) -> TurnReply: ...
+    def stream(self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
+               approval: tuple[str, bool, dict | None] | None = None, *,
+               new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
+    async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
+    async def stats(self) -> list[dict[str, Any]]: ...
+
+
+@dataclass
+class GatewayDeps:
+    router: SessionRouter
+    tenants: Any  # storage TenantRepo
+    tools: Any  # storage ToolRepo
+    calls: Any  # storage ToolCallRepo
+    sessions: Any  # storage SessionRepo
+    configs: Any  # storage BotConfigRepo
+    secret_box: Any  # services.tools.crypto.SecretBox
+    contract: Callable[[str], Awaitable[dict]] | None = None
+    jobs: Any = None  # storage JobRepo
+    limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
+    ready: Callable[[], Awaitable[bool]] | None = None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    #: sha256(key) -> tenant id, for keys found in Postgres
+    #: (an entry lives its TTL from when it was put, however often it is read; least recently used out)
+    key_cache: TTLCache = field(default_factory=lambda: TTLCache(maxsize=KEY_CACHE_MAX, ttl=KEY_CACHE_TTL_S))
+    #: sha256(key) of keys Postgres did not know (apart from key_cache: bogus keys cannot push out good ones)
+    unknown_keys: TTLCache = field(
+        default_factory=lambda: TTLCache(maxsize=UNKNOWN_KEY_CACHE_MAX, ttl=UNKNOWN_KEY_TTL_S))
+    #: key lookups in flight, by the key's digest: requests for the same key wait for one
+    key_lookups: dict[str, asyncio.Future] = field(default_factory=dict)
+    #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
+    webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
+
+
+DEPS = web.AppKey("deps", GatewayDeps)
+TENANT = web.RequestKey("ce_tenant_id", str)
+REQUEST_ID = web.RequestKey("ce_request_id", str)
+MESSAGE_ID = web.RequestKey("ce_message_id", str)  # the turn's message id, the client's or made up here
+
+
+_DIGITS_RE = re.compile(r"[0-9]+")  # ASCII only, unlike str.isdigit() and \d
+_decoders: dict[type, msgspec.json.Decoder] = {}
+_encoder = msgspec.json.Encoder()
+
+
+# -- problems ---------------------------------------------------------------------------------
+
+def problem(status: int, title: str, detail: str, *, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"type": f"https://chat-engine.dev/problems/{title.lower().replace(' ', '-')}",
+            "title": title, "status": status, "detail": detail}
+    return web.Response(status=status, body=_encoder.encode(body),
+                        content_type="application/problem+json", headers=headers)
+
+
+def count_refusal(request: web.Request, exc: Exception) -> None:
+    """`ce_refused_total{reason}` for a request refused with Retry-After (Overloaded)."""
+    deps = request.app.get(DEPS)
+    if isinstance(exc, Overloaded) and deps is not None:
+        deps.metrics.refused.labels(exc.reason).inc()
+
+
+def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, float | None]:
+    """What a request that failed with `exc` answers: (status, title, detail, retry after s or
+    None). A problem+json response says it, or, once an SSE stream began, its last event."""
+    if isinstance(exc, msgspec.ValidationError):
+        return 422, "Invalid body", f"{exc}; fix the field and send again", None
+    if isinstance(exc, msgspec.DecodeError):
+        return 400, "Malformed JSON", f"the body is not valid JSON ({exc}); send a JSON object", None
+    if isinstance(exc, InvalidInput):
+        return 422, "Invalid body", str(exc), None
+    if isinstance(exc, NotFound):
+        return 404, "Not found", str(exc), None
+    if isinstance(exc, LimitReached):
+        # a Conflict (409: the same request succeeds once the tenant deletes one), with a problem
+        # type of its own so a client can tell a full registry from a duplicate name
+        return 409, "Limit reached", str(exc), None
+    if isinstance(exc, Conflict):
+        return 409, "Conflict", str(exc), None
+    if isinstance(exc, Overloaded):
+        return exc.status, "Too many requests" if exc.status == 429 else "Overloaded", str(exc), exc.retry_after
+    if isinstance(exc, ChatEngineError):
+        if getattr(exc, "retryable", False):
+            return 503, "Unavailable", str(exc), 1.0
+        kind = getattr(getattr(exc, "error", None), "kind", None)
+        if kind == "not_found":
+            return 404, "Not found", str(exc), None
+        if kind == "internal":
+            # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
+            return 500, "Internal error", str(exc), None
+        log.warning("request_failed", error=type(exc).__name__)
+        return 400, "Request failed", str(exc), None
+    log.error("unhandled_error", path=path, exc_info=exc)
+    return 500, "Internal error", f"something went wrong on our side; quote request id {request_id}", None
+
+
+# -- request helpers --------------------------------------------------------------------------
+
+class OutOfRange(InvalidInput):
+    """A whole number was sent where one is expected, but outside the range the route takes."""
+
+
+def whole_number(raw: str, *, name: str, low: int, high: int, at: str) -> int:
+    """`raw`, a value from a query string or a path, as an int from `low` to `high`.
+
+    Only ASCII digits make a whole number: str.isdigit() also passes '²' (which int() refuses)
+    and int() reads other scripts' digits. Raises InvalidInput naming `name`, the range and
+    where it was (`at`) when `raw` is not a whole number, and OutOfRange (an InvalidInput) when
+    it is one outside the range. A number with more digits than `high` is refused without being
+    converted (int() itself fails beyond 4300 digits).
+    """
+    message = f"{name} must be a whole number from {low} to {high}, got {raw[:20]!r} - at `{at}`"
+    if not _DIGITS_RE.fullmatch(raw):
+        raise InvalidInput(message, path=at)
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(high)) or not low <= int(digits) <= high:
+        raise OutOfRange(message, path=at)
+    return int(digits)
+
+
+_TOO_DEEP_BODY = (f"the body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
+                  "send a flatter JSON object")
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # a JSON \u0000 escape (not an escaped backslash)
+
+
+async def decode_body(request: web.Request, type_: type) -> Any:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length,
+                                            text=f"the body is larger than {MAX_BODY} bytes; send less")
+    encoding = request.headers.get("Content-Encoding", "").strip()[:40]
+    fix = "send a JSON object compressed as that header says, or uncompressed without the header"
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError:
+        # aiohttp decompresses while reading: a corrupt body fails here (so does one cut short of
+        # its Content-Length or its chunked framing, whatever its encoding)
+        raise web.HTTPBadRequest(text=f"the body could not be decoded (Content-Encoding: {encoding}); {fix}"
+                                 if encoding else "the body could not be read: it ended before its "
+                                 "Content-Length or its chunked framing is broken; send it again") from None
+    if not raw:
+        # a corrupt or cut-short gzip body decompresses to nothing rather than failing
+        if encoding and (request.content_length or getattr(request.content, "total_raw_bytes", 0)):
+            raise web.HTTPBadRequest(text=f"the body could not be decoded (Content-Encoding: {encoding}): it "
+                                     f"decompresses to nothing; {fix}")
+        raise InvalidInput("the body is empty; send a JSON object")
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    if raw_nests_deeper_than(raw):  # counted, not left to the decoder: the same answer on every Python
+        raise InvalidInput(_TOO_DEEP_BODY)
+    try:
+        body = decoder.decode(raw)
+    except RecursionError:  # only under an unusually deep stack on Python 3.11: the same answer
+        raise InvalidInput(_TOO_DEEP_BODY) from None
+    if _NUL_ESCAPE.search(raw):
+        raise InvalidInput("the body holds a NUL character (\\u0000), which cannot be stored; remove it")
+    return body
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encoder.encode(data), content_type="application/json")
+
+
+def path_session_id(request: web.Request) -> str:
+    """The `{session_id}` of the request's path; raises InvalidInput when it is not a session id."""
+    sid = request.match_info["session_id"]
+    if not SESSION_ID_RE.match(sid):
+        raise InvalidInput(
+            f"session id {sid[:40]!r} must be 1-128 letters, digits or . _ : @ - and start with a letter or digit"
+        )
+    return sid
+
+
+def encrypter(deps: GatewayDeps) -> Callable[[str], str]:
+    """Encrypts a credential a tenant stores; raises InvalidInput when this engine has no CE_SECRET_KEY."""
+    def encrypt(plaintext: str) -> str:
+        if deps.secret_box is None:
+            raise InvalidInput("this engine has no CE_SECRET_KEY, so it cannot store secrets; set it and restart")
+        return deps.secret_box.encrypt(plaintext)
+    return encrypt
+
+
+def parse_since(raw: str | None) -> datetime:
+    """`since` as an ISO-8601 time or a look-back like 24h, 7d, 30m; default: the last 24 hours."""
+    now = datetime.now(UTC)
+    if not raw:
+        return now - timedelta(hours=24)
+    m = re.fullmatch(r"(\d+)([mhd])", raw)
+    try:
+        if m:
+            n, unit = int(m.group(1)), m.group(2)
+            return now - {"m": timedelta(minutes=n), "h": timedelta(hours=n), "d": timedelta(days=n)}[unit]
+        value = datetime.fromisoformat(raw)
+        # in UTC, as Postgres will compare it: a year-1 time with a +14:00 offset would fall before year 1
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise InvalidInput(f"since must be an ISO-8601 time (2026-12-01T00:00:00Z) or a look-back like 24h or 7d "
+                           f"within the calendar, got {raw[:40]!r}") from None

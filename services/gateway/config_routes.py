@@ -1,0 +1,113 @@
+"""The bot config routes: GET shows the tenant's config with its credentials as set or not; PUT
+replaces it, credentials write-only and encrypted at rest (services/gateway/bodies.py BotConfigIn)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from services.botconfig import Backend, BotConfig, check_approval_ttl
+from services.builtins.notify import InvalidSecret, secret_key
+from services.errors import InvalidInput
+from services.gateway.bodies import (
+    MAX_VARIABLE_NAME,
+    BotConfigIn,
+    check_credential_stays,
+    check_url,
+)
+from services.gateway.common import DEPS, TENANT, decode_body, encrypter, json_response
+
+#: what a view shows for a stored notification secret; sent back in a PUT it keeps the secret
+SECRET_SET = "[set]"
+
+
+def _config_view(config: dict[str, Any]) -> dict[str, Any]:
+    view = dict(config)
+    backend = view.get("backend")
+    if backend:
+        backend = dict(backend)
+        backend["auth_header_set"] = bool(backend.pop("auth_header_enc", None))
+        view["backend"] = backend
+    if view.pop("notification_secret_enc", None) or view.get("notification_secret"):
+        view["notification_secret"] = SECRET_SET
+    return view
+
+
+async def get_bot_config(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    stored = await deps.configs.get(request[TENANT])
+    config = msgspec.to_builtins(msgspec.convert(stored or {}, BotConfig))
+    return json_response(_config_view(config))
+
+
+def check_bot_config(body: BotConfigIn) -> None:
+    """Raise InvalidInput (naming the field) for a value no turn or notification could use."""
+    check_approval_ttl(body.approval_ttl_s)  # the rule approval_ttl() applies to what is stored
+    if not 0 < len(body.contact_id_variable) <= MAX_VARIABLE_NAME:
+        raise InvalidInput(f"contact_id_variable must be a session variable's name of 1-{MAX_VARIABLE_NAME} "
+                           "characters - at `$.contact_id_variable`", path="$.contact_id_variable")
+    if body.notification_secret and body.notification_secret != SECRET_SET:
+        try:
+            secret_key(body.notification_secret)  # how the notifier reads it to sign each notification
+        except InvalidSecret:
+            # the value is a secret: never echoed, not even a bad one
+            raise InvalidInput("notification_secret must be whsec_ followed by base64 (a Standard Webhooks "
+                               "secret, such as whsec_ and 32 random bytes in base64) - at `$.notification_secret`",
+                               path="$.notification_secret") from None
+
+
+async def put_bot_config(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    body: BotConfigIn = await decode_body(request, BotConfigIn)
+    check_bot_config(body)
+    if body.backend is not None:
+        check_url(body.backend.base_url, field="backend.base_url", policy=deps.webhook_policy)
+    if body.notification_webhook:
+        check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
+    previous = await deps.configs.get(request[TENANT]) or {}
+    data = {k: v for k, v in msgspec.to_builtins(body).items()
+            if v is not None and k not in ("backend", "notification_secret")}
+    if body.allowlist is not None:
+        data["allowlist"] = body.allowlist
+    if body.backend is not None:
+        backend: dict[str, Any] = {"base_url": body.backend.base_url, "openapi": body.backend.openapi}
+        if body.backend.auth_header:
+            backend["auth_header_enc"] = encrypter(deps)(body.backend.auth_header)
+        elif body.backend.auth_header_set is not False:  # left out, or shown as set: kept
+            stored = previous.get("backend") or {}
+            kept = stored.get("auth_header_enc")
+            if body.backend.auth_header_set and not kept:
+                raise InvalidInput("backend.auth_header_set is true but no backend auth header is stored to keep; "
+                                   "send backend.auth_header itself, or backend.auth_header_set: false - at "
+                                   "`$.backend.auth_header_set`", path="$.backend.auth_header_set")
+            if kept:
+                # kept only for the origin it was written for; the base_url it is checked against is
+                # the one stored beside it in the same read, so the two never come from different writes
+                check_credential_stays(stored.get("base_url"), body.backend.base_url, url_field="backend.base_url",
+                                       credential_field="backend.auth_header",
+                                       without="backend.auth_header_set: false")
+                backend["auth_header_enc"] = kept
+        data["backend"] = msgspec.to_builtins(msgspec.convert(backend, Backend))
+    secret = body.notification_secret
+    if secret is msgspec.UNSET or secret == SECRET_SET:  # left out, or shown as set: kept
+        kept = {k: previous[k] for k in ("notification_secret_enc", "notification_secret") if previous.get(k)}
+        if secret == SECRET_SET and not kept:
+            raise InvalidInput(f"notification_secret is {SECRET_SET!r} but no notification_secret is stored to keep; "
+                               "send the secret itself (whsec_...) or null - at `$.notification_secret`",
+                               path="$.notification_secret")
+        data.update(kept)
+    elif secret:  # encrypted at rest, like every credential a tenant stores
+        data["notification_secret_enc"] = encrypter(deps)(secret)
+    config = msgspec.convert(data, BotConfig)  # validates the whole config before storing it
+    stored = msgspec.to_builtins(config)
+    await deps.configs.put(request[TENANT], stored)
+    return json_response(_config_view(stored))
+
+
+def add_config_routes(app: web.Application) -> None:
+    """Register the routes above on the gateway app (called once from build_app)."""
+    r = app.router
+    r.add_get("/v1/bot-config", get_bot_config)
+    r.add_put("/v1/bot-config", put_bot_config)
