@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from services.tools.errors import InvalidArguments, PolicyDenied, ToolError
+from services.tools.errors import InvalidArguments, PolicyDenied, ToolError, blocked
 from services.tools.model import (
     PROTECTED_KEYS,
     TRUSTED_SCOPE_KEYS,
@@ -30,7 +30,6 @@ from services.tools.model import (
     is_protected,
     protected_forms,
 )
-from services.tools.ssrf import blocked
 
 _QUERY_METHODS = frozenset({"GET", "DELETE"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

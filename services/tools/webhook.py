@@ -59,6 +59,7 @@ from services.tools.errors import (
     UpstreamTimeout,
     UpstreamTooLarge,
     UpstreamUnreachable,
+    blocked,
 )
 from services.tools.model import (
     MAX_VALUE_DEPTH,
@@ -80,7 +81,6 @@ from services.tools.ssrf import (
     CheckedDestination,
     DestinationPolicy,
     Resolver,
-    blocked,
     check_destination,
 )
 from services.tools.templating import binding_arguments, join_base, render_request, template_holes
