@@ -61,6 +61,7 @@ from services.tracing import tracer
 from services.wire import (
     PendingApproval,
     PendingCall,
+    SessionView,
     StreamEvent,
     ToolCallSummary,
     TurnReply,
@@ -423,6 +424,37 @@ class SessionState:
     def open_breakers(self) -> list[str]:
         return sorted(n for n in self.snapshot.breakers if breaker_open(self.snapshot.breakers, n))
 
+    # -- what the host asks of the session (it never reads the snapshot itself) -----------------
+
+    def view(self) -> SessionView:
+        """The session as GET /v1/sessions/{id} shows it."""
+        return SessionView(
+            session_id=self.session_id, variables=dict(self.variables), open_breakers=self.open_breakers(),
+            handoff=self.snapshot.handoff, messages=self.snapshot.message_count,
+        )
+
+    def answered(self, message_id: str | None) -> bool:
+        """An answer for `message_id` is in the turn cache: sent again, it is replayed, nothing runs."""
+        return message_id in self.turns
+
+    def may_have_dropped(self, message_id: str) -> bool:
+        """An answer for `message_id` may be stored while the turn cache no longer holds it (the
+        host then reads it from the store and `cache_turn`s it before the turn runs)."""
+        return message_id not in self.turns and not self.turns_complete
+
+    def waiting_jobs(self) -> list[str]:
+        """The ids of the workflow jobs this session waits for (delivered by a later turn)."""
+        return list(self.snapshot.extra.get(JOBS_KEY) or [])
+
+    def decided_turn(self, approval_id: str) -> str | None:
+        """The message id of the turn `approval_id` resumed when it was decided, or None."""
+        return decided_turn(self.snapshot, approval_id)
+
+    @property
+    def holds_approval(self) -> bool:
+        """A turn is held for an approval: deciding it resumes the turn (tools or the model run)."""
+        return self.snapshot.pending is not None
+
 
 class _Turn:
     """Accumulates what one turn reports back."""
@@ -452,10 +484,11 @@ class _Turn:
 
 
 async def handle_message(
-    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit = _no_emit,
+    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit | None = None,
     *, finished_jobs: list[JobRecord] = (),
 ) -> TurnReply:
     """Run one contact message through the tool loop; returns the reply the contact gets.
+    `emit` gets the turn's events as they come (None: nobody watches it stream).
 
     A message_id seen before returns the first answer and runs nothing again. `finished_jobs`
     (workflow jobs this session waited for) are delivered into the conversation first. The turn
@@ -464,7 +497,7 @@ async def handle_message(
     with tracer().start_as_current_span("turn", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.message_id": message_id or "",
     }) as span:
-        reply = await _handle_message(state, text, message_id, env, emit, finished_jobs)
+        reply = await _handle_message(state, text, message_id, env, emit or _no_emit, finished_jobs)
         _annotate(span, reply)
         return reply
 
@@ -510,7 +543,7 @@ async def _handle_message(
 
 
 async def handle_approval(
-    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit = _no_emit,
+    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit | None = None,
     *, edited_arguments: dict[str, dict[str, Any]] | None = None, now: datetime | None = None,
 ) -> TurnReply:
     """Resume a turn held for approval: run the batch (approve) or tell the model it was declined.
@@ -522,7 +555,7 @@ async def handle_approval(
     with tracer().start_as_current_span("turn.resume", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.approved": approve,
     }) as span:
-        reply = await _handle_approval(state, approval_id, approve, env, emit, edited_arguments, now)
+        reply = await _handle_approval(state, approval_id, approve, env, emit or _no_emit, edited_arguments, now)
         _annotate(span, reply)
         return reply
 

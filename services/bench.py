@@ -561,7 +561,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     from services.logging import configure_logging
     from services.runtime import Runtime
     from services.settings import Settings
-    from services.wire import TurnReply
+    from services.wire import Turn, TurnReply
 
     settings = msgspec.json.decode(spec.settings or b"", type=Settings)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
@@ -575,10 +575,11 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     tenant_id = spec.tenant_id or ""
 
     async def turn(sid: str, text: str) -> TurnReply:
+        command = Turn(tenant_id=tenant_id, session_id=sid, text=text)
         if not spec.stream:
-            return await host.send(tenant_id, sid, text, None)
+            return await host.send(command)
         done = None
-        async for event in host.stream(tenant_id, sid, text, None, None):
+        async for event in host.stream(command):
             if event.event == "error":
                 raise ChatEngineError(str(event.data))
             done = event if event.event == "done" else done

@@ -50,10 +50,13 @@ from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
 from services.tools.ssrf import DestinationPolicy
 from services.wire import (
+    ApprovalDecision,
     DecideApproval,
     SendMessage,
     SessionView,
     StreamEvent,
+    Turn,
+    TurnCommand,
     TurnReply,
     TurnTiming,
 )
@@ -85,12 +88,9 @@ BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 class SessionRouter(Protocol):
     """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
-                   new_id: bool = False) -> TurnReply: ...
-    async def decide(self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None) -> TurnReply: ...
-    def stream(self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-               approval: tuple[str, bool, dict | None] | None = None, *,
-               new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
+    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply: ...
+    async def decide(self, decision: ApprovalDecision) -> TurnReply: ...
+    def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
     async def stats(self) -> list[dict[str, Any]]: ...
 
@@ -435,11 +435,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     if message_id.isascii() and message_id.isprintable():  # a header carries no control character
         request[MESSAGE_ID] = message_id
     started = time.perf_counter()
+    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id)
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
-            stream = deps.router.stream(tenant_id, session_id, body.text, message_id, new_id=new_id)
+            stream = deps.router.stream(turn, new_id=new_id)
             return await _sse(request, stream, started)
-        reply = await deps.router.send(tenant_id, session_id, body.text, message_id, new_id=new_id)
+        reply = await deps.router.send(turn, new_id=new_id)
     seconds = time.perf_counter() - started
     deps.metrics.observe_turn(reply, seconds)
     return reply_response(reply, seconds)
@@ -451,12 +452,14 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
     session_id = _session_id(request)
     approval_id = request.match_info["approval_id"]
     body: DecideApproval = await decode_body(request, DecideApproval)
+    decision = ApprovalDecision(tenant_id=tenant_id, session_id=session_id, approval_id=approval_id,
+                                approve=body.approve, edited=body.arguments)
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
-            stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
+            stream = deps.router.stream(decision)
             return await _sse(request, stream, started)
-        reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
+        reply = await deps.router.decide(decision)
     seconds = time.perf_counter() - started
     deps.metrics.observe_turn(reply, seconds)
     return reply_response(reply, seconds)
