@@ -30,7 +30,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -55,6 +55,7 @@ log = structlog.get_logger(__name__)
 Key = tuple[str, str]
 
 
+@runtime_checkable
 class SessionStore(Protocol):
     async def activate(self, tenant_id: str, session_id: str, owner: str) -> ActivatedSession: ...
     async def flush(self, deltas: list[SessionDelta]) -> FlushResult: ...
@@ -62,10 +63,12 @@ class SessionStore(Protocol):
     async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]: ...
 
 
+@runtime_checkable
 class JobSource(Protocol):
     async def finished(self, tenant_id: str, session_id: str, job_ids: list[str]) -> list[JobRecord]: ...
 
 
+@runtime_checkable
 class TenantSource(Protocol):
     async def env_for(self, tenant_id: str) -> TurnEnv:
         """The catalog, config and ports for a tenant's turns (cached; reloaded on change)."""

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import ray
@@ -135,6 +135,7 @@ class HostFailure(ChatEngineError):
         self.error = error
 
 
+@runtime_checkable
 class ShardStore(Protocol):
     """Where the shard state is kept and changed (storage.repos.cluster.ClusterRepo)."""
 
@@ -468,10 +469,12 @@ class Placement:
         return reason == "moved" or (reason == "shutting_down" and self._mode == "dedicated")
 
     async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply:
-        return await self._turn_call(turn.tenant_id, turn.session_id, "send", encode_command(turn), new_id=new_id)
+        return await self._turn_call(turn.tenant_id, turn.session_id, "send", encode_command(turn),
+                                     new_id=new_id)
 
     async def decide(self, decision: ApprovalDecision) -> TurnReply:
-        return await self._turn_call(decision.tenant_id, decision.session_id, "decide", encode_command(decision))
+        return await self._turn_call(decision.tenant_id, decision.session_id, "decide",
+                                     encode_command(decision))
 
     async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
         """The turn's events; a turn that fails raises its error (as `send` does) once the events

@@ -18,7 +18,7 @@ import gc
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import ray
@@ -67,6 +67,7 @@ LANE_FEATURES = (NEW_ID, STREAM)
 SHARD_REFRESH_S = 1.0
 
 
+@runtime_checkable
 class ShardSource(Protocol):
     """Where a shard host reads the shard state in force (storage.repos.cluster.ClusterRepo)."""
 

@@ -18,7 +18,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -48,7 +48,8 @@ from services.tools.errors import (
     QueueTimeout,
     UnknownTool,
 )
-from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
+from services.tools.executor import BatchPlan, OnProgress, ToolCall, ToolOutcome
+from services.tools.registry import Catalog
 from services.tools.toolset import (
     SessionToolState,
     breaker_open,
@@ -167,12 +168,42 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     ran: dict[str, int] | None = None
 
 
+@runtime_checkable
+class ToolExecutor(Protocol):
+    """What a turn needs of the tool pipeline (services.tools.executor.Executor implements it):
+    check a batch, run it, and the in-band results of a batch that does not run."""
+
+    def prepare(
+        self, calls: list[ToolCall], *, catalog: Catalog, config: BotConfig, session: SessionToolState,
+        scope: dict[str, Any], intent: str | None = None, held_sensitive: list[list[str]] | None = None,
+    ) -> BatchPlan: ...
+
+    async def execute(
+        self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False,
+        on_progress: OnProgress | None = None, finished: dict[str, ToolOutcome] | None = None,
+    ) -> list[ToolOutcome]: ...
+
+    def interrupted(
+        self, plan: BatchPlan, ctx: TrustedContext, finished: dict[str, ToolOutcome],
+    ) -> list[ToolOutcome]: ...
+
+    def deny(self, plan: BatchPlan, ctx: TrustedContext, *, reason: str) -> list[ToolOutcome]: ...
+
+    def refuse_changed(
+        self, plan: BatchPlan, ctx: TrustedContext, *, held_versions: list[int | None],
+    ) -> list[ToolOutcome] | None: ...
+
+
+#: records a handoff as the escalate_to_human tool would: `await handoff(args, ctx)` (its handler)
+HandoffRecorder = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
+
+
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     """The ports and per-tenant data a turn runs with."""
 
-    llm: Any  # LLMClient
-    executor: Any  # Executor
-    catalog: Any  # Catalog
+    llm: LLMClient
+    executor: ToolExecutor
+    catalog: Catalog
     config: BotConfig
     main_model: str
     cheap_model: str
@@ -181,7 +212,7 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     scope: dict[str, Any] = {}
     #: records a handoff the model asked for in its text ([[HANDOFF]]) as the escalate_to_human
     #: tool would: `await handoff(args, ctx)` (the built-in's handler); None: the session is only marked
-    handoff: Any = None
+    handoff: HandoffRecorder | None = None
 
 
 class SealedTurns:
@@ -555,7 +586,8 @@ async def handle_approval(
     with tracer().start_as_current_span("turn.resume", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.approved": approve,
     }) as span:
-        reply = await _handle_approval(state, approval_id, approve, env, emit or _no_emit, edited_arguments, now)
+        reply = await _handle_approval(state, approval_id, approve, env, emit or _no_emit, edited_arguments,
+                                       now)
         _annotate(span, reply)
         return reply
 
@@ -824,8 +856,7 @@ def _prepare(
     """The batch checked for this session, turn and intent: a call of a tool the turn's offer
     left out (its intent's filter included) is refused in-band, never run. `held_sensitive`: a
     held batch's `PendingTurn.tool_sensitive`, kept sensitive whatever the tools declare now."""
-    executor: Executor = env.executor
-    return executor.prepare(
+    return env.executor.prepare(
         calls, catalog=env.catalog, config=env.config,
         session=state.tool_state(turn.ran if turn is not None else None),
         scope=_scope(state, env), intent=intent, held_sensitive=held_sensitive,
@@ -1024,7 +1055,7 @@ def _has_tool_blocks(messages: list[ChatMessage]) -> bool:
     return any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in messages for b in m.content)
 
 
-def _history_specs(messages: list[ChatMessage], catalog: Any, config: BotConfig) -> list[ToolSpec]:
+def _history_specs(messages: list[ChatMessage], catalog: Catalog, config: BotConfig) -> list[ToolSpec]:
     """For a request that must define tools but lets the model call none: the definitions of the
     tools the messages' calls name, in the order first called, that the agent's configuration
     offers (left out now only for what this session did: used up, switched off, at a limit), or

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -85,6 +85,7 @@ RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
 BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 
 
+@runtime_checkable
 class SessionRouter(Protocol):
     """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
 
