@@ -2,8 +2,10 @@
 
 Every Ray API call of the engine lives in `actors/` (this module, `placement`, `cluster`). The
 actor builds its own runtime (pool, LLM client, webhook client) from the Settings it is given, on
-first use, inside its event loop. Replies cross Ray as msgspec-encoded bytes: cheaper than
-pickling structs, and errors travel as data (`HostError`) rather than as pickled exceptions.
+first use, inside its event loop. A turn's command (services.wire.Turn or ApprovalDecision) comes in
+as msgspec-encoded bytes (`encode_command`), over the host's lane or through Ray alike, and its reply
+goes back the same way: cheaper than pickling structs, and errors travel as data (`HostError`)
+rather than as pickled exceptions.
 
 A shard host reads the shard state in force from Postgres when it starts, adopts each one a
 rescale pushes, and reads it again when it refuses a turn as "moved": a rescale that stopped
