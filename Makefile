@@ -92,3 +92,9 @@ lint: setup
 
 clean:
 	rm -rf .venv .venv-3.* .data build *.egg-info
+
+# mypy on the fakes in tests and the adapters against the ports they implement (the static half of
+# tests/unit/test_port_conformance.py, which `make test` runs too)
+.PHONY: typecheck
+typecheck: setup
+	$(BIN)/python -m mypy tests/unit/test_port_conformance.py

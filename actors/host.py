@@ -30,7 +30,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -39,7 +39,15 @@ from actors import session as core
 from actors.session import SealedTurns, SessionState, TurnEnv
 from services import heap
 from services.errors import ChatEngineError, Overloaded
-from services.wire import SessionView, StreamEvent, TurnReply, TurnTiming
+from services.wire import (
+    ApprovalDecision,
+    SessionView,
+    StreamEvent,
+    Turn,
+    TurnCommand,
+    TurnReply,
+    TurnTiming,
+)
 from storage.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
 
 log = structlog.get_logger(__name__)
@@ -47,6 +55,7 @@ log = structlog.get_logger(__name__)
 Key = tuple[str, str]
 
 
+@runtime_checkable
 class SessionStore(Protocol):
     async def activate(self, tenant_id: str, session_id: str, owner: str) -> ActivatedSession: ...
     async def flush(self, deltas: list[SessionDelta]) -> FlushResult: ...
@@ -54,10 +63,12 @@ class SessionStore(Protocol):
     async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]: ...
 
 
+@runtime_checkable
 class JobSource(Protocol):
     async def finished(self, tenant_id: str, session_id: str, job_ids: list[str]) -> list[JobRecord]: ...
 
 
+@runtime_checkable
 class TenantSource(Protocol):
     async def env_for(self, tenant_id: str) -> TurnEnv:
         """The catalog, config and ports for a tenant's turns (cached; reloaded on change)."""
@@ -322,59 +333,58 @@ class SessionHost:
 
     # -- turns ------------------------------------------------------------------------------
 
-    async def send(
-        self, tenant_id: str, session_id: str, text: str, message_id: str | None,
-        emit: core.Emit = core._no_emit, *, new_id: bool = False,
-    ) -> TurnReply:
-        """Run one message; returns once its state is durable (output gate on).
+    async def send(self, turn: Turn, emit: core.Emit | None = None, *, new_id: bool = False) -> TurnReply:
+        """Run one message; returns once its state is durable (output gate on). `emit` gets the
+        turn's events as they come (None: nobody watches it stream).
 
-        `new_id`: the caller made `message_id` up for this very call (the gateway does when the
-        client sent none), so no stored answer can have it and none is looked up. A retry of
+        `new_id`: the caller made `turn.message_id` up for this very call (the gateway does when
+        the client sent none), so no stored answer can have it and none is looked up. A retry of
         the call may repeat it: a retry passes False.
         """
+        message_id = turn.message_id
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             state = entry.state
             if message_id and not new_id:
                 await self._load_turn(state, message_id)
-            if message_id not in state.turns:  # not a retry answered from what is held: it runs
-                self._admit_new_turn(entry)
+            if state.answered(message_id):  # a retry answered from what is held: nothing runs
+                return await core.handle_message(state, turn.text, message_id, env, emit)
+            self._admit_new_turn(entry)
             finished: list[JobRecord] = []
-            waiting = state.snapshot.extra.get(core.JOBS_KEY)
-            if waiting and self._jobs is not None and message_id not in state.turns:
-                finished = await self._jobs.finished(tenant_id, session_id, list(waiting))
-            return await core.handle_message(state, text, message_id, env, emit, finished_jobs=finished)
+            waiting = state.waiting_jobs()
+            if waiting and self._jobs is not None:
+                finished = await self._jobs.finished(turn.tenant_id, turn.session_id, waiting)
+            return await core.handle_message(state, turn.text, message_id, env, emit, finished_jobs=finished)
 
-        return await self._turn(tenant_id, session_id, run)
+        return await self._turn(turn.tenant_id, turn.session_id, run)
 
-    async def decide(
-        self, tenant_id: str, session_id: str, approval_id: str, approve: bool,
-        edited: dict[str, dict[str, Any]] | None = None, emit: core.Emit = core._no_emit,
-    ) -> TurnReply:
+    async def decide(self, decision: ApprovalDecision, emit: core.Emit | None = None) -> TurnReply:
+        """Resume the turn held for `decision.approval_id` (or replay the answer of one decided
+        before); returns once its state is durable, as `send` does."""
+
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
-            decided = core.decided_turn(entry.state.snapshot, approval_id)
+            state = entry.state
+            decided = state.decided_turn(decision.approval_id)
             if decided is not None:  # asked again: its answer is replayed, from Postgres if need be
-                await self._load_turn(entry.state, decided)
-            elif entry.state.snapshot.pending is not None:  # resumed, it runs tools or the model
+                await self._load_turn(state, decided)
+            elif state.holds_approval:  # resumed, it runs tools or the model
                 self._admit_new_turn(entry)
-            return await core.handle_approval(entry.state, approval_id, approve, env, emit, edited_arguments=edited)
+            return await core.handle_approval(state, decision.approval_id, decision.approve, env, emit,
+                                              edited_arguments=decision.edited)
 
-        return await self._turn(tenant_id, session_id, run)
+        return await self._turn(decision.tenant_id, decision.session_id, run)
 
     async def _load_turn(self, state: SessionState, message_id: str) -> None:
         """Put turn `message_id`'s stored answer in the session's cache if it may be missing there
         (only when the cache may have dropped it: most turns cost no read here)."""
-        if message_id in state.turns or state.turns_complete:
+        if not state.may_have_dropped(message_id):
             return
         self.stored_turn_reads += 1
         stored = await self._store.get_turn(state.tenant_id, state.session_id, message_id)
         if stored is not None:
             state.cache_turn(message_id, stored)
 
-    async def stream(
-        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
         """The same turn as events: text deltas, tool calls and results, then `done`; a turn that
         fails raises its error once the events before it are out, as `send` would.
 
@@ -388,14 +398,14 @@ class SessionHost:
 
         async def run() -> None:
             try:
-                if approval is not None:
-                    reply = await self.decide(tenant_id, session_id, approval[0], approval[1], approval[2], emit)
+                if isinstance(command, ApprovalDecision):
+                    reply = await self.decide(command, emit)
                 else:
-                    reply = await self.send(tenant_id, session_id, text or "", message_id, emit, new_id=new_id)
+                    reply = await self.send(command, emit, new_id=new_id)
                 queue.put_nowait(StreamEvent(event="done", data=msgspec.to_builtins(reply)))
             except Exception as exc:
                 if not isinstance(exc, ChatEngineError):
-                    log.exception("turn_failed", session_id=session_id)
+                    log.exception("turn_failed", session_id=command.session_id)
                 failed.append(exc)  # raised to the consumer, if one is still there
             finally:
                 queue.put_nowait(None)
@@ -424,7 +434,7 @@ class SessionHost:
         if entry is None or entry.stale:
             return None
         if not self._settings.output_gate or self._saved(key, entry):
-            return _view(entry.state)
+            return entry.state.view()
         if entry.state.turn_half_done:
             return None
         durable = self._mark_dirty(key)
@@ -440,7 +450,7 @@ class SessionHost:
         # A newer turn may have changed it while this waited: then the stored session.
         if self._sessions.get(key) is not entry or not self._saved(key, entry):
             return None
-        return _view(entry.state)
+        return entry.state.view()
 
     def _saved(self, key: Key, entry: _Entry) -> bool:
         """Everything this copy of the session holds is written (nothing unsaved or in flight)."""
@@ -957,13 +967,6 @@ def _resolve(waiters: dict[Key, list[tuple[int, asyncio.Future[None]]]]) -> None
         for _, f in fs:
             if not f.done():
                 f.set_result(None)
-
-
-def _view(state: SessionState) -> SessionView:
-    return SessionView(
-        session_id=state.session_id, variables=dict(state.variables), open_breakers=state.open_breakers(),
-        handoff=state.snapshot.handoff, messages=state.snapshot.message_count,
-    )
 
 
 def _lease_lost(session_id: str) -> LeaseLost:

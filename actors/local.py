@@ -12,37 +12,30 @@ from typing import Any
 from actors.host import SessionHost
 from actors.session import SessionError
 from services.errors import NotFound
-from services.wire import SessionView, StreamEvent, TurnReply
+from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
 
 
 class LocalRouter:
     def __init__(self, host: SessionHost) -> None:
         self.host = host
 
-    async def send(
-        self, tenant_id: str, session_id: str, text: str, message_id: str | None, *, new_id: bool = False
-    ) -> TurnReply:
-        return await self.host.send(tenant_id, session_id, text, message_id, new_id=new_id)
+    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply:
+        return await self.host.send(turn, new_id=new_id)
 
-    async def decide(
-        self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None
-    ) -> TurnReply:
+    async def decide(self, decision: ApprovalDecision) -> TurnReply:
         try:
-            return await self.host.decide(tenant_id, session_id, approval_id, approve, edited)
+            return await self.host.decide(decision)
         except SessionError as exc:
-            raise NotFound(str(exc), kind="approval", key=approval_id) from None
+            raise NotFound(str(exc), kind="approval", key=decision.approval_id) from None
 
-    async def stream(
-        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
         try:
-            async for event in self.host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
+            async for event in self.host.stream(command, new_id=new_id):
                 yield event
         except SessionError as exc:
-            if approval is None:
+            if not isinstance(command, ApprovalDecision):
                 raise
-            raise NotFound(str(exc), kind="approval", key=approval[0]) from None
+            raise NotFound(str(exc), kind="approval", key=command.approval_id) from None
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
         return await self.host.view(tenant_id, session_id)

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import ray
@@ -61,13 +61,14 @@ from actors.ray_host import (
     HostError,
     HostResult,
     SessionHostActor,
+    encode_command,
     event_decoder,
     result_decoder,
 )
 from actors.sharding import HOST_PREFIX, host_name, parse_host_name, rendezvous_index, route
 from services.errors import ChatEngineError, ConfigError, Overloaded
 from services.settings import Settings
-from services.wire import SessionView, StreamEvent, TurnReply
+from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
 from storage.records import session_uid
 from storage.repos.cluster import ShardState
 
@@ -134,6 +135,7 @@ class HostFailure(ChatEngineError):
         self.error = error
 
 
+@runtime_checkable
 class ShardStore(Protocol):
     """Where the shard state is kept and changed (storage.repos.cluster.ClusterRepo)."""
 
@@ -466,25 +468,19 @@ class Placement:
         host shutting down is a restart or a stop the operator asked for: the client retries."""
         return reason == "moved" or (reason == "shutting_down" and self._mode == "dedicated")
 
-    async def send(
-        self, tenant_id: str, session_id: str, text: str, message_id: str | None, *, new_id: bool = False
-    ) -> TurnReply:
-        return await self._turn_call(tenant_id, session_id, "send", tenant_id, session_id, text, message_id,
+    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply:
+        return await self._turn_call(turn.tenant_id, turn.session_id, "send", encode_command(turn),
                                      new_id=new_id)
 
-    async def decide(
-        self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None
-    ) -> TurnReply:
-        return await self._turn_call(
-            tenant_id, session_id, "decide", tenant_id, session_id, approval_id, approve, edited
-        )
+    async def decide(self, decision: ApprovalDecision) -> TurnReply:
+        return await self._turn_call(decision.tenant_id, decision.session_id, "decide",
+                                     encode_command(decision))
 
-    async def stream(
-        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None, *, new_id: bool = False,
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
         """The turn's events; a turn that fails raises its error (as `send` does) once the events
         before it are out."""
+        tenant_id, session_id = command.tenant_id, command.session_id
+        encoded = encode_command(command)
         deadline = time.monotonic() + MOVED_RETRY_S
         delay = 0.02
         exiting = False  # an earlier attempt was refused by a dedicated actor about to be killed
@@ -494,8 +490,7 @@ class Placement:
             seen = self._lanes.get(name)  # a turn lost to its host's failure takes this lane with it (_call)
             refused: ShardState | bool | None = None  # None: no event yet; truthy: retry
             try:
-                async for raw in self._stream_events(name, tenant_id, session_id, text, message_id, approval,
-                                                     new_id=new_id):
+                async for raw in self._stream_events(name, encoded, new_id=new_id):
                     event = event_decoder.decode(raw)
                     reason = _refusal(event)
                     if refused is None and self._ran_nothing(reason) and time.monotonic() < deadline:

@@ -2,8 +2,10 @@
 
 Every Ray API call of the engine lives in `actors/` (this module, `placement`, `cluster`). The
 actor builds its own runtime (pool, LLM client, webhook client) from the Settings it is given, on
-first use, inside its event loop. Replies cross Ray as msgspec-encoded bytes: cheaper than
-pickling structs, and errors travel as data (`HostError`) rather than as pickled exceptions.
+first use, inside its event loop. A turn's command (services.wire.Turn or ApprovalDecision) comes in
+as msgspec-encoded bytes (`encode_command`), over the host's lane or through Ray alike, and its reply
+goes back the same way: cheaper than pickling structs, and errors travel as data (`HostError`)
+rather than as pickled exceptions.
 
 A shard host reads the shard state in force from Postgres when it starts, adopts each one a
 rescale pushes, and reads it again when it refuses a turn as "moved": a rescale that stopped
@@ -18,7 +20,7 @@ import gc
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import ray
@@ -34,7 +36,7 @@ from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
 from services.tracing import configure_tracing
-from services.wire import StreamEvent, TurnReply
+from services.wire import ApprovalDecision, StreamEvent, Turn, TurnCommand, TurnReply
 from storage.repos.cluster import ClusterRepo, ShardState
 
 log = structlog.get_logger(__name__)
@@ -70,6 +72,7 @@ LANE_FEATURES = (NEW_ID, STREAM)
 SHARD_REFRESH_S = 1.0
 
 
+@runtime_checkable
 class ShardSource(Protocol):
     """Where a shard host reads the shard state in force (storage.repos.cluster.ClusterRepo)."""
 
@@ -80,6 +83,16 @@ class ShardSource(Protocol):
 result_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(HostResult)
 event_decoder = msgspec.json.Decoder(StreamEvent)
+#: a turn's command crosses to the host (over its lane or through Ray) encoded once, as JSON: the
+#: gateway's Placement encodes it, the host's shell decodes it; both run the same version
+turn_decoder = msgspec.json.Decoder(Turn)
+decision_decoder = msgspec.json.Decoder(ApprovalDecision)
+command_decoder = msgspec.json.Decoder(TurnCommand)
+
+
+def encode_command(command: TurnCommand) -> bytes:
+    """A Turn or an ApprovalDecision as the host's `send`, `decide` and `stream` take it."""
+    return result_encoder.encode(command)
 
 
 def to_host_error(exc: BaseException) -> HostError:
@@ -291,21 +304,17 @@ class SessionHostActor:
             except Exception as exc:  # noqa: BLE001 - errors travel as data
                 return self._error(exc)
 
-    async def send(
-        self, tenant_id: str, session_id: str, text: str, message_id: str | None, new_id: bool = False
-    ) -> bytes:
-        return await self._reply(lambda host: host.send(tenant_id, session_id, text, message_id, new_id=new_id))
+    async def send(self, turn: bytes, new_id: bool = False) -> bytes:
+        """Run an encoded Turn (`encode_command`); its encoded HostResult."""
+        return await self._reply(lambda host: host.send(turn_decoder.decode(turn), new_id=new_id))
 
-    async def decide(
-        self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None
-    ) -> bytes:
-        return await self._reply(lambda host: host.decide(tenant_id, session_id, approval_id, approve, edited))
+    async def decide(self, decision: bytes) -> bytes:
+        """Run an encoded ApprovalDecision (`encode_command`); its encoded HostResult."""
+        return await self._reply(lambda host: host.decide(decision_decoder.decode(decision)))
 
-    async def stream(
-        self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-        approval: tuple[str, bool, dict | None] | None = None, new_id: bool = False,
-    ):
-        """An async generator of encoded StreamEvents (called with num_returns="streaming")."""
+    async def stream(self, command: bytes, new_id: bool = False):
+        """An async generator of encoded StreamEvents (called with num_returns="streaming") of an
+        encoded Turn or ApprovalDecision (`encode_command`)."""
         with self._turn():
             try:
                 host = await self._ensure()
@@ -314,7 +323,7 @@ class SessionHostActor:
                 yield result_encoder.encode(StreamEvent(event="error", data=msgspec.to_builtins(err)))
                 return
             try:
-                async for event in host.stream(tenant_id, session_id, text, message_id, approval, new_id=new_id):
+                async for event in host.stream(command_decoder.decode(command), new_id=new_id):
                     yield result_encoder.encode(event)
             except Exception as exc:  # noqa: BLE001 - errors travel as data: the last event
                 err = to_host_error(exc)

@@ -18,7 +18,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -48,7 +48,8 @@ from services.tools.errors import (
     QueueTimeout,
     UnknownTool,
 )
-from services.tools.executor import BatchPlan, Executor, ToolCall, ToolOutcome
+from services.tools.executor import BatchPlan, OnProgress, ToolCall, ToolOutcome
+from services.tools.registry import Catalog
 from services.tools.toolset import (
     SessionToolState,
     breaker_open,
@@ -61,6 +62,7 @@ from services.tracing import tracer
 from services.wire import (
     PendingApproval,
     PendingCall,
+    SessionView,
     StreamEvent,
     ToolCallSummary,
     TurnReply,
@@ -166,12 +168,42 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     ran: dict[str, int] | None = None
 
 
+@runtime_checkable
+class ToolExecutor(Protocol):
+    """What a turn needs of the tool pipeline (services.tools.executor.Executor implements it):
+    check a batch, run it, and the in-band results of a batch that does not run."""
+
+    def prepare(
+        self, calls: list[ToolCall], *, catalog: Catalog, config: BotConfig, session: SessionToolState,
+        scope: dict[str, Any], intent: str | None = None, held_sensitive: list[list[str]] | None = None,
+    ) -> BatchPlan: ...
+
+    async def execute(
+        self, plan: BatchPlan, ctx: TrustedContext, *, approved: bool = False,
+        on_progress: OnProgress | None = None, finished: dict[str, ToolOutcome] | None = None,
+    ) -> list[ToolOutcome]: ...
+
+    def interrupted(
+        self, plan: BatchPlan, ctx: TrustedContext, finished: dict[str, ToolOutcome],
+    ) -> list[ToolOutcome]: ...
+
+    def deny(self, plan: BatchPlan, ctx: TrustedContext, *, reason: str) -> list[ToolOutcome]: ...
+
+    def refuse_changed(
+        self, plan: BatchPlan, ctx: TrustedContext, *, held_versions: list[int | None],
+    ) -> list[ToolOutcome] | None: ...
+
+
+#: records a handoff as the escalate_to_human tool would: `await handoff(args, ctx)` (its handler)
+HandoffRecorder = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
+
+
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     """The ports and per-tenant data a turn runs with."""
 
-    llm: Any  # LLMClient
-    executor: Any  # Executor
-    catalog: Any  # Catalog
+    llm: LLMClient
+    executor: ToolExecutor
+    catalog: Catalog
     config: BotConfig
     main_model: str
     cheap_model: str
@@ -180,7 +212,7 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     scope: dict[str, Any] = {}
     #: records a handoff the model asked for in its text ([[HANDOFF]]) as the escalate_to_human
     #: tool would: `await handoff(args, ctx)` (the built-in's handler); None: the session is only marked
-    handoff: Any = None
+    handoff: HandoffRecorder | None = None
 
 
 class SealedTurns:
@@ -423,6 +455,37 @@ class SessionState:
     def open_breakers(self) -> list[str]:
         return sorted(n for n in self.snapshot.breakers if breaker_open(self.snapshot.breakers, n))
 
+    # -- what the host asks of the session (it never reads the snapshot itself) -----------------
+
+    def view(self) -> SessionView:
+        """The session as GET /v1/sessions/{id} shows it."""
+        return SessionView(
+            session_id=self.session_id, variables=dict(self.variables), open_breakers=self.open_breakers(),
+            handoff=self.snapshot.handoff, messages=self.snapshot.message_count,
+        )
+
+    def answered(self, message_id: str | None) -> bool:
+        """An answer for `message_id` is in the turn cache: sent again, it is replayed, nothing runs."""
+        return message_id in self.turns
+
+    def may_have_dropped(self, message_id: str) -> bool:
+        """An answer for `message_id` may be stored while the turn cache no longer holds it (the
+        host then reads it from the store and `cache_turn`s it before the turn runs)."""
+        return message_id not in self.turns and not self.turns_complete
+
+    def waiting_jobs(self) -> list[str]:
+        """The ids of the workflow jobs this session waits for (delivered by a later turn)."""
+        return list(self.snapshot.extra.get(JOBS_KEY) or [])
+
+    def decided_turn(self, approval_id: str) -> str | None:
+        """The message id of the turn `approval_id` resumed when it was decided, or None."""
+        return decided_turn(self.snapshot, approval_id)
+
+    @property
+    def holds_approval(self) -> bool:
+        """A turn is held for an approval: deciding it resumes the turn (tools or the model run)."""
+        return self.snapshot.pending is not None
+
 
 class _Turn:
     """Accumulates what one turn reports back."""
@@ -452,10 +515,11 @@ class _Turn:
 
 
 async def handle_message(
-    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit = _no_emit,
+    state: SessionState, text: str, message_id: str | None, env: TurnEnv, emit: Emit | None = None,
     *, finished_jobs: list[JobRecord] = (),
 ) -> TurnReply:
     """Run one contact message through the tool loop; returns the reply the contact gets.
+    `emit` gets the turn's events as they come (None: nobody watches it stream).
 
     A message_id seen before returns the first answer and runs nothing again. `finished_jobs`
     (workflow jobs this session waited for) are delivered into the conversation first. The turn
@@ -464,7 +528,7 @@ async def handle_message(
     with tracer().start_as_current_span("turn", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.message_id": message_id or "",
     }) as span:
-        reply = await _handle_message(state, text, message_id, env, emit, finished_jobs)
+        reply = await _handle_message(state, text, message_id, env, emit or _no_emit, finished_jobs)
         _annotate(span, reply)
         return reply
 
@@ -510,7 +574,7 @@ async def _handle_message(
 
 
 async def handle_approval(
-    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit = _no_emit,
+    state: SessionState, approval_id: str, approve: bool, env: TurnEnv, emit: Emit | None = None,
     *, edited_arguments: dict[str, dict[str, Any]] | None = None, now: datetime | None = None,
 ) -> TurnReply:
     """Resume a turn held for approval: run the batch (approve) or tell the model it was declined.
@@ -522,7 +586,8 @@ async def handle_approval(
     with tracer().start_as_current_span("turn.resume", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.approved": approve,
     }) as span:
-        reply = await _handle_approval(state, approval_id, approve, env, emit, edited_arguments, now)
+        reply = await _handle_approval(state, approval_id, approve, env, emit or _no_emit, edited_arguments,
+                                       now)
         _annotate(span, reply)
         return reply
 
@@ -791,8 +856,7 @@ def _prepare(
     """The batch checked for this session, turn and intent: a call of a tool the turn's offer
     left out (its intent's filter included) is refused in-band, never run. `held_sensitive`: a
     held batch's `PendingTurn.tool_sensitive`, kept sensitive whatever the tools declare now."""
-    executor: Executor = env.executor
-    return executor.prepare(
+    return env.executor.prepare(
         calls, catalog=env.catalog, config=env.config,
         session=state.tool_state(turn.ran if turn is not None else None),
         scope=_scope(state, env), intent=intent, held_sensitive=held_sensitive,
@@ -991,7 +1055,7 @@ def _has_tool_blocks(messages: list[ChatMessage]) -> bool:
     return any(isinstance(b, (ToolUseBlock, ToolResultBlock)) for m in messages for b in m.content)
 
 
-def _history_specs(messages: list[ChatMessage], catalog: Any, config: BotConfig) -> list[ToolSpec]:
+def _history_specs(messages: list[ChatMessage], catalog: Catalog, config: BotConfig) -> list[ToolSpec]:
     """For a request that must define tools but lets the model call none: the definitions of the
     tools the messages' calls name, in the order first called, that the agent's configuration
     offers (left out now only for what this session did: used up, switched off, at a limit), or

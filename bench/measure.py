@@ -577,7 +577,7 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     from services.errors import ChatEngineError
     from services.logging import configure_logging
     from services.settings import Settings
-    from services.wire import TurnReply
+    from services.wire import Turn, TurnReply
 
     settings = msgspec.json.decode(spec.settings or b"", type=Settings)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
@@ -591,10 +591,11 @@ async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     tenant_id = spec.tenant_id or ""
 
     async def turn(sid: str, text: str) -> TurnReply:
+        command = Turn(tenant_id=tenant_id, session_id=sid, text=text)
         if not spec.stream:
-            return await host.send(tenant_id, sid, text, None)
+            return await host.send(command)
         done = None
-        async for event in host.stream(tenant_id, sid, text, None, None):
+        async for event in host.stream(command):
             if event.event == "error":
                 raise ChatEngineError(str(event.data))
             done = event if event.event == "done" else done

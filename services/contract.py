@@ -33,11 +33,10 @@ from services.tools.model import (
     is_protected,
     protected_form,
     protected_forms,
-    template_holes,
-    unfillable_holes,
     unheld_spellings,
 )
 from services.tools.registry import Catalog
+from services.tools.templating import template_holes, unfillable_holes
 
 FindingKind = Literal[
     "dead_route", "ignored_argument", "missing_required_parameter", "handler_override",
@@ -238,7 +237,7 @@ def _fields(definition: ToolDefinition) -> list[FieldMapping]:
             continue
         backend_name = pmap.get(model_name, model_name)
         if binding and is_protected(backend_name, forms):
-            continue  # renamed onto a protected name: dropped (services.tools.webhook.binding_arguments)
+            continue  # renamed onto a protected name: dropped (services.tools.templating.binding_arguments)
         out.append(FieldMapping(
             model_name=model_name, backend_name=backend_name,
             source="path" if backend_name in holes else "model",

@@ -96,3 +96,36 @@ class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
 
     event: str
     data: Any
+
+
+# -- commands to the session hosts (gateway -> placement -> host; not part of the HTTP API) -------
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="turn"):
+    """Run a contact's message in a session: what crosses the host boundary for POST .../messages.
+
+    Encoded once by the caller (actors.placement) and decoded once by the host's shell
+    (actors.ray_host), both sides of one deployment. Whether `message_id` was made up for this
+    very call (SessionHost.send's `new_id`) is not part of it: that depends on the attempt (a
+    retry may repeat a turn that ran) and on what the host takes, which only the caller's transport
+    knows, so it travels beside the command."""
+
+    tenant_id: str
+    session_id: str
+    text: str
+    message_id: str | None = None
+
+
+class ApprovalDecision(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="approval"):
+    """Decide an approval a turn is held for (POST .../approvals/{approval_id}); resumes the turn."""
+
+    tenant_id: str
+    session_id: str
+    approval_id: str
+    approve: bool
+    #: the approver's edits of the held calls' arguments (call id -> arguments), or None
+    edited: dict[str, dict[str, Any]] | None = None
+
+
+#: what a session host runs as one turn: a message, or the decision that resumes a held one
+TurnCommand = Turn | ApprovalDecision

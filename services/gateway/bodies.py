@@ -34,11 +34,10 @@ from services.tools.model import (
     normalise_parameters,
     protected_form,
     protected_forms,
-    template_holes,
-    unfillable_holes,
     unheld_spellings,
 )
 from services.tools.ssrf import DestinationPolicy, literal_refusal
+from services.tools.templating import template_holes, unfillable_holes
 from services.tools.validation import check_any_schema, check_schema
 
 ToolType = Literal["webhook", "backend_binding", "python", "workflow", "client"]

@@ -13,7 +13,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -32,7 +32,7 @@ from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
 from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
 from services.tools.ssrf import DestinationPolicy
-from services.wire import SessionView, StreamEvent, TurnReply
+from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
 
 log = structlog.get_logger(__name__)
 
@@ -50,15 +50,13 @@ UNKNOWN_KEY_TTL_S = 30.0
 UNKNOWN_KEY_CACHE_MAX = 4096
 
 
+@runtime_checkable
 class SessionRouter(Protocol):
     """Where turns run (actors.placement.Placement, or a SessionHost in process)."""
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
-                   new_id: bool = False) -> TurnReply: ...
-    async def decide(self, tenant_id: str, session_id: str, approval_id: str, approve: bool, edited: dict | None = None) -> TurnReply: ...
-    def stream(self, tenant_id: str, session_id: str, text: str | None, message_id: str | None,
-               approval: tuple[str, bool, dict | None] | None = None, *,
-               new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
+    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply: ...
+    async def decide(self, decision: ApprovalDecision) -> TurnReply: ...
+    def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
     async def stats(self) -> list[dict[str, Any]]: ...
 

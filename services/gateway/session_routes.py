@@ -25,7 +25,15 @@ from services.gateway.common import (
     json_response,
     path_session_id,
 )
-from services.wire import DecideApproval, SendMessage, StreamEvent, TurnReply, TurnTiming
+from services.wire import (
+    ApprovalDecision,
+    DecideApproval,
+    SendMessage,
+    StreamEvent,
+    Turn,
+    TurnReply,
+    TurnTiming,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -91,11 +99,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     if message_id.isascii() and message_id.isprintable():  # a header carries no control character
         request[MESSAGE_ID] = message_id
     started = time.perf_counter()
+    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id)
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
-            stream = deps.router.stream(tenant_id, session_id, body.text, message_id, new_id=new_id)
+            stream = deps.router.stream(turn, new_id=new_id)
             return await _sse(request, stream, started)
-        reply = await deps.router.send(tenant_id, session_id, body.text, message_id, new_id=new_id)
+        reply = await deps.router.send(turn, new_id=new_id)
     seconds = time.perf_counter() - started
     deps.metrics.observe_turn(reply, seconds)
     return reply_response(reply, seconds)
@@ -107,12 +116,14 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
     session_id = path_session_id(request)
     approval_id = request.match_info["approval_id"]
     body: DecideApproval = await decode_body(request, DecideApproval)
+    decision = ApprovalDecision(tenant_id=tenant_id, session_id=session_id, approval_id=approval_id,
+                                approve=body.approve, edited=body.arguments)
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
-            stream = deps.router.stream(tenant_id, session_id, None, None, (approval_id, body.approve, body.arguments))
+            stream = deps.router.stream(decision)
             return await _sse(request, stream, started)
-        reply = await deps.router.decide(tenant_id, session_id, approval_id, body.approve, body.arguments)
+        reply = await deps.router.decide(decision)
     seconds = time.perf_counter() - started
     deps.metrics.observe_turn(reply, seconds)
     return reply_response(reply, seconds)

@@ -7,7 +7,7 @@ session core imports only this module, never the SDK.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -91,6 +91,7 @@ class LLMError(Exception):
         self.retryable = retryable
 
 
+@runtime_checkable
 class LLMClient(Protocol):
     def stream(self, request: LLMRequest) -> AsyncIterator[LLMEvent]:
         """Yield TextDelta events, then exactly one LLMResponse. Raises LLMError."""

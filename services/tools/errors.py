@@ -114,6 +114,26 @@ class DestinationBlocked(ToolError):
     kind = "destination_blocked"
 
 
+#: What the model is told; the rule that refused goes to `DestinationBlocked.rule` for operators.
+BLOCKED_REASON = "destination not allowed"
+BLOCKED_ADVICE = (
+    "Tell the customer this action is unavailable right now; the business has to fix the tool's "
+    "address before it can be used."
+)
+
+
+def blocked(rule: str, detail: str) -> DestinationBlocked:
+    """A DestinationBlocked whose reason is only "destination not allowed".
+
+    `rule` (which check refused) and `detail` (host and address, for operator logs) are attributes,
+    never part of the text the model sees.
+    """
+    error = DestinationBlocked(BLOCKED_REASON, advice=BLOCKED_ADVICE)
+    error.rule = rule  # type: ignore[attr-defined]
+    error.detail = detail  # type: ignore[attr-defined]
+    return error
+
+
 class ToolCrashed(ToolError):
     """A handler raised something unexpected; details go to the log, not to the model."""
 

@@ -34,7 +34,6 @@ TRUSTED_SCOPE_KEYS: frozenset[str] = PROTECTED_KEYS
 MAX_VALUE_DEPTH = 64
 
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}\Z")
-_TEMPLATE_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
 
 
 class ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -174,21 +173,6 @@ def unheld_spellings(names: Iterable[Any]) -> list[str]:
         if isinstance(name, str) and name not in TRUSTED_SCOPE_KEYS and held_spellings(name) and name not in out:
             out.append(name)
     return out
-
-
-def template_holes(template: str) -> list[str]:
-    """The `{param}` names of a URL or path template, in order."""
-    return _TEMPLATE_HOLE_RE.findall(template)
-
-
-def unfillable_holes(holes: list[str], protected: frozenset[str]) -> list[str]:
-    """The URL-template holes no call can fill: named by a protected name (`PROTECTED_KEYS` or
-    the tool's own `protected`, in any spelling `is_protected` accepts), so never taken from the
-    model, and not held by the trusted scope (which holds the exact spellings only: a hole in
-    another spelling of a trusted key, `{AccountId}`, is one of these; `held_spellings` names the
-    holes that would be filled instead)."""
-    forms = protected_forms(PROTECTED_KEYS | protected)
-    return [h for h in holes if is_protected(h, forms) and h not in TRUSTED_SCOPE_KEYS]
 
 
 #: schema keywords whose values are data, not schemas: never searched for properties

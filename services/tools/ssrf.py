@@ -38,17 +38,10 @@ import aiodns
 import msgspec
 
 from services.errors import ConfigError
-from services.tools.errors import DestinationBlocked, UpstreamUnreachable
+from services.tools.errors import UpstreamUnreachable, blocked
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-#: What the model is told; the rule that refused goes to `DestinationBlocked.rule` for operators.
-BLOCKED_REASON = "destination not allowed"
-BLOCKED_ADVICE = (
-    "Tell the customer this action is unavailable right now; the business has to fix the tool's "
-    "address before it can be used."
-)
 
 _ALLOWED_SCHEMES = {"http": 80, "https": 443}
 _HOST_NAME_RE = re.compile(
@@ -270,18 +263,6 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str, ipaddress.IPv4A
     if address.teredo is not None:
         return "teredo", address.teredo[1]
     return None
-
-
-def blocked(rule: str, detail: str) -> DestinationBlocked:
-    """A DestinationBlocked whose reason is only "destination not allowed".
-
-    `rule` (which check refused) and `detail` (host and address, for operator logs) are attributes,
-    never part of the text the model sees.
-    """
-    error = DestinationBlocked(BLOCKED_REASON, advice=BLOCKED_ADVICE)
-    error.rule = rule  # type: ignore[attr-defined]
-    error.detail = detail  # type: ignore[attr-defined]
-    return error
 
 
 async def check_destination(

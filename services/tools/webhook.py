@@ -1,11 +1,8 @@
 """The webhook client: the only place the engine makes outbound HTTP calls for tools.
 
 Owns
-- URL templating (`render_request`): `{param}` holes filled with percent-encoded values that stay
-  inside one path segment or one query value; remaining arguments go to the query (GET/DELETE) or
-  a JSON body (POST/PUT/PATCH);
-- the backend binding contract (`binding_arguments`, seed 001): `parameter_map` renames model
-  arguments to backend names, protected keys are dropped, `scope` keys come from trusted context;
+- the calls a tool's URL template and binding describe, built by the pure module
+  `services.tools.templating` (`render_request`, `binding_arguments`), sent over HTTP here;
 - `WebhookToolBackend`: the registry's `ToolBackend` port (services.tools.registry) over the client;
 - `idempotency_header`: a write's idempotency key as a header can carry it (the MCP client's too);
 - `WebhookClient`: one aiohttp ClientSession per process. Every call is SSRF-checked
@@ -64,6 +61,7 @@ from services.tools.errors import (
     UpstreamTimeout,
     UpstreamTooLarge,
     UpstreamUnreachable,
+    blocked,
 )
 from services.tools.model import (
     MAX_VALUE_DEPTH,
@@ -84,9 +82,9 @@ from services.tools.ssrf import (
     CheckedDestination,
     DestinationPolicy,
     Resolver,
-    blocked,
     check_destination,
 )
+from services.tools.templating import binding_arguments, join_base, render_request, template_holes
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 #: statuses whose body may say what was wrong with the request (seed 001: "Check-out must be
@@ -97,13 +95,6 @@ ERROR_BODY_WAIT_S = 1.0  # nor one slower than this (within the call's own deadl
 EXPLANATION_MAX_CHARS = 300  # what of it the model reads
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _READ_CHUNK = 64 * 1024
-_QUERY_METHODS = frozenset({"GET", "DELETE"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_HOLE_RE = re.compile(r"\{([a-zA-Z_][a-zA-Z0-9_]*)\}")
-_AUTHORITY_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*)(.*)$", re.DOTALL)
-# characters a template's literal text may keep as is; anything else is percent-encoded
-_LITERAL_SAFE = "/:@!$&'()*+,;=-._~%?"
-_DOT_SEGMENTS = frozenset({".", "..", "%2e", "%2e%2e", ".%2e", "%2e."})
 _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _HEADER_VALUE_BAD_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # an idempotency key sent as it is (`idempotency_header`); any other has these kept and the rest encoded
@@ -152,165 +143,6 @@ class WebhookResponse(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     json: Any
     elapsed_ms: float
-
-
-class RenderedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A URL template filled with arguments: the URL and, for POST/PUT/PATCH, the JSON body."""
-
-    method: str
-    url: str
-    body: dict[str, Any] | None = None
-
-
-# --------------------------------------------------------------------------- templating (pure)
-
-
-def render_request(url_template: str, method: str, args: Mapping[str, Any]) -> RenderedRequest:
-    """Fill `url_template`'s `{param}` holes from `args`; route the other arguments.
-
-    Each value is percent-encoded with nothing left safe, so `../`, `?x=`, `@evil`, `#frag` or
-    `%2e%2e` stay inside the one path segment (or query value) of its hole. Holes are allowed in
-    the path and the query only. Arguments that fill no hole go to the query for GET/DELETE and to
-    a JSON object body for POST/PUT/PATCH; None values are left out.
-
-    Raises InvalidArguments (naming the parameter) for a missing, empty, dot-segment or non-scalar
-    hole value; DestinationBlocked for a template whose host or scheme holds a hole;
-    ToolError for an unsupported method.
-    """
-    method = method.upper()
-    if method not in _QUERY_METHODS | _BODY_METHODS:
-        raise ToolError(
-            f"http method {method!r} is not supported; use GET, POST, PUT, PATCH or DELETE",
-            advice="Tell the customer this action is unavailable right now.",
-        )
-    match = _AUTHORITY_RE.match(url_template.strip())
-    if match is None:
-        raise blocked("malformed url", "url template does not start with http:// or https://")
-    origin, rest = match.groups()
-    if "{" in origin or "}" in origin:
-        raise blocked(
-            "parameter in host",
-            "url template puts a parameter in the scheme or host; parameters may only fill the path or query",
-        )
-    rest = rest.split("#", 1)[0]  # a fragment is never sent to the server
-    path_template, _, query_template = rest.partition("?")
-    used: set[str] = set()
-    path = _fill(path_template, args, used, in_path=True) or "/"
-    query = _fill(query_template, args, used, in_path=False)
-    for segment in path.split("/"):
-        if segment.lower() in _DOT_SEGMENTS:
-            raise InvalidArguments(
-                "the url would contain a '.' or '..' path segment; dot segments are not allowed",
-                advice="Check the values you passed and call the tool again with real identifiers.",
-            )
-    extra = {k: v for k, v in args.items() if k not in used and v is not None}
-    body: dict[str, Any] | None = None
-    if method in _QUERY_METHODS:
-        extra_query = _encode_query(extra, method)
-        query = "&".join(part for part in (query, extra_query) if part)
-    else:
-        body = extra
-    url = f"{origin}{path}?{query}" if query else f"{origin}{path}"
-    return RenderedRequest(method=method, url=url, body=body)
-
-
-def _fill(template: str, args: Mapping[str, Any], used: set[str], *, in_path: bool) -> str:
-    pieces: list[str] = []
-    position = 0
-    for hole in _HOLE_RE.finditer(template):
-        pieces.append(quote(template[position : hole.start()], safe=_LITERAL_SAFE))
-        name = hole.group(1)
-        text = _hole_text(name, args.get(name))
-        if in_path and text == "":
-            raise InvalidArguments(
-                f"`{name}` must not be empty; it fills a part of the request url",
-                advice=f"Ask the customer for the {name} and call the tool again.",
-            )
-        if in_path and text in (".", ".."):
-            raise InvalidArguments(
-                f"`{name}` must not be '.' or '..'",
-                advice=f"Ask the customer for the {name} and call the tool again.",
-            )
-        pieces.append(quote(text, safe=""))
-        used.add(name)
-        position = hole.end()
-    pieces.append(quote(template[position:], safe=_LITERAL_SAFE))
-    return "".join(pieces)
-
-
-def _hole_text(name: str, value: Any) -> str:
-    if value is None:
-        raise InvalidArguments(
-            f"missing value for `{name}`; it is required to build the request url",
-            advice=f"Ask the customer for the {name} and call the tool again.",
-        )
-    return _scalar_text(name, value)
-
-
-def _scalar_text(name: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int | float):
-        return str(value)
-    raise InvalidArguments(
-        f"`{name}` must be text or a number, got {type(value).__name__}",
-        advice=f"Call the tool again with `{name}` as a single value.",
-    )
-
-
-def _encode_query(params: Mapping[str, Any], method: str) -> str:
-    pairs: list[str] = []
-    for name, value in params.items():
-        key = quote(str(name), safe="")
-        values = value if isinstance(value, list | tuple) else [value]
-        for item in values:
-            if item is None:
-                continue
-            if isinstance(item, dict | list | tuple):
-                raise InvalidArguments(
-                    f"`{name}` is nested; a {method} request can only send text, numbers or lists of them",
-                    advice=f"Call the tool again with `{name}` as a single value.",
-                )
-            pairs.append(f"{key}={quote(_scalar_text(name, item), safe='')}")
-    return "&".join(pairs)
-
-
-# --------------------------------------------------------------------------- bindings (pure)
-
-
-def binding_arguments(
-    tool: BackendBindingTool, model_args: Mapping[str, Any], trusted_scope: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The backend's arguments for a binding call, by backend name (seed 001).
-
-    Protected keys from the model are dropped in any spelling (`is_protected`; also when
-    `parameter_map` would rename a model argument onto one), `parameter_map` renames the rest,
-    then every `scope` key is set from `trusted_scope`, overwriting whatever the model sent.
-    Raises PolicyDenied when the trusted scope lacks a key the binding needs.
-    """
-    forms = protected_forms(tool.protected_keys)
-    mapped: dict[str, Any] = {}
-    for name, value in model_args.items():
-        if is_protected(name, forms):
-            continue
-        backend_name = tool.parameter_map.get(name, name)
-        if is_protected(backend_name, forms):
-            continue
-        mapped[backend_name] = value
-    for key in tool.scope:
-        if trusted_scope.get(key) is None:
-            raise PolicyDenied(
-                f"trusted scope has no `{key}` for this tool",
-                advice="Tell the customer you cannot complete this right now.",
-            )
-        mapped[key] = trusted_scope[key]
-    return mapped
-
-
-def _join_base(base_url: str, path: str) -> str:
-    return f"{base_url.rstrip('/')}/{path.lstrip('/')}"
 
 
 # --------------------------------------------------------------------------- the client
@@ -533,7 +365,7 @@ class WebhookClient:
         """
         forms = protected_forms(tool.protected_keys)
         clean = {k: v for k, v in args.items() if not is_protected(k, forms)}
-        for hole in _HOLE_RE.findall(tool.webhook_url):
+        for hole in template_holes(tool.webhook_url):
             if not is_protected(hole, forms):
                 continue
             if args.get(hole) is None:
@@ -577,7 +409,7 @@ class WebhookClient:
             error.tool_name = error.tool_name or tool.name
             raise
         return await self._call_tool(
-            tool, _join_base(base_url, tool.path), backend_args, headers, timeout_s, idempotency_key
+            tool, join_base(base_url, tool.path), backend_args, headers, timeout_s, idempotency_key
         )
 
     # ------------------------------------------------------------------ internals

@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 
 from actors.lane import LaneAddress, LaneBroken, LaneClient
 from actors.placement import NAMESPACE, Placement
+from services.wire import Turn
 from tests.e2e.helpers import call_lines, post, register_order_tools, send
 
 pytestmark = pytest.mark.e2e
@@ -88,13 +89,13 @@ async def test_gateway_turns_go_over_the_hosts_lanes_and_through_ray_when_switch
     # the same hosts, a gateway-side placement with the lane switched off: Ray's task path
     off = Placement(msgspec.structs.replace(stack.settings, host_lane=False))
     before = await host_counts(stack.placement)
-    reply = await off.send(tenant_id, sessions[0], text, "lane-off-m1")
+    reply = await off.send(Turn(tenant_id=tenant_id, session_id=sessions[0], text=text, message_id="lane-off-m1"))
     assert reply.tool_calls[0].success and reply.message_id == "lane-off-m1"
     assert delta(await host_counts(stack.placement), before) == (1, 0)
-    events = [e.event async for e in off.stream(tenant_id, sessions[3], text, "lane-off-sse")]
+    events = [e.event async for e in off.stream(Turn(tenant_id=tenant_id, session_id=sessions[3], text=text, message_id="lane-off-sse"))]
     assert events[-1] == "done" and delta(await host_counts(stack.placement), before) == (2, 0)
     # a message id answered over the lane is answered again through Ray: the stored reply
-    again = await off.send(tenant_id, sessions[1], "ignored", f"{sessions[1]}-m0")
+    again = await off.send(Turn(tenant_id=tenant_id, session_id=sessions[1], text="ignored", message_id=f"{sessions[1]}-m0"))
     assert again.replay and again.reply == sent[1].reply["reply"]
 
 

@@ -31,7 +31,7 @@ from services.gateway.bodies import MAX_VARIABLE_NAME
 from services.gateway.common import GatewayDeps
 from services.nesting import MAX_JSON_DEPTH
 from services.tools.crypto import SecretBox, generate_key
-from services.wire import ToolCallSummary, TurnReply, UsageOut
+from services.wire import ToolCallSummary, Turn, TurnReply, UsageOut
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 
 PROBLEM_JSON = "application/problem+json"
@@ -45,11 +45,11 @@ class FakeRouter:
         self.raises: BaseException | None = None
         self.texts: list[str] = []
 
-    async def send(self, tenant_id, session_id, text, message_id, *, new_id=False) -> TurnReply:
-        self.texts.append(text)
+    async def send(self, turn: Turn, *, new_id=False) -> TurnReply:
+        self.texts.append(turn.text)
         if self.raises is not None:
             raise self.raises
-        return TurnReply(session_id=session_id, message_id=message_id or "m-1", reply="hello", rounds=1,
+        return TurnReply(session_id=turn.session_id, message_id=turn.message_id or "m-1", reply="hello", rounds=1,
                          tool_calls=[ToolCallSummary(id="t1", name="x", success=True, latency_ms=1)],
                          usage=UsageOut())
 

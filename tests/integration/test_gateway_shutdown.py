@@ -17,7 +17,7 @@ import pytest
 from services.errors import ConfigError
 from services.gateway.server import DRAIN_TIMEOUT_S, check_listen_address, open_gateway
 from services.settings import Settings
-from services.wire import TurnReply, UsageOut
+from services.wire import Turn, TurnReply, UsageOut
 from tests.integration.test_gateway_bad_input import FakeRouter
 
 #: longer than the gateway used to wait for a request in flight: 5 s, twice (aiohttp waits for the
@@ -33,11 +33,12 @@ class SlowRouter(FakeRouter):
         self.started = asyncio.Event()
         self.finished = 0
 
-    async def send(self, tenant_id, session_id, text, message_id, *, new_id=False) -> TurnReply:
+    async def send(self, turn: Turn, *, new_id=False) -> TurnReply:
         self.started.set()
         await asyncio.sleep(TURN_S)
         self.finished += 1
-        return TurnReply(session_id=session_id, message_id=message_id or "m-1", reply=f"slow answer to {text}",
+        return TurnReply(session_id=turn.session_id, message_id=turn.message_id or "m-1",
+                         reply=f"slow answer to {turn.text}",
                          rounds=1, tool_calls=[], usage=UsageOut())
 
 

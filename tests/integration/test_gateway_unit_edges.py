@@ -28,7 +28,17 @@ from services.errors import InvalidInput, NotFound, Overloaded
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps, parse_since
 from services.tools.crypto import SecretBox, generate_key
-from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, TurnTiming, UsageOut
+from services.wire import (
+    ApprovalDecision,
+    SessionView,
+    StreamEvent,
+    ToolCallSummary,
+    Turn,
+    TurnCommand,
+    TurnReply,
+    TurnTiming,
+    UsageOut,
+)
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 
 
@@ -50,19 +60,20 @@ class FakeRouter:
         self.refuses: BaseException | None = None  # raised by a stream before its first event
         self.hold: asyncio.Event | None = None  # a stream's first event waits for it
 
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
-                   new_id: bool = False) -> TurnReply:
-        self.calls.append((tenant_id, session_id))
-        self.ids.append((message_id, new_id))
+    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply:
+        self.calls.append((turn.tenant_id, turn.session_id))
+        self.ids.append((turn.message_id, new_id))
         if self.raises is not None:
             raise self.raises
-        return reply(session_id, message_id or "m-1", handoff=self.handoff, timing=self.timing)
+        return reply(turn.session_id, turn.message_id or "m-1", handoff=self.handoff, timing=self.timing)
 
-    async def decide(self, tenant_id, session_id, approval_id, approve, edited=None) -> TurnReply:
-        return await self.send(tenant_id, session_id, "", approval_id)
+    async def decide(self, decision: ApprovalDecision) -> TurnReply:
+        return await self.send(Turn(tenant_id=decision.tenant_id, session_id=decision.session_id, text="",
+                                    message_id=decision.approval_id))
 
-    async def stream(self, tenant_id, session_id, text, message_id, approval=None, *,
-                     new_id: bool = False) -> AsyncIterator[StreamEvent]:
+    async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
+        session_id = command.session_id
+        message_id = command.message_id if isinstance(command, Turn) else None
         self.ids.append((message_id, new_id))
         if self.refuses is not None:
             raise self.refuses

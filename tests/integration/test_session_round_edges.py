@@ -28,6 +28,7 @@ from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
+from services.wire import Turn
 from storage.errors import StorageUnavailable
 from storage.records import session_uid
 from storage.repos import SessionRepo
@@ -212,17 +213,17 @@ async def test_a_retry_of_a_turn_not_yet_written_after_many_more_turns_is_answer
         # with the same message id"
         store.away_after_lease = True
         with pytest.raises(Overloaded):
-            await asyncio.wait_for(host.send(tenant.id, "s1", "use lookup order-1", "m0"), T)
+            await asyncio.wait_for(host.send(Turn(tenant_id=tenant.id, session_id="s1", text="use lookup order-1", message_id="m0")), T)
         assert store.down and tenants.handler_calls == [("s1", "lookup", "order-1")]
         for i in range(1, TURN_CACHE + 1):  # the contact goes on writing meanwhile
             with pytest.raises(Overloaded):
-                await asyncio.wait_for(host.send(tenant.id, "s1", f"msg {i}", f"m{i}"), T)
+                await asyncio.wait_for(host.send(Turn(tenant_id=tenant.id, session_id="s1", text=f"msg {i}", message_id=f"m{i}")), T)
         # Postgres is back; the flush writing all of it has not committed yet when m0 is retried
         store.hold, store.down = asyncio.Event(), False
         store.flush_entered.clear()
         await asyncio.wait_for(store.flush_entered.wait(), T)
         store.turn_read.clear()
-        retry = asyncio.create_task(host.send(tenant.id, "s1", "use lookup order-1", "m0"))
+        retry = asyncio.create_task(host.send(Turn(tenant_id=tenant.id, session_id="s1", text="use lookup order-1", message_id="m0")))
         # until it has looked m0 up in Postgres (which holds nothing of it yet), or has its answer
         # and waits for it to be saved (503 when that takes longer than the gate allows)
         read = asyncio.create_task(store.turn_read.wait())
@@ -235,7 +236,7 @@ async def test_a_retry_of_a_turn_not_yet_written_after_many_more_turns_is_answer
                 reply = await asyncio.wait_for(retry, T)
                 break
             except Overloaded:
-                retry = asyncio.create_task(host.send(tenant.id, "s1", "use lookup order-1", "m0"))
+                retry = asyncio.create_task(host.send(Turn(tenant_id=tenant.id, session_id="s1", text="use lookup order-1", message_id="m0")))
         assert tenants.handler_calls == [("s1", "lookup", "order-1")]
         assert reply is not None and reply.replay and reply.reply == "done: " + '{"found":"order-1"}'
         uid = session_uid(tenant.id, "s1")

@@ -22,9 +22,10 @@ from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.executor import Executor, ToolCall, ToolOutcome
-from services.tools.model import WebhookTool, normalise_parameters, template_holes
+from services.tools.model import WebhookTool, normalise_parameters
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
+from services.tools.templating import template_holes
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import ERROR_BODY_WAIT_S, WebhookClient, WebhookToolBackend
 from tests.net_fakes import LoopbackOnlySockets, MapResolver

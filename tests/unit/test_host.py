@@ -16,6 +16,7 @@ import pytest
 from actors.host import HostSettings, LeaseLost, SessionHost
 from services.errors import ChatEngineError, Overloaded
 from services.llm.port import ToolResultBlock, ToolUseBlock
+from services.wire import ApprovalDecision, Turn
 from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
@@ -60,7 +61,7 @@ class World:
         until `store.hold` is set."""
         self.store.hold = asyncio.Event()
         host = await self.host(output_gate=True)
-        turn = asyncio.create_task(host.send("t1", "s1", text, "m1"))
+        turn = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text=text, message_id="m1")))
         await asyncio.wait_for(self.store.flush_entered.wait(), T)
         return host, turn
 
@@ -93,7 +94,7 @@ async def test_with_the_output_gate_a_reply_waits_for_the_flush_that_holds_its_s
     store.hold = asyncio.Event()
     host = await world.host(output_gate=True)
     seen_at_return: list[bool] = []
-    task = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    task = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")))
     task.add_done_callback(lambda _t: seen_at_return.append("m1" in store.turns[KEY]))
 
     await asyncio.wait_for(store.flush_entered.wait(), T)
@@ -122,7 +123,7 @@ async def test_the_reply_says_how_long_its_turn_took_and_how_much_of_it_was_the_
     assert 200 <= timing.gate_ms <= timing.host_ms
 
     ungated = await world.host("h2", output_gate=False)
-    timing = (await asyncio.wait_for(ungated.send("t1", "s2", "hello", "m2"), T)).timing
+    timing = (await asyncio.wait_for(ungated.send(Turn(tenant_id="t1", session_id="s2", text="hello", message_id="m2")), T)).timing
     assert timing is not None and timing.gate_ms == 0 and timing.host_ms > 0
 
 
@@ -130,11 +131,11 @@ async def test_a_turn_that_waited_while_its_session_was_passivated_is_timed_acro
     store = world.store
     store.hold = asyncio.Event()  # every flush waits until the end of the wait below
     host = await world.host(output_gate=False)
-    await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)  # released; its flush held
+    await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)  # released; its flush held
     entry = host._sessions[KEY]
     passivating = asyncio.create_task(host.passivate("t1", "s1"))  # holds the session until flushed
     await eventually(entry.lock.locked)
-    waiting = asyncio.create_task(host.send("t1", "s1", "again", "m2"))  # queued behind it
+    waiting = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="again", message_id="m2")))  # queued behind it
     await eventually(lambda: entry.queued == 1)
     await asyncio.sleep(0.1)
     store.hold.set()
@@ -148,7 +149,7 @@ async def test_without_the_output_gate_a_reply_does_not_wait_for_the_database(wo
     store = world.store
     store.hold = asyncio.Event()  # every flush hangs until the end of the test
     host = await world.host(output_gate=False)
-    reply = await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
     assert reply.reply == "echo: hello"
     assert store.turns[KEY] == {}  # not durable yet: the lossy benchmark mode
     store.hold.set()
@@ -176,7 +177,7 @@ async def test_the_session_view_is_503_while_its_state_cannot_be_saved_and_reads
     host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
     store.down = True
     with pytest.raises(Overloaded, match="retry with the same message_id"):
-        await asyncio.wait_for(host.send("t1", "s1", "use collect_lead ada", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use collect_lead ada", message_id="m1")), T)
     with pytest.raises(Overloaded, match="could not be saved yet") as info:
         await asyncio.wait_for(host.view("t1", "s1"), T)
     assert info.value.reason == "unsaved" and info.value.retry_after > 0
@@ -186,7 +187,7 @@ async def test_the_session_view_is_503_while_its_state_cannot_be_saved_and_reads
     # half a turn in memory (its message taken, its model call running): not shown; the caller
     # reads the stored session, which holds every acknowledged turn
     slow = model.hold("use lookup q")
-    turn = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m2"))
+    turn = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m2")))
     await asyncio.wait_for(model.entered("use lookup q").wait(), T)
     assert await asyncio.wait_for(host.view("t1", "s1"), T) is None
     slow.set()
@@ -201,7 +202,7 @@ async def test_fifty_sessions_sending_at_once_share_a_few_flushes(world):
     store, model = world.store, world.model
     hold = model.hold("go")
     host = await world.host(flush_interval_s=0.02)
-    tasks = [asyncio.create_task(host.send("t1", f"s{i}", "go", f"m{i}")) for i in range(50)]
+    tasks = [asyncio.create_task(host.send(Turn(tenant_id="t1", session_id=f"s{i}", text="go", message_id=f"m{i}"))) for i in range(50)]
     await eventually(lambda: sum(1 for kind, text in model.log if kind == "enter" and text == "go") == 50)
     hold.set()  # all fifty turns finish in one burst
     replies = await asyncio.wait_for(asyncio.gather(*tasks), T)
@@ -219,7 +220,7 @@ async def test_a_turn_alone_on_its_host_is_flushed_without_waiting_out_the_group
     # A window far longer than the bound: waiting it out would fail the wait_for below.
     host = await world.host(flush_interval_s=60.0)
     for n in range(3):  # each turn alone: each flushed at once, in a transaction of its own
-        reply = await asyncio.wait_for(host.send("t1", "s1", f"hello {n}", f"m{n}"), T)
+        reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text=f"hello {n}", message_id=f"m{n}")), T)
         assert reply.reply == f"echo: hello {n}"
     assert world.store.deltas_per_flush == [1, 1, 1]
     assert set(world.store.turns[KEY]) == {"m0", "m1", "m2"}
@@ -231,9 +232,9 @@ async def test_a_turn_finishing_while_another_runs_waits_for_it_and_both_share_o
     store, model = world.store, world.model
     slow = model.hold("slow")
     host = await world.host(flush_interval_s=60.0)
-    running = asyncio.create_task(host.send("t1", "s2", "slow", "m-slow"))
+    running = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s2", text="slow", message_id="m-slow")))
     await asyncio.wait_for(model.entered("slow").wait(), T)
-    fast = asyncio.create_task(host.send("t1", "s1", "fast", "m-fast"))
+    fast = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="fast", message_id="m-fast")))
     await eventually(lambda: ("exit", "fast") in model.log)
     await spin()
     assert not fast.done(), "a turn was released before the window of the other running turn closed"
@@ -253,11 +254,11 @@ async def test_a_flush_never_takes_a_turn_half_done(world):
     store, model = world.store, world.model
     other, second = model.hold("other"), model.hold("second")
     host = await world.host(flush_interval_s=0.2)
-    busy = asyncio.create_task(host.send("t1", "s2", "other", "m-other"))  # keeps the window open
+    busy = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s2", text="other", message_id="m-other")))  # keeps the window open
     await asyncio.wait_for(model.entered("other").wait(), T)
-    first = asyncio.create_task(host.send("t1", "s1", "first", "m1"))
+    first = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="first", message_id="m1")))
     await eventually(lambda: ("exit", "first") in model.log)
-    running = asyncio.create_task(host.send("t1", "s1", "second", "m2"))
+    running = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="second", message_id="m2")))
     await asyncio.wait_for(model.entered("second").wait(), T)  # its user message is in memory now
     assert (await asyncio.wait_for(first, T)).reply == "echo: first"  # flushed when the window ran out
     assert store.texts(KEY) == ["first", "echo: first"], "a flush wrote part of a turn in progress"
@@ -311,17 +312,17 @@ async def test_a_turn_that_fails_half_way_is_kept_whole_but_unanswered_and_its_i
     scripted = failing_after_tools(model)
     host = await world.host()
     with pytest.raises(RuntimeError, match="a bug in the turn"):
-        await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup boom", message_id="m1")), T)
     await eventually(lambda: store.seqs(KEY) == [0, 1, 2])  # flushed without waiting for a next turn
     assert store.texts(KEY) == ["use lookup boom"] and "m1" not in store.turns[KEY]
     assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
     assert store.usage[KEY] == {"main": [10, 3]} and store.snapshots[KEY].message_count == 3
     model.stream = scripted
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)).reply == "echo: hello"
     assert [m.role for m in model.requests[-1].messages] == ["user", "assistant", "user", "user"]
     assert_paired(model.requests[-1].messages)
     # never answered, so the same message id runs again (its tool with the same idempotency key)
-    retried = await asyncio.wait_for(host.send("t1", "s1", "use lookup boom", "m1"), T)
+    retried = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup boom", message_id="m1")), T)
     assert retried.reply.startswith("done: ") and world.calls() == [("lookup", "boom")] * 2
     assert store.seqs(KEY) == list(range(9)) and set(store.turns[KEY]) == {"m1", "m2"}
 
@@ -340,9 +341,9 @@ async def test_a_turn_that_fails_between_a_tool_call_and_its_result_leaves_the_c
     monkeypatch.setattr(core, "_prepare", broken)
     host = await world.host()
     with pytest.raises(RuntimeError, match="the executor broke"):
-        await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")), T)
     monkeypatch.undo()
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)).reply == "echo: hello"
     shown = model.requests[-1].messages
     assert_paired(shown)
     assert [(b.content, b.is_error) for b in shown[2].content] == [(INTERRUPTED_RESULT, True)]
@@ -355,18 +356,18 @@ async def test_an_approval_whose_resumed_turn_failed_stays_decided_and_never_run
     store, tenants, model = world.store, world.tenants, world.model
     offer_only_book(tenants)
     host = await world.host()
-    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    held = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use book q", message_id="m0")), T)
     approval = held.pending_approval.approval_id
     scripted = failing_after_tools(model)
     with pytest.raises(RuntimeError, match="a bug in the turn"):
-        await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
+        await asyncio.wait_for(host.decide(ApprovalDecision(tenant_id="t1", session_id="s1", approval_id=approval, approve=True)), T)
     model.stream = scripted
     assert world.calls() == [("lookup", "q")]
     with pytest.raises(SessionError, match="was decided but the turn it resumed stopped"):
-        await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
+        await asyncio.wait_for(host.decide(ApprovalDecision(tenant_id="t1", session_id="s1", approval_id=approval, approve=True)), T)
     assert world.calls() == [("lookup", "q")]
     await eventually(lambda: store.snapshots[KEY].pending is None)
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)).reply == "echo: hello"
     assert_paired(model.requests[-1].messages)
     assert world.calls() == [("lookup", "q")]
 
@@ -384,10 +385,10 @@ async def test_a_turn_that_fails_as_it_holds_calls_for_approval_leaves_no_approv
             raise RuntimeError("the watcher broke")
 
     with pytest.raises(RuntimeError, match="the watcher broke"):
-        await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0", emit), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use book q", message_id="m0"), emit), T)
     await eventually(lambda: store.seqs(KEY) == [0, 1, 2])
     assert store.snapshots[KEY].pending is None
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)).reply == "echo: hello"
     assert_paired(model.requests[-1].messages)
     assert world.calls() == []
 
@@ -396,13 +397,13 @@ async def test_a_turn_cancelled_half_way_is_kept_and_written(world):
     store, model = world.store, world.model
     model.hold("use lookup q")
     host = await world.host()
-    task = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    task = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")))
     await asyncio.wait_for(model.entered("use lookup q").wait(), T)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await eventually(lambda: store.texts(KEY) == ["use lookup q"])
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)).reply == "echo: hello"
     assert store.texts(KEY) == ["use lookup q", "hello", "echo: hello"] and set(store.turns[KEY]) == {"m2"}
 
 
@@ -414,7 +415,7 @@ async def test_a_message_turn_that_fails_after_taking_over_a_held_approval_close
     store, tenants, model = world.store, world.tenants, world.model
     offer_only_book(tenants)
     host = await world.host()
-    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    held = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use book q", message_id="m0")), T)
     assert held.pending_approval is not None
 
     def broken(*args):
@@ -422,9 +423,9 @@ async def test_a_message_turn_that_fails_after_taking_over_a_held_approval_close
 
     monkeypatch.setattr(core, "_declined_results", broken)
     with pytest.raises(RuntimeError, match="a bug in the turn"):
-        await asyncio.wait_for(host.send("t1", "s1", "never mind", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="never mind", message_id="m1")), T)
     monkeypatch.undo()
-    assert (await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)).reply == "echo: hello"
+    assert (await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)).reply == "echo: hello"
     assert_paired(model.requests[-1].messages)
     assert store.snapshots[KEY].pending is None and world.calls() == []
 
@@ -439,8 +440,8 @@ async def test_while_the_database_is_down_replies_wait_and_after_it_recovers_all
     sessions = [f"s{i}" for i in range(5)]
     tasks = []
     for sid in sessions:  # two turns per session: the second runs while the first waits
-        tasks.append(asyncio.create_task(host.send("t1", sid, f"use collect_lead {sid}", f"{sid}-a")))
-        tasks.append(asyncio.create_task(host.send("t1", sid, f"use lookup {sid}", f"{sid}-b")))
+        tasks.append(asyncio.create_task(host.send(Turn(tenant_id="t1", session_id=sid, text=f"use collect_lead {sid}", message_id=f"{sid}-a"))))
+        tasks.append(asyncio.create_task(host.send(Turn(tenant_id="t1", session_id=sid, text=f"use lookup {sid}", message_id=f"{sid}-b"))))
 
     await eventually(lambda: store.failed_flushes >= 3 and len(world.tenants.handler_calls) == 10)
     await spin()
@@ -469,9 +470,9 @@ async def test_a_flush_whose_acknowledgement_was_lost_is_retried_and_nothing_is_
     store = world.store
     host = await world.host()
     store.lose_ack_next = 1
-    first = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    first = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")))
     await eventually(lambda: store.failed_flushes == 1)  # committed, unacknowledged: 50 ms of backoff
-    second = await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
+    second = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)
     assert (await asyncio.wait_for(first, T)).reply.startswith("done: ") and second.reply == "echo: hello"
     assert store.skipped_usage, "the retry carried the first turn's tokens again, and they were skipped"
     assert store.usage[KEY] == {"main": [20, 6], "cheap": [10, 3]}
@@ -484,16 +485,16 @@ async def test_a_reply_that_cannot_be_saved_in_time_is_overloaded_and_a_retry_re
     host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
     store.down = True
     with pytest.raises(Overloaded, match="retry with the same message_id") as info:
-        await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q1", message_id="m1")), T)
     assert info.value.retry_after > 0
     assert world.calls() == [("lookup", "q1")]
 
     # still down: the retry is not answered from memory either, and runs nothing
     with pytest.raises(Overloaded, match="retry with the same message_id"):
-        await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q1", message_id="m1")), T)
 
     store.down = False
-    reply = await asyncio.wait_for(host.send("t1", "s1", "use lookup q1", "m1"), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q1", message_id="m1")), T)
     assert reply.message_id == "m1" and reply.reply == 'done: {"found":"q1"}'
     assert [c.name for c in reply.tool_calls] == ["lookup"]
     assert world.calls() == [("lookup", "q1")]  # the retry ran no tool again
@@ -507,13 +508,13 @@ async def test_a_retried_message_id_is_not_answered_before_the_first_answer_is_d
     host = await world.host(gate_timeout_s=0.1, max_backoff_s=0.02)
     store.down = True
     with pytest.raises(Overloaded):
-        await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
     # the database comes back, but the flush carrying m1 is still in flight
     store.hold = asyncio.Event()
     store.flush_entered.clear()
     store.down = False
     await asyncio.wait_for(store.flush_entered.wait(), T)
-    retry = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    retry = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")))
     await spin()
     assert not retry.done(), "the retry was answered while its state was not yet written"
     store.hold.set()
@@ -526,10 +527,10 @@ async def test_an_idle_session_with_unsaved_state_still_takes_messages_while_the
     host = await world.host(idle_seconds=0.05, gate_timeout_s=0.1, max_backoff_s=0.02)
     store.down = True
     with pytest.raises(Overloaded):
-        await asyncio.wait_for(host.send("t1", "s1", "first", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="first", message_id="m1")), T)
     await asyncio.sleep(0.3)  # several idle sweeps pass over the unsaved session
     assert host.live_sessions == 1  # its state exists only here: it must not be dropped
-    second = asyncio.create_task(host.send("t1", "s1", "second", "m2"))
+    second = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="second", message_id="m2")))
     await asyncio.wait_for(model.entered("second").wait(), T)  # not stuck behind a passivation
     store.down = False
     reply = await asyncio.wait_for(second, T)
@@ -543,12 +544,12 @@ async def test_past_its_session_cap_a_host_passivates_the_least_recently_used_id
     store = world.store
     host = await world.host(max_sessions=10)
     for i in range(14):
-        await asyncio.wait_for(host.send("t1", f"s{i}", "hello", f"m{i}"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id=f"s{i}", text="hello", message_id=f"m{i}")), T)
     assert host.live_sessions == 14  # the sweep, every few seconds, brings it down
     assert await host.sweep(cutoff=0.0) == 5  # the 4 over the cap, and a tenth of it more
     assert sorted(k[1] for k in host._sessions) == sorted(f"s{i}" for i in range(5, 14))
     assert all(f"m{i}" in store.turns[("t1", f"s{i}")] for i in range(14))  # written, nothing lost
-    reply = await asyncio.wait_for(host.send("t1", "s0", "again", "m20"), T)  # re-activated from the store
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s0", text="again", message_id="m20")), T)  # re-activated from the store
     assert reply.reply == "echo: again" and store.texts(("t1", "s0"))[:2] == ["hello", "echo: hello"]
     assert await host.sweep(cutoff=0.0) == 0  # at the cap: nothing more
 
@@ -560,17 +561,17 @@ async def test_a_takeover_by_another_host_refuses_the_stale_copy_and_the_next_me
     store, model = world.store, world.model
     h1 = await world.host("h1")
     h2 = await world.host("h2")
-    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
-    await asyncio.wait_for(h2.send("t1", "s1", "from h2", "m2"), T)  # takes the lease: epoch 2
+    await asyncio.wait_for(h1.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
+    await asyncio.wait_for(h2.send(Turn(tenant_id="t1", session_id="s1", text="from h2", message_id="m2")), T)  # takes the lease: epoch 2
     assert store.epochs[KEY] == 2
 
     with pytest.raises(LeaseLost, match="taken over by another activation"):
-        await asyncio.wait_for(h1.send("t1", "s1", "stale", "m3"), T)
+        await asyncio.wait_for(h1.send(Turn(tenant_id="t1", session_id="s1", text="stale", message_id="m3")), T)
     assert store.refused == [(KEY, 1)]
     assert h1.live_sessions == 0  # the stale copy is gone
     assert "stale" not in store.texts(KEY)
 
-    reply = await asyncio.wait_for(h1.send("t1", "s1", "again", "m4"), T)
+    reply = await asyncio.wait_for(h1.send(Turn(tenant_id="t1", session_id="s1", text="again", message_id="m4")), T)
     assert reply.reply == "echo: again"
     assert store.epochs[KEY] == 3 and store.activations[-1] == (KEY, h1.owner, 3)
     seen = [b.text for m in model.requests[-1].messages for b in m.content]
@@ -582,11 +583,11 @@ async def test_a_takeover_by_another_host_refuses_the_stale_copy_and_the_next_me
 async def test_a_turn_that_ran_on_a_copy_evicted_meanwhile_is_not_reported_as_saved(world):
     store, model = world.store, world.model
     h1 = await world.host("h1")
-    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
+    await asyncio.wait_for(h1.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
     await store.activate("t1", "s1", "elsewhere")  # another host takes the lease
     slow = model.hold("second")
-    first = asyncio.create_task(h1.send("t1", "s1", "first", "m2"))
-    second = asyncio.create_task(h1.send("t1", "s1", "second", "m3"))
+    first = asyncio.create_task(h1.send(Turn(tenant_id="t1", session_id="s1", text="first", message_id="m2")))
+    second = asyncio.create_task(h1.send(Turn(tenant_id="t1", session_id="s1", text="second", message_id="m3")))
     await asyncio.wait_for(model.entered("second").wait(), T)  # runs on the stale copy
     with pytest.raises(LeaseLost):
         await asyncio.wait_for(first, T)  # its flush was refused and the copy evicted
@@ -599,13 +600,13 @@ async def test_a_turn_that_ran_on_a_copy_evicted_meanwhile_is_not_reported_as_sa
 async def test_a_turn_finished_while_the_refused_flush_was_in_flight_is_not_reported_as_saved(world):
     store, model = world.store, world.model
     h1 = await world.host("h1")
-    await asyncio.wait_for(h1.send("t1", "s1", "hello", "m1"), T)
+    await asyncio.wait_for(h1.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
     await store.activate("t1", "s1", "elsewhere")  # another host takes the lease
     store.hold = asyncio.Event()
     store.flush_entered.clear()
-    first = asyncio.create_task(h1.send("t1", "s1", "first", "m2"))
+    first = asyncio.create_task(h1.send(Turn(tenant_id="t1", session_id="s1", text="first", message_id="m2")))
     await asyncio.wait_for(store.flush_entered.wait(), T)  # first's delta is in flight
-    second = asyncio.create_task(h1.send("t1", "s1", "second", "m3"))
+    second = asyncio.create_task(h1.send(Turn(tenant_id="t1", session_id="s1", text="second", message_id="m3")))
     await eventually(lambda: ("exit", "second") in model.log)  # done, its delta not yet taken
     store.hold.set()  # the flush comes back refused: the copy is evicted
     with pytest.raises(LeaseLost):
@@ -622,7 +623,7 @@ async def test_twenty_concurrent_first_messages_activate_the_session_once(world)
     store = world.store
     store.activate_hold = asyncio.Event()
     host = await world.host(mailbox=32)
-    tasks = [asyncio.create_task(host.send("t1", "s1", f"hi {i}", f"m{i}")) for i in range(20)]
+    tasks = [asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text=f"hi {i}", message_id=f"m{i}"))) for i in range(20)]
     await asyncio.wait_for(store.activate_entered.wait(), T)
     await spin()
     store.activate_hold.set()
@@ -636,9 +637,9 @@ async def test_turns_of_one_session_run_one_after_another(world):
     model = world.model
     slow = model.hold("slow")
     host = await world.host()
-    first = asyncio.create_task(host.send("t1", "s1", "slow", "m1"))
+    first = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="slow", message_id="m1")))
     await asyncio.wait_for(model.entered("slow").wait(), T)
-    second = asyncio.create_task(host.send("t1", "s1", "fast", "m2"))
+    second = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="fast", message_id="m2")))
     await spin()
     assert not model.entered("fast").is_set(), "a second turn started while the first was running"
     slow.set()
@@ -650,9 +651,9 @@ async def test_a_full_mailbox_turns_away_the_flood_and_the_admitted_messages_com
     model = world.model
     slow = model.hold("busy")
     host = await world.host(mailbox=2)
-    running = asyncio.create_task(host.send("t1", "s1", "busy", "m0"))
+    running = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="busy", message_id="m0")))
     await asyncio.wait_for(model.entered("busy").wait(), T)
-    flood = [asyncio.create_task(host.send("t1", "s1", f"more {i}", f"m{i + 1}")) for i in range(10)]
+    flood = [asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text=f"more {i}", message_id=f"m{i + 1}"))) for i in range(10)]
     await eventually(lambda: sum(t.done() for t in flood) >= 8)
     await spin()
     refused = [t for t in flood if t.done()]
@@ -671,14 +672,14 @@ async def test_a_host_at_capacity_sheds_new_turns_with_503_and_admits_again_when
     model = world.model
     slow = model.hold("busy")
     host = await world.host(max_inflight=2)
-    running = [asyncio.create_task(host.send(f"t{i}", f"s{i}", "busy", f"m{i}")) for i in range(2)]
+    running = [asyncio.create_task(host.send(Turn(tenant_id=f"t{i}", session_id=f"s{i}", text="busy", message_id=f"m{i}"))) for i in range(2)]
     await asyncio.wait_for(model.entered("busy").wait(), T)
     with pytest.raises(Overloaded, match="at capacity") as info:
-        await host.send("t3", "s9", "hello", "m9")
+        await host.send(Turn(tenant_id="t3", session_id="s9", text="hello", message_id="m9"))
     assert info.value.status == 503 and info.value.retry_after > 0
     slow.set()
     await asyncio.wait_for(asyncio.gather(*running), T)
-    reply = await asyncio.wait_for(host.send("t3", "s9", "hello", "m9"), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t3", session_id="s9", text="hello", message_id="m9")), T)
     assert reply.reply == "echo: hello"
 
 
@@ -687,17 +688,17 @@ async def test_one_tenant_takes_at_most_half_a_host_and_the_others_still_get_in(
     model = world.model
     slow = model.hold("busy")
     host = await world.host(max_inflight=4)
-    running = [asyncio.create_task(host.send("t1", f"s{i}", "busy", f"m{i}")) for i in range(2)]
+    running = [asyncio.create_task(host.send(Turn(tenant_id="t1", session_id=f"s{i}", text="busy", message_id=f"m{i}"))) for i in range(2)]
     await eventually(lambda: len(model.requests) == 2)
     with pytest.raises(Overloaded, match="the most one tenant may have there") as info:
-        await host.send("t1", "s9", "hello", "m9")
+        await host.send(Turn(tenant_id="t1", session_id="s9", text="hello", message_id="m9"))
     assert info.value.status == 429 and info.value.reason == "tenant_concurrency"
-    other = await asyncio.wait_for(host.send("t2", "s1", "hello", "m1"), T)  # another tenant is served
+    other = await asyncio.wait_for(host.send(Turn(tenant_id="t2", session_id="s1", text="hello", message_id="m1")), T)  # another tenant is served
     assert other.reply == "echo: hello"
     slow.set()
     await asyncio.wait_for(asyncio.gather(*running), T)
     assert host._tenant_running == {}  # released, nothing kept per tenant
-    reply = await asyncio.wait_for(host.send("t1", "s9", "hello", "m9"), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s9", text="hello", message_id="m9")), T)
     assert reply.reply == "echo: hello"
 
 
@@ -707,7 +708,7 @@ async def test_one_tenant_takes_at_most_half_a_host_and_the_others_still_get_in(
 async def test_an_idle_session_is_flushed_dropped_and_reactivated_with_its_state(world):
     store, model = world.store, world.model
     host = await world.host(idle_seconds=0.05)
-    first = await asyncio.wait_for(host.send("t1", "s1", "use collect_lead ada", "m1"), T)
+    first = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use collect_lead ada", message_id="m1")), T)
     assert [c.name for c in first.tool_calls] == ["collect_lead"]
     assert {t.name for t in model.requests[0].tools} == {"lookup", "collect_lead"}
 
@@ -715,7 +716,7 @@ async def test_an_idle_session_is_flushed_dropped_and_reactivated_with_its_state
     assert store.variables[KEY] == {"lead_collected": "true"}
 
     model.requests.clear()
-    reply = await asyncio.wait_for(host.send("t1", "s1", "hello", "m2"), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m2")), T)
     assert reply.reply == "echo: hello"
     assert len(store.activations) == 2
     request = model.requests[0]
@@ -729,7 +730,7 @@ async def test_passivating_while_a_flush_is_in_flight_loses_nothing_when_that_fl
     store = world.store
     host = await world.host(max_backoff_s=0.02)
     store.hold = asyncio.Event()
-    send = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+    send = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")))
     await asyncio.wait_for(store.flush_entered.wait(), T)  # the turn's state is in flight
     passivate = asyncio.create_task(host.passivate("t1", "s1"))
     await spin()
@@ -746,12 +747,12 @@ async def test_passivating_while_a_flush_is_in_flight_loses_nothing_when_that_fl
 async def test_a_message_id_answered_before_passivation_returns_the_stored_reply_and_runs_nothing(world):
     store, model = world.store, world.model
     host = await world.host()
-    first = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    first = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")), T)
     assert await host.passivate("t1", "s1") is True
     assert host.live_sessions == 0
     requests, get_turns = len(model.requests), store.get_turn_calls
 
-    again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    again = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")), T)
     assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
     # re-activation loads the recent answers, so the retry needs no per-message read
     assert store.get_turn_calls == get_turns and len(store.activations) == 2
@@ -764,14 +765,14 @@ async def test_a_session_lets_go_of_what_a_flush_took_once_it_is_written(world):
     snapshot, the turn's messages, tool calls and answer): with 10,000 cached sessions that was
     about a kilobyte each. A flush that fails still hands its turns back (Postgres away, below)."""
     host = await world.host(output_gate=True)
-    await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m1"), T)
+    await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")), T)
     state = host._sessions[KEY].state
     assert not state.dirty
     assert state._taken == [] and state._unwritten_turns() == set()
 
     world.store.down = True  # the next flush fails: its turn is unwritten again, not let go
     ungated = await world.host("h2", output_gate=False)
-    await asyncio.wait_for(ungated.send("t1", "s2", "hello", "m2"), T)
+    await asyncio.wait_for(ungated.send(Turn(tenant_id="t1", session_id="s2", text="hello", message_id="m2")), T)
     other = ungated._sessions[("t1", "s2")].state
     await eventually(lambda: world.store.failed_flushes > 0 and other._taken == [])
     assert other.dirty and other._unwritten_turns() == {"m2"}
@@ -787,11 +788,11 @@ async def test_a_message_id_older_than_the_turn_cache_is_looked_up_in_the_store(
 
     store, model = world.store, world.model
     host = await world.host()
-    first = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m0"), T)
+    first = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m0")), T)
     for i in range(1, TURN_CACHE + 1):
-        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id=f"m{i}")), T)
     requests, get_turns = len(model.requests), store.get_turn_calls
-    again = await asyncio.wait_for(host.send("t1", "s1", "use lookup q", "m0"), T)
+    again = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m0")), T)
     assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
     assert store.get_turn_calls == get_turns + 1 and host.stats()["stored_turn_reads"] == 1
     assert len(model.requests) == requests and world.calls() == [("lookup", "q")]
@@ -803,19 +804,19 @@ async def test_an_id_made_up_for_the_message_is_not_looked_up_even_past_the_turn
     store = world.store
     host = await world.host()
     for i in range(TURN_CACHE + 4):  # from the 66th on, the cache has dropped m0: any id may be stored
-        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}", new_id=True), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id=f"m{i}"), new_id=True), T)
     assert store.get_turn_calls == 0
-    reply = await asyncio.wait_for(host.send("t1", "s1", "hello again", "made-up", new_id=True), T)
+    reply = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello again", message_id="made-up"), new_id=True), T)
     assert not reply.replay and store.get_turn_calls == 0
-    events = [e async for e in host.stream("t1", "s1", "and again", "made-up-2", new_id=True)]
+    events = [e async for e in host.stream(Turn(tenant_id="t1", session_id="s1", text="and again", message_id="made-up-2"), new_id=True)]
     assert events[-1].event == "done" and store.get_turn_calls == 0
 
     # a client's id (or a retry's) is looked for: it may be the answer to an old message
-    await asyncio.wait_for(host.send("t1", "s1", "hello", "client-id"), T)
-    again = await asyncio.wait_for(host.send("t1", "s1", "hello", "m0"), T)
+    await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="client-id")), T)
+    again = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m0")), T)
     assert again.replay and store.get_turn_calls == 2 and host.stats()["stored_turn_reads"] == 2
     for i in range(10):  # old answers read back stay within the cache's bound
-        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id=f"m{i}")), T)
     assert len(host._sessions[KEY].state.turns) <= TURN_CACHE
 
 
@@ -825,16 +826,16 @@ async def test_an_approval_decided_long_ago_answers_again_from_the_store_and_run
     store, tenants = world.store, world.tenants
     offer_only_book(tenants)
     host = await world.host()
-    held = await asyncio.wait_for(host.send("t1", "s1", "use book q", "m0"), T)
+    held = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use book q", message_id="m0")), T)
     approval = held.pending_approval.approval_id
-    first = await asyncio.wait_for(host.decide("t1", "s1", approval, True), T)
+    first = await asyncio.wait_for(host.decide(ApprovalDecision(tenant_id="t1", session_id="s1", approval_id=approval, approve=True)), T)
     assert first.reply == "done: {\"found\":\"q\"}" and world.calls() == [("lookup", "q")]
     for i in range(1, TURN_CACHE + 1):  # m0's answer leaves the turn cache
-        await asyncio.wait_for(host.send("t1", "s1", "hello", f"m{i}"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id=f"m{i}")), T)
     assert await host.passivate("t1", "s1") is True
     requests, get_turns = len(world.model.requests), store.get_turn_calls
 
-    again = await asyncio.wait_for(host.decide("t1", "s1", approval, False), T)
+    again = await asyncio.wait_for(host.decide(ApprovalDecision(tenant_id="t1", session_id="s1", approval_id=approval, approve=False)), T)
     assert answer(again) == answer(msgspec.structs.replace(first, replay=True))
     assert store.get_turn_calls == get_turns + 1 and host.stats()["stored_turn_reads"] == 1
     assert len(world.model.requests) == requests and world.calls() == [("lookup", "q")]
@@ -848,7 +849,7 @@ async def test_stop_finishes_the_running_turn_flushes_it_and_turns_later_message
     store, model = world.store, world.model
     host = await world.host(flush_interval_s=30.0)  # only stop() will flush
     slow = model.hold("last words")
-    send = asyncio.create_task(host.send("t1", "s1", "last words", "m1"))
+    send = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="last words", message_id="m1")))
     await asyncio.wait_for(model.entered("last words").wait(), T)
     stop = asyncio.create_task(host.stop())
     await spin()
@@ -858,7 +859,7 @@ async def test_stop_finishes_the_running_turn_flushes_it_and_turns_later_message
     reply = await asyncio.wait_for(send, T)
     assert reply.reply == "echo: last words" and "m1" in store.turns[KEY]
     with pytest.raises(Overloaded, match="shutting down") as info:
-        await host.send("t1", "s1", "anyone?", "m2")
+        await host.send(Turn(tenant_id="t1", session_id="s1", text="anyone?", message_id="m2"))
     assert info.value.retry_after > 0
 
 
@@ -869,9 +870,9 @@ async def test_a_turn_admitted_just_before_stop_runs_nothing_once_stop_has_begun
     # having run nothing, and stop() waits for it before stopping the flusher.
     store, tenants = world.store, world.tenants
     host = await world.host(output_gate=False, flush_interval_s=30.0)  # only stop() will flush
-    await asyncio.wait_for(host.send("t1", "s1", "warm up", "m0"), T)
+    await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="warm up", message_id="m0")), T)
     tenants.env_hold, tenants.env_entered = asyncio.Event(), asyncio.Event()
-    send = asyncio.create_task(host.send("t1", "s1", "use lookup 7", "m1"))
+    send = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup 7", message_id="m1")))
     await asyncio.wait_for(tenants.env_entered.wait(), T)
     stop = asyncio.create_task(host.stop())
     await spin()
@@ -889,9 +890,9 @@ async def test_stop_flushes_state_that_was_not_yet_written(world):
     slow = model.hold("slow")
     host = await world.host(output_gate=False, flush_interval_s=30.0)
     # another turn running keeps the flusher in its (long) group-commit window
-    other = asyncio.create_task(host.send("t1", "s2", "slow", "m2"))
+    other = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s2", text="slow", message_id="m2")))
     await asyncio.wait_for(model.entered("slow").wait(), T)
-    await asyncio.wait_for(host.send("t1", "s1", "hello", "m1"), T)
+    await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")), T)
     assert store.turns[KEY] == {}
     stopping = asyncio.create_task(host.stop())
     await spin()
@@ -912,7 +913,7 @@ async def test_stop_is_bounded_by_a_turn_stuck_in_a_model_call_and_keeps_what_it
     monkeypatch.setattr(host_module, "STOP_GRACE_S", 0.1)
     host = await world.host(gate_timeout_s=0.1)
     model.hold("")  # the round after the tool result
-    turn = asyncio.create_task(host.send("t1", "s1", "use lookup q", "m1"))
+    turn = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")))
     await asyncio.wait_for(model.entered("<tool results>").wait(), T)
     await asyncio.wait_for(host.stop(), 2.0)
     with pytest.raises(Overloaded, match="stopped while the turn was still running") as info:
@@ -931,7 +932,7 @@ async def test_stream_yields_tool_events_and_text_then_done_once_durable(world):
     events = []
     durable_at_done = None
     async with asyncio.timeout(T):
-        async for event in host.stream("t1", "s1", "use lookup q", "m1"):
+        async for event in host.stream(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")):
             events.append(event)
             if event.event == "done":
                 durable_at_done = "m1" in store.turns[KEY]
@@ -950,7 +951,7 @@ async def test_a_stream_whose_turn_fails_raises_its_error_after_the_events_befor
     events = []
     with pytest.raises(Overloaded, match="retry with the same message_id") as info:
         async with asyncio.timeout(T):
-            async for event in host.stream("t1", "s1", "use lookup q", "m1"):
+            async for event in host.stream(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1")):
                 events.append(event.event)
     assert events == ["tool_call", "tool_result", "text"] and info.value.reason == "unsaved"
 
@@ -958,7 +959,7 @@ async def test_a_stream_whose_turn_fails_raises_its_error_after_the_events_befor
 async def test_a_stream_abandoned_after_its_first_event_still_completes_and_is_saved(world):
     store = world.store
     host = await world.host()
-    gen = host.stream("t1", "s1", "use lookup q", "m1")
+    gen = host.stream(Turn(tenant_id="t1", session_id="s1", text="use lookup q", message_id="m1"))
     first = await asyncio.wait_for(gen.__anext__(), T)
     assert first.event == "tool_call"
     await gen.aclose()
@@ -992,8 +993,8 @@ async def test_one_sessions_unsavable_data_does_not_hold_the_other_sessions_repl
     refuse_flushes(store, lambda d: d.session_id == "bad")
     host = await world.host()
     results = await asyncio.wait_for(asyncio.gather(
-        *(host.send("t1", f"s{i}", "hello", f"m{i}") for i in range(5)),
-        host.send("t1", "bad", "hello", "mbad"), return_exceptions=True), T)
+        *(host.send(Turn(tenant_id="t1", session_id=f"s{i}", text="hello", message_id=f"m{i}")) for i in range(5)),
+        host.send(Turn(tenant_id="t1", session_id="bad", text="hello", message_id="mbad")), return_exceptions=True), T)
     assert [r.reply for r in results[:5]] == ["echo: hello"] * 5  # the others were written
     assert isinstance(results[5], TurnNotSaved) and "send the message again" in str(results[5])
     assert all("m" + str(i) in store.turns[("t1", f"s{i}")] for i in range(5))
@@ -1010,9 +1011,9 @@ async def test_a_good_turn_is_kept_when_a_later_turn_of_its_session_is_unsavable
     refuse_flushes(store, lambda d: any("POISON" in str(m.content) for m in d.messages))
     host = await world.host()
     store.fail_next = 1
-    first = asyncio.create_task(host.send("t1", "s1", "use lookup good", "m1"))
+    first = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup good", message_id="m1")))
     await eventually(lambda: store.failed_flushes == 1)  # m1 back in its session: 50 ms of backoff
-    second = asyncio.create_task(host.send("t1", "s1", "POISON", "m2"))
+    second = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="POISON", message_id="m2")))
     r1, r2 = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), T)
     assert isinstance(r2, TurnNotSaved) and "send the message again" in str(r2)
     assert not isinstance(r1, Exception) and r1.reply == 'done: {"found":"good"}'
@@ -1020,5 +1021,5 @@ async def test_a_good_turn_is_kept_when_a_later_turn_of_its_session_is_unsavable
     assert [c.tool_name for c in store.tool_calls[KEY]] == ["lookup"]
     assert store.usage[KEY] == {"main": [10, 3], "cheap": [10, 3]} and store.duplicates == []
     assert KEY not in host._sessions  # the copy holding m2 is dropped; the session goes on from the store
-    again = await asyncio.wait_for(host.send("t1", "s1", "use lookup good", "m1"), T)
+    again = await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="use lookup good", message_id="m1")), T)
     assert again.replay and world.calls() == [("lookup", "good")]  # m1's tool ran once

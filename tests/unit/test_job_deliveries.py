@@ -13,6 +13,7 @@ import pytest
 
 from actors.host import HostSettings, SessionHost
 from actors.session import JOBS_KEY
+from services.wire import Turn
 from storage.records import JobRecord
 from tests.unit.host_fakes import FakeSessionStore, FakeTenants
 
@@ -41,7 +42,7 @@ async def world():
     host = SessionHost(name="h", store=store, tenants=tenants, jobs=FakeJobs(_done("j1"), _done("j2")),
                        settings=HostSettings())
     await host.start()
-    await asyncio.wait_for(host.send(*KEY, "hello", "m0"), T)  # activated, one turn done
+    await asyncio.wait_for(host.send(Turn(tenant_id=KEY[0], session_id=KEY[1], text="hello", message_id="m0")), T)  # activated, one turn done
     host._sessions[KEY].state.snapshot.extra[JOBS_KEY] = ["j1", "j2", "j3"]  # j3 still running
     try:
         yield host, store, tenants
@@ -63,12 +64,12 @@ async def test_the_retry_of_a_failed_turn_delivers_the_jobs_it_had_taken(world):
     host, _, tenants = world
     restore = _fail_the_model(tenants)
     with pytest.raises(RuntimeError):
-        await asyncio.wait_for(host.send(*KEY, "anything new?", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id=KEY[0], session_id=KEY[1], text="anything new?", message_id="m1")), T)
     restore()
-    retried = await asyncio.wait_for(host.send(*KEY, "anything new?", "m1"), T)
+    retried = await asyncio.wait_for(host.send(Turn(tenant_id=KEY[0], session_id=KEY[1], text="anything new?", message_id="m1")), T)
     assert [d["job_id"] for d in retried.deliveries] == ["j1", "j2"]
     assert host._sessions[KEY].state.snapshot.extra[JOBS_KEY] == ["j3"]
-    later = await asyncio.wait_for(host.send(*KEY, "thanks", "m2"), T)
+    later = await asyncio.wait_for(host.send(Turn(tenant_id=KEY[0], session_id=KEY[1], text="thanks", message_id="m2")), T)
     assert later.deliveries == []  # once
 
 
@@ -76,7 +77,7 @@ async def test_a_failed_turn_stores_the_jobs_it_took_as_still_waiting(world):
     host, store, tenants = world
     _fail_the_model(tenants)
     with pytest.raises(RuntimeError):
-        await asyncio.wait_for(host.send(*KEY, "anything new?", "m1"), T)
+        await asyncio.wait_for(host.send(Turn(tenant_id=KEY[0], session_id=KEY[1], text="anything new?", message_id="m1")), T)
     await host.flush_all()
     # a re-activation from the store (another host, a restart) delivers them too
     assert store.snapshots[KEY].extra[JOBS_KEY] == ["j1", "j2", "j3"]

@@ -30,6 +30,7 @@ from actors.lane import (
     frame,
     read_frame,
 )
+from services.wire import Turn
 
 
 class Host:
@@ -662,7 +663,7 @@ async def test_a_turn_lost_to_its_hosts_failure_takes_that_lane_but_never_a_newe
     name = p.actor_name("t", "s")
 
     async def stream() -> None:
-        async for _ in p.stream("t", "s", "hi", "m-stream"):
+        async for _ in p.stream(Turn(tenant_id="t", session_id="s", text="hi", message_id="m-stream")):
             pass
 
     await p._call("t", "s", "send", "t", "s", "one", "m1")
@@ -712,8 +713,10 @@ class HangingHost:
         self.address = self._run(self.server.start("127.0.0.1", (STREAM,)))
 
     async def _stream(self, method: str, args: list):
+        from actors.ray_host import command_decoder  # the host's `stream` takes one encoded command
+
         yield msgspec.json.encode({"event": "delta", "data": {"text": "first"}})
-        yield await self._dispatch(method, args[2:3])
+        yield await self._dispatch(method, [command_decoder.decode(args[0]).text])
 
     async def _dispatch(self, method: str, args: list) -> bytes:
         self.calls.append(args)
@@ -973,6 +976,7 @@ async def test_a_stream_on_a_hung_host_raises_lane_stalled(hanging_host):
 
 async def test_an_sse_turn_goes_over_a_lane_that_carries_streams_and_through_ray_otherwise():
     from actors.placement import Placement
+    from actors.ray_host import encode_command
     from services.settings import Settings
 
     host = StreamingHost()
@@ -993,16 +997,18 @@ async def test_an_sse_turn_goes_over_a_lane_that_carries_streams_and_through_ray
         yield msgspec.json.encode({"event": "done", "data": {}})
 
     server._stream = stream_dispatch
-    got = [(e.event, e.data) async for e in p.stream("t", "s", "hello", "m1")]
+    got = [(e.event, e.data) async for e in p.stream(Turn(tenant_id="t", session_id="s", text="hello", message_id="m1"))]
     assert got == [("delta", {"text": "hi"}), ("delta", {"text": "there"}), ("done", {})]
-    assert host.streamed == [["t", "s", "hello", "m1", None]] and fake.lookups == 1
+    # the command crosses encoded once (actors.ray_host.encode_command), as the host's `stream` takes it
+    sent = encode_command(Turn(tenant_id="t", session_id="s", text="hello", message_id="m1"))
+    assert host.streamed == [[sent]] and fake.lookups == 1
 
     # a host whose lane does not list STREAM (an earlier version): the same turn through Ray
     p.close_lanes()
     fake.address = msgspec.structs.replace(address, features=())
     fake.stream.gate.set()
     with pytest.raises(Exception, match="restarting"):  # _FailingStream: Ray's path was taken
-        async for _ in p.stream("t", "s", "hello", "m2"):
+        async for _ in p.stream(Turn(tenant_id="t", session_id="s", text="hello", message_id="m2")):
             pass
     assert len(host.streamed) == 1
     await server.close()
@@ -1019,7 +1025,7 @@ async def test_an_sse_turn_on_a_host_that_hangs_mid_stream_is_503_host_unrespons
     p._routed_handle = lambda _name: fake
     got = []
     with pytest.raises(Overloaded, match="has not answered") as hung, capture_logs():
-        async for event in p.stream("t", "s", "hang", "m1"):
+        async for event in p.stream(Turn(tenant_id="t", session_id="s", text="hang", message_id="m1")):
             got.append(event.data)
     assert got == [{"text": "first"}] and hung.value.reason == "host_unresponsive"
     hanging_host.wake()

@@ -41,9 +41,9 @@ from services.tools.model import (
 )
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy, check_destination
+from services.tools.templating import binding_arguments, render_request
 from services.tools.toolset import BREAKER_THRESHOLD, SessionToolState
 from services.tools.validation import ArgumentValidator
-from services.tools.webhook import binding_arguments, render_request
 from tests.unit.fakes import FakeHandler, make_catalog, python_tool
 from tests.unit.test_session_loop import ScriptedLLM
 

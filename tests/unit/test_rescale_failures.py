@@ -21,9 +21,10 @@ from actors import placement as placement_module
 from actors import ray_host
 from actors.host import HostSettings, SessionHost
 from actors.placement import Placement, RescaleFailed
-from actors.ray_host import SessionHostActor, result_decoder
+from actors.ray_host import SessionHostActor, encode_command, result_decoder
 from actors.sharding import host_name, route
 from services.settings import Settings
+from services.wire import Turn
 from storage.repos.cluster import ShardState
 from tests.unit.host_fakes import FakeSessionStore, FakeTenants
 from tests.unit.placement_fakes import FakeRay, FakeShardStore
@@ -75,7 +76,8 @@ class Cluster:
         return [(await self.ray.actor(n))._shard_state for n in sorted(self.ray.actors)]
 
     async def send(self, session_id: str, text: str, message_id: str) -> str:
-        reply = await asyncio.wait_for(self.gateway.send("t1", session_id, text, message_id), T)
+        turn = Turn(tenant_id="t1", session_id=session_id, text=text, message_id=message_id)
+        reply = await asyncio.wait_for(self.gateway.send(turn), T)
         return reply.reply
 
     def owners(self, session_id: str) -> list[str]:
@@ -236,17 +238,18 @@ async def test_a_host_leaves_the_pending_state_of_a_running_rescale_alone(cluste
     mover = movers(2, 3)[0]
     old = await cluster.actor(route(ShardState(shards=2), "t1", mover))
 
-    refused = result_decoder.decode(await old.send("t1", mover, "hello", "m-early"))
+    early = encode_command(Turn(tenant_id="t1", session_id=mover, text="hello", message_id="m-early"))
+    refused = result_decoder.decode(await old.send(early))
     assert refused.error is not None and refused.error.reason == "moved"
     await asyncio.wait_for(old._refresh, T)
     assert cluster.shards.state == pending and cluster.shards.commits == []  # not rolled back under it
 
     cluster.shards.locked = False  # now its process is gone
-    await old.send("t1", mover, "hello", "m-early")  # refused again
+    await old.send(early)  # refused again
     await asyncio.wait_for(old._refresh, T)
     assert committed(cluster.shards.state, 2) and cluster.shards.commits == [(2, pending.generation)]
     assert old._shard_state == cluster.shards.state
-    assert result_decoder.decode(await old.send("t1", mover, "hello", "m-early")).reply.reply == "echo: hello"
+    assert result_decoder.decode(await old.send(early)).reply.reply == "echo: hello"
 
 
 async def test_a_rescale_whose_lock_was_lost_never_commits_over_a_host_that_settled_its_state(cluster):

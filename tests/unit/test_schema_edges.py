@@ -36,6 +36,7 @@ from services.tools.validation import (
     check_schema,
     checked_formats,
 )
+from services.wire import Turn
 from tests.unit.host_fakes import FakeSessionStore, FakeTenants
 
 ROOT = Path(__file__).resolve().parents[2]  # the project, where `services` imports from
@@ -373,7 +374,7 @@ async def test_views_that_give_up_while_the_database_is_away_leave_no_waiter_beh
     await host.start()
     try:
         store.down = True
-        send = asyncio.create_task(host.send("t1", "s1", "hello", "m1"))
+        send = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")))
         if gives_up == "timeout":
             with pytest.raises(Overloaded):
                 await asyncio.wait_for(send, 5)

@@ -13,6 +13,7 @@ import pytest
 
 from actors.host import HostSettings, SessionHost, SessionMoved
 from actors.sharding import owns, parse_host_name, rendezvous_index, route
+from services.wire import Turn
 from storage.repos.cluster import ShardState
 from tests.unit.host_fakes import FakeSessionStore, FakeTenants
 
@@ -98,7 +99,7 @@ class Cluster:
         for _ in range(50):
             host = self.hosts[route(self.state, "t1", session_id)]
             try:
-                return await asyncio.wait_for(host.send("t1", session_id, text, message_id), T)
+                return await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id=session_id, text=text, message_id=message_id)), T)
             except SessionMoved:
                 await asyncio.sleep(0.01)
         raise AssertionError(f"{session_id} never found its host")
@@ -120,7 +121,7 @@ async def cluster():
 async def test_a_host_refuses_a_session_it_does_not_own_and_runs_nothing(cluster):
     stranger = cluster.hosts[1 - route(cluster.state, "t1", "s1")]
     with pytest.raises(SessionMoved, match="moving to another session host"):
-        await stranger.send("t1", "s1", "hello", "m1")
+        await stranger.send(Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1"))
     assert cluster.store.activations == [] and cluster.model.requests == []
 
 
@@ -160,9 +161,9 @@ async def test_a_turn_running_during_the_pending_step_finishes_and_the_one_queue
     old = cluster.hosts[route(cluster.state, "t1", s)]
     await cluster.send(s, "hello", "m1")
     slow = cluster.model.hold("slow")
-    running = asyncio.create_task(old.send("t1", s, "slow", "m2"))
+    running = asyncio.create_task(old.send(Turn(tenant_id="t1", session_id=s, text="slow", message_id="m2")))
     await asyncio.wait_for(cluster.model.entered("slow").wait(), T)
-    queued = asyncio.create_task(old.send("t1", s, "queued", "m3"))
+    queued = asyncio.create_task(old.send(Turn(tenant_id="t1", session_id=s, text="queued", message_id="m3")))
     await asyncio.sleep(0.01)
 
     await cluster.start(4)
@@ -176,7 +177,7 @@ async def test_a_turn_running_during_the_pending_step_finishes_and_the_one_queue
     with pytest.raises(SessionMoved):
         await asyncio.wait_for(queued, T)
     with pytest.raises(SessionMoved):  # while pending, the new host refuses it too
-        await cluster.hosts[3].send("t1", s, "early", "m4")
+        await cluster.hosts[3].send(Turn(tenant_id="t1", session_id=s, text="early", message_id="m4"))
 
     await cluster.announce(ShardState(shards=4, generation=next(cluster.gen)))
     reply = await cluster.send(s, "queued", "m3")  # the client's retry, same message_id

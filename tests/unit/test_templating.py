@@ -11,7 +11,7 @@ import pytest
 
 from services.tools.errors import DestinationBlocked, InvalidArguments, PolicyDenied, ToolError
 from services.tools.model import BackendBindingTool
-from services.tools.webhook import binding_arguments, render_request
+from services.tools.templating import binding_arguments, render_request
 
 TEMPLATE = "https://mystore.com/api/orders/{order_id}"
 

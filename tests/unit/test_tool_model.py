@@ -15,9 +15,9 @@ from services.tools.model import (
     WebhookTool,
     WorkflowTool,
     normalise_parameters,
-    template_holes,
     tool_decoder,
 )
+from services.tools.templating import template_holes
 
 SEED_000_CHECK_ORDER = {
     "name": "check_order",

@@ -18,11 +18,11 @@ from services.tools.model import (
     PROTECTED_KEYS,
     BackendBindingTool,
     model_facing_parameters,
-    unfillable_holes,
 )
 from services.tools.registry import Catalog, SetVariables
+from services.tools.templating import binding_arguments, unfillable_holes
 from services.tools.toolset import SessionToolState
-from services.tools.webhook import binding_arguments, idempotency_header
+from services.tools.webhook import idempotency_header
 from storage.records import McpServerRecord
 from tests.unit.fakes import FakeHandler, make_catalog, python_tool
 
