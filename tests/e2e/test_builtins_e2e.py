@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from services.builtins.notify import verify
-from tests.e2e.helpers import new_tenant
-from tests.integration.builtins_support import SECRET, receiver
+from tests.support.e2e import new_tenant
+from tests.support.builtin_services import SECRET, receiver
 
 pytestmark = pytest.mark.e2e
 

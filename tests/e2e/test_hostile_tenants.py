@@ -36,8 +36,8 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from tests.e2e.backend_support import Backend
-from tests.e2e.helpers import call_lines, new_tenant
+from tests.support.backend import Backend
+from tests.support.e2e import call_lines, new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 

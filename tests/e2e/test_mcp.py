@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.mcp_support import ShopMcpServer
+from tests.support.mcp_server import ShopMcpServer
 
 TOKEN = "Bearer mcp-test-token"
 

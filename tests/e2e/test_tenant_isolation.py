@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from storage.records import session_uid
-from tests.e2e.helpers import new_tenant
+from tests.support.e2e import new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 

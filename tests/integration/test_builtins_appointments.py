@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from services.builtins.appointments import SlotUnavailable, service_from_body
 from services.tools.errors import InvalidArguments, PolicyDenied
 from storage.repos.builtins import SlotTaken
-from tests.integration.builtins_support import SECRET, ctx, receiver, services
+from tests.support.builtin_services import SECRET, ctx, receiver, services
 
 NOW = datetime(2026, 7, 1, 8, 0, tzinfo=UTC)  # Wednesday, 10:00 in Berlin
 HAIRCUT = {"duration_minutes": 30, "timezone": "Europe/Berlin",

@@ -23,7 +23,7 @@ from services.gateway.app import (
     build_app,
 )
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.unit.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 
 class CountingTenants:

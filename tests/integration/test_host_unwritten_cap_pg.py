@@ -29,7 +29,7 @@ from storage.records import session_uid
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
 from tests.conftest import database_url
-from tests.unit.host_fakes import FakeTenants
+from tests.support.host_fakes import FakeTenants
 
 T = 10.0
 PROBLEM = "application/problem+json"

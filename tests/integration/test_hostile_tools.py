@@ -50,7 +50,7 @@ from storage.records import (
     session_uid,
 )
 from storage.repos import SessionRepo
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 from tests.unit.test_session_loop import ScriptedLLM
 
 ORDER = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}

@@ -27,7 +27,7 @@ from services.gateway.limits import TenantLimiter
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 #: every /v1 route: no or an unknown key (401), a NUL in the URL (422), Postgres unreachable while
 #: the key or anything else is looked up (503 with Retry-After)

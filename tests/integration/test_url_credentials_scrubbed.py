@@ -21,8 +21,8 @@ from services.tools.mcp_client import McpHttpClient
 from services.tools.model import WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient
-from tests.mcp_support import ShopMcpServer
-from tests.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
+from tests.support.mcp_server import ShopMcpServer
+from tests.support.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
 
 SLACK_TOKEN = "Ab3dEf6hIj9kLm2nOp5qRs8t"  # a Slack-style incoming-webhook token: letters and digits
 HEX_TOKEN = "0123456789abcdef0123456789abcdef01234567"

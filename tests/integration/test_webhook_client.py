@@ -37,7 +37,7 @@ from services.tools.errors import (
 from services.tools.model import BackendBindingTool, WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookResponse, WebhookToolBackend
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 
 LOOPBACK_ONLY = ("127.0.0.1/32",)
 TEN_MB = 10 * 1024 * 1024

@@ -19,7 +19,7 @@ from services.tools.executor import Executor, ToolCall, ToolOutcome
 from services.tools.limiter import ResourceLimiter
 from services.tools.registry import Catalog
 from services.tools.toolset import SessionToolState
-from tests.unit.fakes import FakeClock, FakeHandler, make_catalog, python_tool
+from tests.support.fakes import FakeClock, FakeHandler, make_catalog, python_tool
 
 CTX = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-1")
 ORDERS = BotConfig(intents={"orders": Intent(phrases=("my order",), tools=("lookup_order",))})

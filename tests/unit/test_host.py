@@ -16,7 +16,7 @@ import pytest
 from actors.host import HostSettings, LeaseLost, SessionHost
 from services.errors import ChatEngineError, Overloaded
 from services.llm.port import ToolResultBlock, ToolUseBlock
-from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
+from tests.support.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 T = 5.0  # generous bound for anything that should happen "now" on a loaded CI machine
 KEY = ("t1", "s1")

@@ -9,7 +9,7 @@ import pytest
 
 from services.tools.errors import DeadlineExceeded
 from services.tools.limiter import ResourceLimiter
-from tests.unit.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 FAR = 60.0  # a deadline no test should reach: seconds from now
 

@@ -44,7 +44,7 @@ from services.tools.ssrf import DestinationPolicy, check_destination
 from services.tools.toolset import BREAKER_THRESHOLD, SessionToolState
 from services.tools.validation import ArgumentValidator
 from services.tools.webhook import binding_arguments, render_request
-from tests.unit.fakes import FakeHandler, make_catalog, python_tool
+from tests.support.fakes import FakeHandler, make_catalog, python_tool
 from tests.unit.test_session_loop import ScriptedLLM
 
 FAST = settings(max_examples=200, deadline=None, database=None,

@@ -36,7 +36,7 @@ from services.tools.validation import (
     check_schema,
     checked_formats,
 )
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 ROOT = Path(__file__).resolve().parents[2]  # the project, where `services` imports from
 OBJECT = {"type": "object", "properties": {"a": {"type": "string"}}}

@@ -31,7 +31,7 @@ from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.wire import StreamEvent
-from tests.unit.fakes import StreamScriptedLLM
+from tests.support.fakes import StreamScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
 
