@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from services.builtins.notify import verify
-from tests.support.e2e import new_tenant
 from tests.support.builtin_services import SECRET, receiver
+from tests.support.e2e import new_tenant
 
 pytestmark = pytest.mark.e2e
 

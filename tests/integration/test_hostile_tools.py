@@ -51,7 +51,7 @@ from storage.records import (
 )
 from storage.repos import SessionRepo
 from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 
 ORDER = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
 

@@ -36,7 +36,7 @@ from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from tests.support.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 
 
 class Upstream(LoopbackApp):

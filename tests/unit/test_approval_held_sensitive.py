@@ -25,7 +25,7 @@ from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from storage.records import SessionSnapshot
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 from tests.unit.test_tracing import _EXPORTER
 
 KEYS = (b"k" * 32,)

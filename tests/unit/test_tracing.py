@@ -13,7 +13,7 @@ from services.botconfig import BotConfig
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 
 _EXPORTER = InMemorySpanExporter()
 
