@@ -24,7 +24,7 @@ import storage.repos.tools as tools_repo
 from services.gateway.app import GatewayDeps, build_app
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.integration.test_gateway_bad_input import FakeRouter, problem_of
+from tests.support.gateways import FakeRouter, problem_of
 
 LIMIT = 3
 

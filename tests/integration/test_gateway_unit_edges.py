@@ -2,7 +2,7 @@
 become problem+json, the reply body's required fields, SSE framing of a failed turn.
 
 A real aiohttp server on loopback and real Postgres repositories (the shared `pool`); only the
-SessionRouter port is a fake (FakeRouter implements the gateway's Protocol).
+SessionRouter port is a fake (ScriptedRouter implements the gateway's Protocol).
 """
 
 from __future__ import annotations
@@ -10,90 +10,25 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-import pytest_asyncio
 import structlog
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from actors.placement import HostFailure
 from actors.ray_host import HostError
 from services.errors import InvalidInput, NotFound, Overloaded
-from services.gateway.app import GatewayDeps, build_app, parse_since
-from services.tools.crypto import SecretBox, generate_key
-from services.wire import SessionView, StreamEvent, ToolCallSummary, TurnReply, TurnTiming, UsageOut
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from services.gateway.app import build_app, parse_since
+from services.wire import TurnTiming
+from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
+from tests.support import gateways
+from tests.support.gateways import ScriptedRouter, scripted_deps
 
-
-def reply(session_id: str, message_id: str = "m-1", **kw: Any) -> TurnReply:
-    return TurnReply(session_id=session_id, message_id=message_id, reply="hello", rounds=1,
-                     tool_calls=[ToolCallSummary(id="t1", name="check_order", success=True, latency_ms=3)],
-                     usage=UsageOut(input_tokens=1, output_tokens=1), **kw)
-
-
-class FakeRouter:
-    """SessionRouter that answers with a scripted reply or raises a scripted error."""
-
-    def __init__(self) -> None:
-        self.raises: BaseException | None = None
-        self.handoff = False
-        self.timing: TurnTiming | None = None
-        self.calls: list[tuple[str, str]] = []
-        self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
-        self.refuses: BaseException | None = None  # raised by a stream before its first event
-        self.hold: asyncio.Event | None = None  # a stream's first event waits for it
-
-    async def send(self, tenant_id: str, session_id: str, text: str, message_id: str | None, *,
-                   new_id: bool = False) -> TurnReply:
-        self.calls.append((tenant_id, session_id))
-        self.ids.append((message_id, new_id))
-        if self.raises is not None:
-            raise self.raises
-        return reply(session_id, message_id or "m-1", handoff=self.handoff, timing=self.timing)
-
-    async def decide(self, tenant_id, session_id, approval_id, approve, edited=None) -> TurnReply:
-        return await self.send(tenant_id, session_id, "", approval_id)
-
-    async def stream(self, tenant_id, session_id, text, message_id, approval=None, *,
-                     new_id: bool = False) -> AsyncIterator[StreamEvent]:
-        self.ids.append((message_id, new_id))
-        if self.refuses is not None:
-            raise self.refuses
-        if self.hold is not None:
-            await self.hold.wait()
-        yield StreamEvent(event="text", data="hel")
-        if self.raises is not None:  # as the routers do: the turn's error once the events before it are out
-            raise self.raises
-        yield StreamEvent(event="done", data=msgspec.to_builtins(
-            reply(session_id, message_id or "m-1", timing=self.timing)))
-
-    async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
-        return None
-
-    async def stats(self) -> list[dict[str, Any]]:
-        raise RuntimeError("host down")
-
-
-async def _deps(pool, router: FakeRouter) -> tuple[GatewayDeps, Any]:
-    """The gateway's real repositories over `router`, and a new tenant's key."""
-    deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
-    _, key = await TenantRepo(pool).create_tenant(f"edges-{id(router)}")
-    return deps, key
-
-
-@pytest_asyncio.fixture
-async def gateway(pool) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
-    router = FakeRouter()
-    deps, key = await _deps(pool, router)
-    async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-        yield client, router, {"Authorization": f"Bearer {key.api_key}"}
+gateway = gateways.scripted_gateway  # the fixture
 
 
 async def problem_of(resp) -> dict[str, Any]:
@@ -186,9 +121,9 @@ async def test_a_stream_refused_before_its_first_event_is_answered_with_the_prob
 async def test_a_stream_whose_client_left_before_its_first_event_ends_quietly(pool):
     # A contact closing the app while the model thinks is routine: logged as a hang-up, no error.
     # The gateway's own server settings (TestServer cancels a handler whose client went away).
-    router = FakeRouter()
+    router = ScriptedRouter()
     router.hold = asyncio.Event()
-    deps, key = await _deps(pool, router)
+    deps, key = await scripted_deps(pool, router)
     runner = web.AppRunner(build_app(deps), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

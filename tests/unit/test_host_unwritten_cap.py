@@ -7,7 +7,7 @@ session, a new turn is refused, Overloaded 'storage_unavailable' (503 + Retry-Af
 nothing; a retry of a message id whose answer is held (written or not) still gets that answer;
 nothing held is dropped, and once the flusher gets through the count falls and turns run again.
 
-No Postgres, no Ray: the fakes of tests/unit/test_host.py (`FakeSessionStore.down` is Postgres away).
+No Postgres, no Ray: the fakes of tests/support/host_world.py (`FakeSessionStore.down` is Postgres away).
 """
 
 from __future__ import annotations
