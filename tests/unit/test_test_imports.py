@@ -82,7 +82,8 @@ def test_no_module_under_tests_imports_a_test_module_or_a_conftest():
     ("from tests import conftest\n", "tests.conftest"),
     ("SCRIPT = '''\n    import sys\n    from tests.unit.test_session_loop import ScriptedLLM\n'''\n",
      "tests.unit.test_session_loop"),
-])
+], ids=["from-module", "from-package", "import-as", "relative-in-function", "relative-package", "conftest",
+        "__import__", "import_module", "conftest-from-package", "in-a-script"])
 def test_the_check_names_each_kind_of_offending_import(tmp_path, source, offence):
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "unit" / "test_x.py").write_text(source)
@@ -95,7 +96,7 @@ def test_the_check_names_each_kind_of_offending_import(tmp_path, source, offence
     "from tests.support import fakes\n",
     "import tests.support.e2e\n",
     "from services.tools import test_data\n",  # not under tests/
-])
+], ids=["from-support-module", "from-support-package", "import-support", "outside-tests"])
 def test_the_check_lets_imports_of_tests_support_and_of_the_code_pass(tmp_path, source):
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "unit" / "test_x.py").write_text(source)
