@@ -23,17 +23,12 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
 
 from storage.records import IssuedKey, Tenant
-
-
-def database_url(url: str, database: str) -> str:
-    """`url` pointing at another database on the same server."""
-    return urlsplit(url)._replace(path=f"/{database}").geturl()
+from tests.support.postgres import database_url
 
 
 @pytest.fixture(scope="session")

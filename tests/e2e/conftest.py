@@ -63,7 +63,7 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest_asyncio.fixture
 async def tenant(stack, client):
     """A new tenant on the stack: (tenant_id, api_key, headers)."""
-    from tests.e2e.helpers import new_tenant
+    from tests.support.e2e import new_tenant
 
     tenant_id, api_key = await new_tenant(stack)
     return tenant_id, api_key, {"Authorization": f"Bearer {api_key}"}

@@ -10,7 +10,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from actors.placement import rendezvous_index
-from tests.e2e.api import call, post, register
+from tests.support.api import call, post, register
 
 
 class SlowBackend:

@@ -26,7 +26,7 @@ import pytest_asyncio
 
 from services.gateway.common import MAX_BODY, MAX_TEXT
 from storage.records import session_uid
-from tests.e2e.backend_support import Backend
+from tests.support.backend import Backend
 
 PROBLEM_JSON = "application/problem+json"
 

@@ -14,8 +14,9 @@ import msgspec
 import pytest
 
 from services.builtins.notify import verify
-from tests.e2e.helpers import new_tenant
-from tests.integration.builtins_support import SECRET, receiver
+from tests.support.api import Api
+from tests.support.builtin_services import SECRET, receiver
+from tests.support.e2e import new_tenant
 
 pytestmark = pytest.mark.e2e
 
@@ -29,22 +30,6 @@ QUOTE_FORM = {
 LEAD_TEXT = "Please save my details as a lead: my name is Jane Doe, email {email}"
 
 
-class Api:
-    """A tenant's view of the gateway."""
-
-    def __init__(self, client, base: str, headers: dict[str, str]) -> None:
-        self.client, self.base, self.headers = client, base, headers
-
-    async def call(self, method: str, path: str, body=None, expect: int = 200):
-        async with self.client.request(method, self.base + path, headers=self.headers, json=body) as r:
-            data = await r.json() if r.status != 204 else None
-            assert r.status == expect, (r.status, data)
-            return data
-
-    async def say(self, session: str, text: str) -> dict:
-        return await self.call("POST", f"/v1/sessions/{session}/messages", {"text": text})
-
-
 @pytest.fixture
 def api(stack, client, tenant) -> Api:
     return Api(client, stack.gateway.url, tenant[2])
@@ -54,53 +39,53 @@ async def test_lead_booking_and_form_in_one_conversation_with_signed_notificatio
     email = f"jane-{secrets.token_hex(3)}@example.com"
     slot = (datetime.now(UTC) + timedelta(days=1)).replace(hour=10, minute=0, second=0, microsecond=0)
     async with receiver(NOTIFY_HOST) as rec:
-        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
-        await api.call("PUT", "/v1/forms/quote", QUOTE_FORM)
-        await api.call("PUT", "/v1/appointment-services/consult", {
+        await api.expect("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        await api.expect("PUT", "/v1/forms/quote", QUOTE_FORM)
+        await api.expect("PUT", "/v1/appointment-services/consult", {
             "duration_minutes": 60, "timezone": "UTC",
             "opening_hours": {d: ["00:00", "24:00"] for d in ("mon", "tue", "wed", "thu", "fri", "sat", "sun")}})
         session = f"e2e-builtins-{secrets.token_hex(4)}"
 
         # 1. the model picks collect_lead from the contact's words while it is offered
-        first = await api.say(session, LEAD_TEXT.format(email=email))
+        first = await api.chat(session, LEAD_TEXT.format(email=email))
         assert [(c["name"], c["success"]) for c in first["tool_calls"]] == [("collect_lead", True)], first
 
         # 2. booking is a write: held for approval, then approved through the API
-        held = await api.say(session, "/call book_appointment " + msgspec.json.encode(
+        held = await api.chat(session, "/call book_appointment " + msgspec.json.encode(
             {"service": "consult", "start": slot.isoformat()}).decode())
         pending = held["pending_approval"]
         assert pending["tools"] == ["book_appointment"] and held["tool_calls"] == []
-        booked = await api.call("POST", f"/v1/sessions/{session}/approvals/{pending['approval_id']}", {"approve": True})
+        booked = await api.expect("POST", f"/v1/sessions/{session}/approvals/{pending['approval_id']}", {"approve": True})
         assert [(c["name"], c["success"]) for c in booked["tool_calls"]] == [("book_appointment", True)], booked
 
         # 3. a form: a wrong answer names the field and the rule, never the answer; a right one is stored
-        wrong = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 0, "service": "painting"}}')
+        wrong = await api.chat(session, '/call submit_form {"form": "quote", "data": {"rooms": 0, "service": "painting"}}')
         assert "'rooms': the value is less than the minimum of 1" in wrong["tool_calls"][0]["error"]
-        submitted = await api.say(session, '/call submit_form {"form": "quote", "data": {"rooms": 3, "service": "painting"}}')
+        submitted = await api.chat(session, '/call submit_form {"form": "quote", "data": {"rooms": 3, "service": "painting"}}')
         assert submitted["tool_calls"][0]["success"], submitted
 
         # 4. collect_lead is no longer offered: the same words no longer call it ...
-        again = await api.say(session, LEAD_TEXT.format(email=email))
+        again = await api.chat(session, LEAD_TEXT.format(email=email))
         assert "collect_lead" not in [c["name"] for c in again["tool_calls"]], again
         # ... and a forced call is refused by the engine's policy, in-band
-        forced = await api.say(session, "/call collect_lead " + msgspec.json.encode(
+        forced = await api.chat(session, "/call collect_lead " + msgspec.json.encode(
             {"name": "Jane Doe", "email": email}).decode())
         assert forced["tool_calls"][0]["success"] is False
         assert "this was already done in this conversation" in forced["tool_calls"][0]["error"]
 
-        view = await api.call("GET", f"/v1/sessions/{session}")
+        view = await api.expect("GET", f"/v1/sessions/{session}")
         assert view["variables"]["lead_collected"] == "true" and view["variables"]["contact_id"] == email
 
         # the rows exist
-        leads = (await api.call("GET", "/v1/leads"))["leads"]
+        leads = (await api.expect("GET", "/v1/leads"))["leads"]
         assert [(lead["session_id"], lead["email"], lead["name"]) for lead in leads] == [(session, email, "Jane Doe")]
-        appointments = (await api.call("GET", "/v1/appointments?service=consult"))["appointments"]
+        appointments = (await api.expect("GET", "/v1/appointments?service=consult"))["appointments"]
         assert [(a["session_id"], datetime.fromisoformat(a["starts_at"]), a["contact_email"]) for a in appointments] == [
             (session, slot, email)]
-        submissions = (await api.call("GET", "/v1/forms/quote/submissions"))["submissions"]
+        submissions = (await api.expect("GET", "/v1/forms/quote/submissions"))["submissions"]
         assert [(s["session_id"], s["data"]) for s in submissions] == [(session, {"rooms": 3, "service": "painting"})]
         # the lead row keeps the contact's details; the call record does not repeat them
-        calls = (await api.call("GET", f"/v1/sessions/{session}/calls"))["turns"]
+        calls = (await api.expect("GET", f"/v1/sessions/{session}/calls"))["turns"]
         lead_calls = [c for t in calls for c in t["calls"] if c["name"] == "collect_lead"]
         assert sorted((c["success"], c["parameters"]["email"]) for c in lead_calls) == [
             (False, "[redacted]"), (True, "[redacted]")], lead_calls  # saved, then refused as done
@@ -124,17 +109,17 @@ async def test_a_later_session_of_the_same_contact_recalls_the_first(api):
     # it on where that can be trusted (its contacts signed in, say); off, the same run recalls
     # nothing of the first session
     email = f"sam-{secrets.token_hex(3)}@example.com"
-    assert (await api.call("GET", "/v1/bot-config"))["recall_across_sessions"] is False
-    await api.call("PUT", "/v1/bot-config", {"recall_across_sessions": True})
+    assert (await api.expect("GET", "/v1/bot-config"))["recall_across_sessions"] is False
+    await api.expect("PUT", "/v1/bot-config", {"recall_across_sessions": True})
     first, later = f"e2e-mem-a-{secrets.token_hex(3)}", f"e2e-mem-b-{secrets.token_hex(3)}"
     lead = {"name": "Sam Roe", "email": email, "notes": "loft conversion with skylights"}
-    saved = await api.say(first, "/call collect_lead " + msgspec.json.encode(lead).decode())
+    saved = await api.chat(first, "/call collect_lead " + msgspec.json.encode(lead).decode())
     assert saved["tool_calls"][0]["success"], saved
-    await api.say(first, "Also, the skylights should face south")
+    await api.chat(first, "Also, the skylights should face south")
 
     # the new session learns who the contact is, then remembers the first conversation
-    await api.say(later, "/call collect_lead " + msgspec.json.encode({"name": "Sam Roe", "email": email}).decode())
-    recalled = await api.say(later, '/call recall_memory {"query": "skylights"}')
+    await api.chat(later, "/call collect_lead " + msgspec.json.encode({"name": "Sam Roe", "email": email}).decode())
+    recalled = await api.chat(later, '/call recall_memory {"query": "skylights"}')
     assert recalled["tool_calls"][0]["success"], recalled
     # session one's saved fact and both of its messages that mention skylights (the first was
     # the /call line itself: a message's text is searched whatever it says), newest first
@@ -145,13 +130,13 @@ async def test_a_later_session_of_the_same_contact_recalls_the_first(api):
 async def test_escalation_hands_the_session_over_and_notifies_the_tenant(api):
     session = f"e2e-handoff-{secrets.token_hex(3)}"
     async with receiver(NOTIFY_HOST) as rec:
-        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
-        reply = await api.say(session, "I want to talk to a human about my invoice")
+        await api.expect("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        reply = await api.chat(session, "I want to talk to a human about my invoice")
         assert [(c["name"], c["success"]) for c in reply["tool_calls"]] == [("escalate_to_human", True)], reply
         assert reply["handoff"] is True
-        after = await api.say(session, "hello, anyone?")
+        after = await api.chat(session, "hello, anyone?")
         assert after["tool_calls"] == [] and "member of our team" in after["reply"]
-        handoffs = (await api.call("GET", "/v1/handoffs"))["handoffs"]
+        handoffs = (await api.expect("GET", "/v1/handoffs"))["handoffs"]
         assert [(h["session_id"], h["reason"]) for h in handoffs] == [
             (session, "I want to talk to a human about my invoice")]
         await rec.wait(1, timeout=20)
@@ -163,13 +148,13 @@ async def test_escalation_hands_the_session_over_and_notifies_the_tenant(api):
 async def test_a_handoff_the_model_asks_for_in_text_is_recorded_and_notified_like_the_tool(api):
     session = f"e2e-marker-{secrets.token_hex(3)}"
     async with receiver(NOTIFY_HOST) as rec:
-        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
-        reply = await api.say(session, "/handoff")  # the local model answers with [[HANDOFF]]
+        await api.expect("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        reply = await api.chat(session, "/handoff")  # the local model answers with [[HANDOFF]]
         assert reply["tool_calls"] == [] and reply["handoff"] is True and "[[HANDOFF]]" not in reply["reply"]
-        again = await api.call("POST", f"/v1/sessions/{session}/messages",
+        again = await api.expect("POST", f"/v1/sessions/{session}/messages",
                                {"text": "/handoff", "message_id": reply["message_id"]})
         assert again == reply  # a retried message adds no second handoff
-        handoffs = (await api.call("GET", "/v1/handoffs"))["handoffs"]
+        handoffs = (await api.expect("GET", "/v1/handoffs"))["handoffs"]
         assert [(h["session_id"], h["reason"]) for h in handoffs if h["session_id"] == session] == [
             (session, "the assistant asked for a human")]
         await rec.wait(1, timeout=20)
@@ -183,21 +168,21 @@ async def test_form_and_booking_tools_are_offered_once_the_tenant_has_a_form_or_
     api = await make_tenant_api()
 
     async def builtins() -> set[str]:
-        report = await api.call("GET", "/v1/tools/contract")
+        report = await api.expect("GET", "/v1/tools/contract")
         return {t["name"] for t in report["tools"] if t["origin"] == "builtin" and t["offered"]}
 
     booking = {"book_appointment", "list_appointment_slots"}
     first = await builtins()
     assert "collect_lead" in first and "escalate_to_human" in first
     assert "submit_form" not in first and not booking & first  # they could only say "not set up"
-    await api.call("PUT", "/v1/forms/quote", QUOTE_FORM)
+    await api.expect("PUT", "/v1/forms/quote", QUOTE_FORM)
     assert "submit_form" in await builtins()  # the very next read: no restart, no wait
-    await api.call("PUT", "/v1/appointment-services/consult", {
+    await api.expect("PUT", "/v1/appointment-services/consult", {
         "duration_minutes": 30, "timezone": "UTC", "opening_hours": {"mon": ["09:00", "17:00"]}})
     assert booking <= await builtins()
-    await api.call("DELETE", "/v1/forms/quote", expect=204)
+    await api.expect("DELETE", "/v1/forms/quote", expect=204)
     assert "submit_form" not in await builtins()
-    reply = await api.say("offer-1", '/call submit_form {"form": "quote", "data": {}}')
+    reply = await api.chat("offer-1", '/call submit_form {"form": "quote", "data": {}}')
     assert reply["tool_calls"][0]["success"] is False  # asked for anyway: refused in-band, nothing runs
 
 
@@ -205,13 +190,13 @@ async def test_notifications_are_listed_and_a_given_up_one_can_be_sent_again(mak
     api, other = await make_tenant_api(), await make_tenant_api()
     async with receiver(NOTIFY_HOST) as rec:
         # localhost passes as a name but resolves to a loopback address the guard refuses: final
-        await api.call("PUT", "/v1/bot-config", {"notification_webhook": "http://localhost:9/hooks/x",
+        await api.expect("PUT", "/v1/bot-config", {"notification_webhook": "http://localhost:9/hooks/x",
                                                  "notification_secret": SECRET})
-        await api.say("notify-1", "/call collect_lead " + msgspec.json.encode(
+        await api.chat("notify-1", "/call collect_lead " + msgspec.json.encode(
             {"name": "Ann Lee", "email": "ann@example.com"}).decode())
         failed: list = []
         for _ in range(100):
-            failed = (await api.call("GET", "/v1/notifications?status=failed"))["notifications"]
+            failed = (await api.expect("GET", "/v1/notifications?status=failed"))["notifications"]
             if failed:
                 break
             await asyncio.sleep(0.1)
@@ -219,20 +204,20 @@ async def test_notifications_are_listed_and_a_given_up_one_can_be_sent_again(mak
         assert event["event_type"] == "lead.created" and event["data"]["email"] == "ann@example.com"
         assert event["last_error"].startswith("destination_blocked") and event["attempts"] == 1
         # another tenant sees none of it and cannot touch it
-        assert (await other.call("GET", "/v1/notifications"))["notifications"] == []
-        await other.call("POST", f"/v1/notifications/{event['id']}/retry", expect=404)
-        await api.call("GET", "/v1/notifications?status=lost", expect=422)
+        assert (await other.expect("GET", "/v1/notifications"))["notifications"] == []
+        await other.expect("POST", f"/v1/notifications/{event['id']}/retry", expect=404)
+        await api.expect("GET", "/v1/notifications?status=lost", expect=422)
 
-        await api.call("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
-        again = await api.call("POST", f"/v1/notifications/{event['id']}/retry")
+        await api.expect("PUT", "/v1/bot-config", {"notification_webhook": rec.url, "notification_secret": SECRET})
+        again = await api.expect("POST", f"/v1/notifications/{event['id']}/retry")
         assert again["status"] == "pending" and again["attempts"] == 0
         await rec.wait(1, timeout=20)  # a session host's delivery loop picks it up
-        problem = await api.call("POST", f"/v1/notifications/{event['id']}/retry", expect=422)
+        problem = await api.expect("POST", f"/v1/notifications/{event['id']}/retry", expect=422)
         assert "only a failed notification can be retried" in problem["detail"]
     headers, body = rec.requests[0]
     assert headers["webhook-id"] == event["id"] and verify(SECRET, headers, body)
     for _ in range(50):
-        [row] = (await api.call("GET", "/v1/notifications"))["notifications"]
+        [row] = (await api.expect("GET", "/v1/notifications"))["notifications"]
         if row["status"] == "delivered":
             break
         await asyncio.sleep(0.1)
@@ -240,29 +225,29 @@ async def test_notifications_are_listed_and_a_given_up_one_can_be_sent_again(mak
 
 
 async def test_admin_routes_validate_and_stay_within_the_tenant(api, stack, client, make_tenant_api):
-    problem = await api.call("PUT", "/v1/appointment-services/cut", {
+    problem = await api.expect("PUT", "/v1/appointment-services/cut", {
         "duration_minutes": 30, "opening_hours": {"mon": ["17:00", "09:00"]}}, expect=422)
     assert "closing time 09:00 is not after opening time 17:00 - at `$.opening_hours.mon`" in problem["detail"]
-    problem = await api.call("PUT", "/v1/appointment-services/cut", {
+    problem = await api.expect("PUT", "/v1/appointment-services/cut", {
         "duration_minutes": 30, "timezone": "Mars/Olympus", "opening_hours": {}}, expect=422)
     assert "timezone 'Mars/Olympus' is not an IANA time zone" in problem["detail"]
-    problem = await api.call("PUT", "/v1/forms/bad", {"type": "object", "properties": {"a": {"type": "nope"}}},
+    problem = await api.expect("PUT", "/v1/forms/bad", {"type": "object", "properties": {"a": {"type": "nope"}}},
                              expect=422)
     assert "at `$.properties.a.type`" in problem["detail"]
 
-    saved = await api.call("PUT", "/v1/appointment-services/cut", {
+    saved = await api.expect("PUT", "/v1/appointment-services/cut", {
         "duration_minutes": 30, "timezone": "Europe/Paris", "opening_hours": {"Monday": ["09:00", "12:00"]}})
     assert saved["opening_hours"] == {"mon": [["09:00", "12:00"]]}
-    assert (await api.call("GET", "/v1/appointment-services/cut"))["timezone"] == "Europe/Paris"
-    await api.call("PUT", "/v1/forms/contact", {"type": "object", "properties": {"msg": {"type": "string"}}})
-    assert [f["name"] for f in (await api.call("GET", "/v1/forms"))["forms"]] == ["contact"]
+    assert (await api.expect("GET", "/v1/appointment-services/cut"))["timezone"] == "Europe/Paris"
+    await api.expect("PUT", "/v1/forms/contact", {"type": "object", "properties": {"msg": {"type": "string"}}})
+    assert [f["name"] for f in (await api.expect("GET", "/v1/forms"))["forms"]] == ["contact"]
 
     other = await make_tenant_api()
-    await other.call("GET", "/v1/forms/contact", expect=404)
-    await other.call("GET", "/v1/appointment-services/cut", expect=404)
-    assert (await other.call("GET", "/v1/forms"))["forms"] == []
-    await api.call("DELETE", "/v1/forms/contact", expect=204)
-    await api.call("GET", "/v1/forms/contact", expect=404)
+    await other.expect("GET", "/v1/forms/contact", expect=404)
+    await other.expect("GET", "/v1/appointment-services/cut", expect=404)
+    assert (await other.expect("GET", "/v1/forms"))["forms"] == []
+    await api.expect("DELETE", "/v1/forms/contact", expect=204)
+    await api.expect("GET", "/v1/forms/contact", expect=404)
 
 
 @pytest.fixture

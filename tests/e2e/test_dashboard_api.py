@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.helpers import new_tenant
+from tests.support.e2e import new_tenant
 
 pytestmark = pytest.mark.e2e
 

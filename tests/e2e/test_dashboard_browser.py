@@ -23,6 +23,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from tests.support.api import Api
+
 CHROMIUM = Path("/usr/bin/chromium")
 #: what this machine needs: no sandbox as root, and no background traffic to a closed network
 CHROMIUM_FLAGS = [
@@ -102,17 +104,6 @@ async def tab(browser, stack, request) -> AsyncIterator[Page]:
             await page.page.screenshot(path=str(ARTIFACTS / f"{page.name}-last.png"), full_page=True)
         finally:
             await context.close()
-
-
-class Api:
-    """The tenant's API, straight (to set up state and to learn what the API itself says)."""
-
-    def __init__(self, client: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> None:
-        self.client, self.url, self.headers = client, url, headers
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.client.request(method, self.url + path, headers=self.headers, json=body) as r:
-            return r.status, await r.json(content_type=None) if r.status != 204 else None
 
 
 @pytest_asyncio.fixture

@@ -36,7 +36,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.helpers import new_tenant
+from tests.support.e2e import new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 #: examples per operation and mode: enough to find the edges, bounded for a 2-core CI machine

@@ -17,6 +17,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.demo_store import order
+from tests.support.api import Api
 
 SECRET = "sk-test-SECRET"
 PROBLEM_JSON = "application/problem+json"
@@ -35,51 +36,6 @@ def seed_000_check_order(store_url: str) -> dict[str, Any]:
     }
 
 
-class Api:
-    """A tenant's view of the gateway: `await api.get("/v1/tools")` -> (status, body, raw text)."""
-
-    def __init__(self, client, url: str, headers: dict[str, str]) -> None:
-        self.client, self.url, self.headers = client, url, headers
-        self.seen: list[str] = []  # every response text, to search for leaked secrets
-
-    async def call(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-                   headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
-        kwargs: dict[str, Any] = {"headers": {**self.headers, **(headers or {})}}
-        if raw is not None:
-            kwargs["data"] = raw
-            kwargs["headers"]["Content-Type"] = "application/json"
-        elif body is not None:
-            kwargs["json"] = body
-        async with self.client.request(method, self.url + path, **kwargs) as r:
-            text = await r.text()
-            self.seen.append(text)
-            data = json.loads(text) if text and r.content_type in ("application/json", PROBLEM_JSON) else text
-            if r.status >= 400:
-                assert_problem(r.status, r.content_type, data)
-            return r.status, data, text
-
-    async def get(self, path: str, **kw):
-        return await self.call("GET", path, **kw)
-
-    async def post(self, path: str, body: Any = None, **kw):
-        return await self.call("POST", path, body, **kw)
-
-    async def patch(self, path: str, body: Any = None, **kw):
-        return await self.call("PATCH", path, body, **kw)
-
-    async def put(self, path: str, body: Any = None, **kw):
-        return await self.call("PUT", path, body, **kw)
-
-    async def delete(self, path: str, **kw):
-        return await self.call("DELETE", path, **kw)
-
-    async def chat(self, session_id: str, text: str, message_id: str | None = None) -> dict[str, Any]:
-        body = {"text": text} if message_id is None else {"text": text, "message_id": message_id}
-        status, reply, _ = await self.post(f"/v1/sessions/{session_id}/messages", body)
-        assert status == 200, reply
-        return reply
-
-
 def assert_problem(status: int, content_type: str, body: Any) -> None:
     """docs/api.md: every error is problem+json {type, title, status, detail} with a detail."""
     assert content_type == PROBLEM_JSON, (status, content_type, body)
@@ -90,7 +46,7 @@ def assert_problem(status: int, content_type: str, body: Any) -> None:
 
 @pytest_asyncio.fixture
 async def api(stack, client, tenant) -> Api:
-    return Api(client, stack.gateway.url, tenant[2])
+    return Api(client, stack.gateway.url, tenant[2], on_error=assert_problem)
 
 
 async def tool_call_rows(db, tenant_id: str) -> list[asyncpg.Record]:
@@ -597,7 +553,7 @@ async def test_other_body_errors_name_the_field(api):
     assert status == 422 and "tols" in problem["detail"]
     status, problem, _ = await api.get(f"/v1/sessions/{sid('never')}")
     assert status == 404 and "does not exist" in problem["detail"]
-    status, problem, _ = await api.call("PUT", "/v1/tools")
+    status, problem, _ = await api.request("PUT", "/v1/tools")
     assert status == 405 and "GET" in problem["detail"] and "POST" in problem["detail"]
 
 

@@ -36,10 +36,16 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from tests.e2e.backend_support import Backend
-from tests.e2e.helpers import call_lines, new_tenant
+from tests.support.api import Api
+from tests.support.backend import Backend
+from tests.support.e2e import call_lines, new_tenant
 
 PROBLEM_JSON = "application/problem+json"
+
+
+def problem_with_detail(status: int, content_type: str, data) -> None:
+    """Every error a hostile tenant gets is problem+json with a detail."""
+    assert content_type == PROBLEM_JSON and data["detail"].strip(), (status, data)
 
 BLOCKED_URLS = [
     "http://169.254.169.254/latest/meta-data/iam/{order_id}",
@@ -54,31 +60,6 @@ BLOCKED_URLS = [
     "http://0xa9.0xfe.0xa9.0xfe/latest/{order_id}",
     "http://169.254.169.254./latest/{order_id}",
 ]
-
-
-class Api:
-    """A tenant's client; keeps every response text to search for secrets afterwards."""
-
-    def __init__(self, client, url: str, key: str, seen: list[str] | None = None) -> None:
-        self.client, self.url, self.key = client, url, key
-        self.seen = seen if seen is not None else []
-
-    async def call(self, method: str, path: str, body: Any = None, *, headers: dict | None = None) -> tuple[int, Any]:
-        kwargs: dict[str, Any] = {"headers": {"Authorization": f"Bearer {self.key}", **(headers or {})}}
-        if body is not None:
-            kwargs["json"] = body
-        async with self.client.request(method, self.url + path, **kwargs) as r:
-            text = await r.text()
-            self.seen.append(text)
-            data = json.loads(text) if text and r.content_type in ("application/json", PROBLEM_JSON) else text
-            if r.status >= 400:
-                assert r.content_type == PROBLEM_JSON and data["detail"].strip(), (r.status, text)
-            return r.status, data
-
-    async def chat(self, session: str, text: str, **extra: Any) -> dict[str, Any]:
-        status, reply = await self.call("POST", f"/v1/sessions/{session}/messages", {"text": text, **extra})
-        assert status == 200, reply
-        return reply
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -110,7 +91,7 @@ def webhook(name: str, url: str, **kw: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("url", BLOCKED_URLS)
 async def test_a_url_aimed_inside_the_network_is_refused_at_registration_on_every_field(stack, client, url):
     _, key = await new_tenant(stack, "hostile")
-    api = Api(client, stack.gateway.url, key)
+    api = Api(client, stack.gateway.url, key, on_error=problem_with_detail)
     plain = url.replace("{order_id}", "x")
     attempts = [
         ("POST", "/v1/tools", webhook("steal", url), "webhook_url"),
@@ -143,7 +124,7 @@ async def test_a_stored_tool_aimed_at_a_refused_address_is_refused_in_band_when_
     from storage.repos import BotConfigRepo, ToolRepo
 
     tenant_id, key = await new_tenant(stack, "hostile")
-    api = Api(client, stack.gateway.url, key)
+    api = Api(client, stack.gateway.url, key, on_error=problem_with_detail)
     legacy = definition_from_body(ToolCreate(**webhook("legacy", f"{canary.url}/steal/{{order_id}}")), encrypt=str)
     pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
     try:
@@ -167,7 +148,7 @@ async def test_a_stored_tool_aimed_at_a_refused_address_is_refused_in_band_when_
 
 async def test_a_redirect_to_a_refused_address_is_not_followed(stack, client, backend, canary):
     _, key = await new_tenant(stack, "hostile")
-    api = Api(client, stack.gateway.url, key)
+    api = Api(client, stack.gateway.url, key, on_error=problem_with_detail)
     before = len(backend.requests)
     url = f"{backend.url}/redirect/{{order_id}}?to={canary.url}/latest/meta-data/"
     assert (await api.call("POST", "/v1/tools", webhook("hop", url)))[0] == 201
@@ -184,7 +165,7 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
 ):
     a_id, a_key = await new_tenant(stack, "hostile")
     b_id, _ = await new_tenant(stack, "hostile")
-    api = Api(client, stack.gateway.url, a_key)
+    api = Api(client, stack.gateway.url, a_key, on_error=problem_with_detail)
     for body in (
         webhook("record_order", f"{backend.url}/ok/record", method="POST", mutability="read", parameters={
             "order_id": {"type": "string"}, "account_id": {"type": "string"}, "filter": {"type": "object"}}),
@@ -229,7 +210,8 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
 async def test_another_tenants_workflow_job_is_404_on_both_job_routes(stack, client, backend):
     _, a_key = await new_tenant(stack, "hostile")
     _, b_key = await new_tenant(stack, "hostile")
-    a, b = Api(client, stack.gateway.url, a_key), Api(client, stack.gateway.url, b_key)
+    a = Api(client, stack.gateway.url, a_key, on_error=problem_with_detail)
+    b = Api(client, stack.gateway.url, b_key, on_error=problem_with_detail)
     status, _ = await a.call("POST", "/v1/tools", {
         "name": "start_refund", "type": "workflow", "description": "start a refund", "mutability": "read",
         "start_url": f"{backend.url}/ok/jobs", "parameters": {"order_id": {"type": "string"}}})
@@ -274,7 +256,7 @@ def _ray_logs(since: float) -> dict[str, str]:
 async def test_secrets_appear_in_no_response_error_log_or_row(stack, client, backend, canary, db, caplog):
     tenant_id, key = await new_tenant(stack, "hostile")
     seen: list[str] = []
-    api = Api(client, stack.gateway.url, key, seen)
+    api = Api(client, stack.gateway.url, key, seen, on_error=problem_with_detail)
     webhook_secret = f"Bearer sk-SECRET-canary-{secrets.token_hex(8)}"
     backend_secret = f"Bearer sk-SECRET-backend-{secrets.token_hex(8)}"
     started = time.time()
@@ -312,7 +294,7 @@ async def test_secrets_appear_in_no_response_error_log_or_row(stack, client, bac
         async with client.get(f"{stack.gateway.url}/metrics") as r:
             seen.append(await r.text())
         # a wrong key, and the right one in an over-long header line the HTTP parser refuses
-        assert (await Api(client, stack.gateway.url, key + "x", seen).call("GET", "/v1/tools"))[0] == 401
+        assert (await Api(client, stack.gateway.url, key + "x", seen, on_error=problem_with_detail).call("GET", "/v1/tools"))[0] == 401
         reader, writer = await asyncio.open_connection(urlsplit(stack.gateway.url).hostname, urlsplit(stack.gateway.url).port)
         writer.write(b"GET /v1/tools HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"a" * 9000 + b"\r\n\r\n")
         await writer.drain()

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tests.mcp_support import ShopMcpServer
+from tests.support.api import Api, call
+from tests.support.mcp_server import ShopMcpServer
 
 TOKEN = "Bearer mcp-test-token"
 
@@ -27,28 +28,12 @@ def shop():
         server.stop()
 
 
-class Api:
-    def __init__(self, client, gateway_url: str, headers: dict) -> None:
-        self.client = client
-        self.url = gateway_url
-        self.headers = headers
-
-    async def request(self, method: str, path: str, body=None) -> tuple[int, dict]:
-        async with self.client.request(method, f"{self.url}{path}", headers=self.headers, json=body) as r:
-            text = await r.text()
-            return r.status, (json.loads(text) if text else {})
-
-    async def chat(self, session: str, text: str) -> dict:
-        status, body = await self.request("POST", f"/v1/sessions/{session}/messages", {"text": text})
-        assert status == 200, body
-        return body
-
-    async def register(self, shop: ShopMcpServer, **extra) -> dict:
-        body = {"name": "shop", "url": shop.url, "auth_header": TOKEN,
-                "read_only_tools": ["lookup_order", "check_stock"], **extra}
-        status, created = await self.request("POST", "/v1/mcp-servers", body)
-        assert status == 201, created
-        return created
+async def register_shop(api: Api, shop: ShopMcpServer, **extra) -> dict:
+    body = {"name": "shop", "url": shop.url, "auth_header": TOKEN,
+            "read_only_tools": ["lookup_order", "check_stock"], **extra}
+    status, created = await api.call("POST", "/v1/mcp-servers", body)
+    assert status == 201, created
+    return created
 
 
 @pytest.fixture
@@ -56,20 +41,16 @@ def api(stack, client, tenant):
     return Api(client, stack.gateway.url, tenant[2])
 
 
-def call(name: str, args: dict) -> str:
-    return f"/call {name} {json.dumps(args)}"
-
-
 def calls(reply: dict) -> list[tuple[str, bool]]:
     return [(c["name"], c["success"]) for c in reply["tool_calls"]]
 
 
 async def test_its_tools_are_listed_called_and_gated_like_any_other_tool(api, shop):
-    created = await api.register(shop)
+    created = await register_shop(api, shop)
     assert created["auth_header_set"] is True and "auth_header" not in created
     assert TOKEN not in json.dumps(created)
 
-    status, view = await api.request("GET", "/v1/mcp-servers/shop")
+    status, view = await api.call("GET", "/v1/mcp-servers/shop")
     assert status == 200 and TOKEN not in json.dumps(view)
     tools = {t["name"]: t for t in view["tools"]}
     assert set(tools) == {"shop__lookup_order", "shop__check_stock", "shop__delete_customer",
@@ -78,7 +59,7 @@ async def test_its_tools_are_listed_called_and_gated_like_any_other_tool(api, sh
     assert "(read)" in tools["shop__lookup_order"]["runs"]
     assert "held for approval" in tools["shop__delete_customer"]["runs"]
     assert "held for approval" in tools["shop__archive_order"]["runs"]  # its read-only hint is not trusted
-    _, report = await api.request("GET", "/v1/tools/contract")
+    _, report = await api.call("GET", "/v1/tools/contract")
     assert {"shop__lookup_order", "shop__delete_customer"} <= {t["name"] for t in report["tools"]}
 
     # called through the gateway, with the tenant's credentials, structured content as the result
@@ -93,7 +74,7 @@ async def test_its_tools_are_listed_called_and_gated_like_any_other_tool(api, sh
     assert {"order_id": "4411"} in shop.called("lookup_order")
 
     # ... a disabled server is not contacted and offers nothing; a call to its tool is unknown
-    status, patched = await api.request("PATCH", "/v1/mcp-servers/shop", {"enabled": False})
+    status, patched = await api.call("PATCH", "/v1/mcp-servers/shop", {"enabled": False})
     assert status == 200 and patched["enabled"] is False and patched["auth_header_set"] is True
     before = len(shop.calls)
     reply = await api.chat("mcp-1", "please lookup order 4411")
@@ -102,17 +83,17 @@ async def test_its_tools_are_listed_called_and_gated_like_any_other_tool(api, sh
     [refused] = reply["tool_calls"]
     assert not refused["success"] and "there is no tool named 'shop__lookup_order'" in refused["error"]
     assert len(shop.calls) == before
-    _, view = await api.request("GET", "/v1/mcp-servers/shop")
+    _, view = await api.call("GET", "/v1/mcp-servers/shop")
     assert view["tools"] == []
 
     # analytics count MCP calls like any other
-    _, analytics = await api.request("GET", "/v1/analytics/tools?since=1h")
+    _, analytics = await api.call("GET", "/v1/analytics/tools?since=1h")
     used = {t["name"]: t for t in analytics["tools"]}
     assert used["shop__lookup_order"]["calls"] >= 2, analytics
 
 
 async def test_a_failing_tool_trips_the_breaker_after_three_failures(api, shop):
-    await api.register(shop)
+    await register_shop(api, shop)
     session = "mcp-breaker"
     first = await api.chat(session, "check stock please, sku: 12345")
     assert calls(first) == [("shop__check_stock", False)], first
@@ -127,7 +108,7 @@ async def test_a_failing_tool_trips_the_breaker_after_three_failures(api, shop):
     [refused] = fourth["tool_calls"]
     assert not refused["success"] and "failed too often" in refused["error"], fourth
     assert len(shop.called("check_stock")) == ran  # refused in-band: nothing reached the server
-    status, state = await api.request("GET", f"/v1/sessions/{session}")
+    status, state = await api.call("GET", f"/v1/sessions/{session}")
     assert status == 200 and "shop__check_stock" in state["open_breakers"]
     not_offered = await api.chat(session, "check stock please, sku: 12345")
     assert not_offered["tool_calls"] == [], not_offered
@@ -138,12 +119,12 @@ async def test_a_failing_tool_trips_the_breaker_after_three_failures(api, shop):
 
 async def test_destructive_and_unvouched_tools_are_held_for_approval(api, shop):
     # the tenant even lists delete_customer as read-only: the server's destructive hint still wins
-    await api.register(shop, read_only_tools=["lookup_order", "delete_customer"])
+    await register_shop(api, shop, read_only_tools=["lookup_order", "delete_customer"])
     held = await api.chat("mcp-approve", call("shop__delete_customer", {"ref": "C-9"}))
     pending = held.get("pending_approval")
     assert pending and pending["tools"] == ["shop__delete_customer"], held
     assert shop.called("delete_customer") == []  # nothing irreversible before approval
-    status, done = await api.request(
+    status, done = await api.call(
         "POST", f"/v1/sessions/mcp-approve/approvals/{pending['approval_id']}", {"approve": True})
     assert status == 200 and calls(done) == [("shop__delete_customer", True)], done
     assert shop.called("delete_customer") == [{"ref": "C-9"}]
@@ -154,34 +135,34 @@ async def test_destructive_and_unvouched_tools_are_held_for_approval(api, shop):
     held = await api.chat("mcp-approve", call("shop__archive_order", {"order_id": "A-1"}))
     pending = held.get("pending_approval")
     assert pending and pending["tools"] == ["shop__archive_order"], held
-    status, denied = await api.request(
+    status, denied = await api.call(
         "POST", f"/v1/sessions/mcp-approve/approvals/{pending['approval_id']}", {"approve": False})
     assert status == 200 and calls(denied) == [("shop__archive_order", False)]
     assert shop.called("archive_order") == []
 
 
 async def test_a_server_at_the_metadata_address_is_refused_at_registration(api, shop):
-    status, problem = await api.request("POST", "/v1/mcp-servers", {"name": "meta", "url": "http://169.254.169.254/mcp"})
+    status, problem = await api.call("POST", "/v1/mcp-servers", {"name": "meta", "url": "http://169.254.169.254/mcp"})
     assert status == 422 and "points at 169.254.169.254" in problem["detail"] and "`$.url`" in problem["detail"]
-    await api.register(shop)
-    status, problem = await api.request("PATCH", "/v1/mcp-servers/shop", {"url": "http://10.0.0.1/mcp"})
+    await register_shop(api, shop)
+    status, problem = await api.call("PATCH", "/v1/mcp-servers/shop", {"url": "http://10.0.0.1/mcp"})
     assert status == 422 and "points at 10.0.0.1" in problem["detail"], problem
-    assert (await api.request("GET", "/v1/mcp-servers/meta"))[0] == 404
+    assert (await api.call("GET", "/v1/mcp-servers/meta"))[0] == 404
 
 
 async def test_a_server_whose_name_resolves_to_a_refused_address_is_reported_not_called(api, shop):
     # A host name passes registration (it may resolve differently later); the guard refuses it at
     # connect time: localhost is loopback, which this stack admits only at 127.0.0.2.
-    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "near", "url": "http://localhost:9/mcp"})
+    status, _ = await api.call("POST", "/v1/mcp-servers", {"name": "near", "url": "http://localhost:9/mcp"})
     assert status == 201
-    status, view = await api.request("GET", "/v1/mcp-servers/near")
+    status, view = await api.call("GET", "/v1/mcp-servers/near")
     [entry] = view["tools"]
     assert entry["name"] == "near__*" and not entry["offered"]
     assert "destination not allowed" in entry["findings"][0]["message"], entry
-    status, listed = await api.request("GET", "/v1/mcp-servers")
+    status, listed = await api.call("GET", "/v1/mcp-servers")
     assert [s["name"] for s in listed["mcp_servers"]] == ["near"]
-    assert (await api.request("DELETE", "/v1/mcp-servers/near"))[0] == 204
-    assert (await api.request("GET", "/v1/mcp-servers/near"))[0] == 404
+    assert (await api.call("DELETE", "/v1/mcp-servers/near"))[0] == 204
+    assert (await api.call("GET", "/v1/mcp-servers/near"))[0] == 404
 
 
 async def test_registrations_are_validated(api, shop):
@@ -193,10 +174,10 @@ async def test_registrations_are_validated(api, shop):
         {"name": "shop", "url": shop.url, "surprise": 1},
     ]
     for body in bad:
-        status, problem = await api.request("POST", "/v1/mcp-servers", body)
+        status, problem = await api.call("POST", "/v1/mcp-servers", body)
         assert status == 422, (body, problem)
-    status, problem = await api.request("POST", "/v1/mcp-servers", {"name": "shop", "url": "ftp://example.com/mcp"})
+    status, problem = await api.call("POST", "/v1/mcp-servers", {"name": "shop", "url": "ftp://example.com/mcp"})
     assert "such as https://mcp.example.com/mcp - at `$.url`" in problem["detail"], problem
-    await api.register(shop)
-    status, _ = await api.request("POST", "/v1/mcp-servers", {"name": "shop", "url": shop.url})
+    await register_shop(api, shop)
+    status, _ = await api.call("POST", "/v1/mcp-servers", {"name": "shop", "url": shop.url})
     assert status == 409

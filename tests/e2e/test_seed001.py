@@ -14,7 +14,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from actors.placement import rendezvous_index
-from tests.e2e.api import call, post, register
+from tests.support.api import call, post, register
 
 CATALOG_OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
     {"name": "q", "in": "query", "required": True},

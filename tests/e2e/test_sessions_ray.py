@@ -31,7 +31,7 @@ from actors.ray_host import DEDICATED_POOL_SIZE
 from app.stack import DEMO_STORE_HOST
 from services.errors import Overloaded
 from storage.records import SessionDelta, session_uid
-from tests.e2e.helpers import (
+from tests.support.e2e import (
     MESSAGES_PER_TOOL_TURN,
     NOTED,
     HoldingStore,
@@ -498,7 +498,7 @@ async def test_a_message_reaching_a_dedicated_actor_as_it_exits_is_served_by_the
     """A dedicated actor whose session passivated shuts down, then is killed; a message arriving in
     between is refused by it having run nothing, so the gateway waits for the next actor instead of
     answering 503 (a contact writing again just as the idle timeout ends is the common case)."""
-    from tests.e2e.api import post
+    from tests.support.api import post
 
     tenant_id, _key, headers = tenant
     url, placement = dedicated_gateway.url, dedicated_gateway.placement

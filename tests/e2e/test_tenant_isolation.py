@@ -8,7 +8,6 @@ nothing of A's changes. Without a valid key every route is 401.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -16,7 +15,8 @@ import pytest
 import pytest_asyncio
 
 from storage.records import session_uid
-from tests.e2e.helpers import new_tenant
+from tests.support.api import Api
+from tests.support.e2e import new_tenant
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -27,34 +27,13 @@ def assert_problem(status: int, content_type: str, body: Any) -> None:
     assert body["detail"].strip()
 
 
-class Api:
-    def __init__(self, client, url: str, key: str) -> None:
-        self.client, self.url = client, url
-        self.headers = {"Authorization": f"Bearer {key}"}
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        kwargs: dict[str, Any] = {"headers": self.headers}
-        if body is not None:
-            kwargs["json"] = body
-        async with self.client.request(method, self.url + path, **kwargs) as r:
-            text = await r.text()
-            data = json.loads(text) if text and r.content_type != "text/plain" else text
-            if r.status >= 400:
-                assert_problem(r.status, r.content_type, data)
-            return r.status, data
-
-    async def chat(self, session_id: str, text: str) -> dict[str, Any]:
-        status, reply = await self.call("POST", f"/v1/sessions/{session_id}/messages", {"text": text})
-        assert status == 200, reply
-        return reply
-
-
 @pytest_asyncio.fixture(scope="module")
 async def world(stack, client) -> dict[str, Any]:
     """A with two tools, a session that used one (variable set, call logged); B with nothing."""
     a_id, a_key = await new_tenant(stack, "iso-a")
     b_id, b_key = await new_tenant(stack, "iso-b")
-    a, b = Api(client, stack.gateway.url, a_key), Api(client, stack.gateway.url, b_key)
+    a = Api(client, stack.gateway.url, a_key, on_error=assert_problem)
+    b = Api(client, stack.gateway.url, b_key, on_error=assert_problem)
     store = stack.demo_store.url
     for body in (
         {"name": "check_order", "description": "Look up a customer order by order number.",
@@ -122,7 +101,7 @@ async def test_another_tenant_lists_analytics_and_contract_without_a_tools(world
 
 
 async def test_same_tool_name_in_two_tenants_is_two_independent_tools(stack, client, world, tenant):
-    c = Api(client, stack.gateway.url, tenant[1])
+    c = Api(client, stack.gateway.url, tenant[1], on_error=assert_problem)
     body = {"name": "check_order", "description": "C's own lookup.",
             "parameters": {"order_id": {"type": "string"}},
             "webhook_url": f"{stack.demo_store.url}/api/orders/{{order_id}}"}

@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from actors.lane import LaneAddress, LaneBroken, LaneClient
 from actors.placement import NAMESPACE, Placement
 from services.wire import Turn
-from tests.e2e.helpers import call_lines, post, register_order_tools, send
+from tests.support.e2e import call_lines, post, register_order_tools, send
 
 pytestmark = pytest.mark.e2e
 

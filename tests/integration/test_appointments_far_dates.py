@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from services.tools.errors import InvalidArguments
-from tests.integration.builtins_support import ctx, services
-from tests.integration.test_builtins_appointments import BOOKABLE, NOW, tenant_with_services
+from tests.support.appointments import BOOKABLE, NOW, tenant_with_services
+from tests.support.builtin_services import ctx, services
 
 
 @pytest.mark.parametrize(("args", "message"), [

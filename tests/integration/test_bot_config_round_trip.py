@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 
-from tests.integration.test_gateway_bad_input import gateway  # noqa: F401  (the fixture)
+from tests.support.gateways import gateway  # noqa: F401  (the fixture)
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 24).decode()
 FULL = {

@@ -21,8 +21,8 @@ from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.errors import InvalidArguments
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.integration.builtins_support import ctx, services, through_executor
-from tests.integration.test_gateway_bad_input import FakeRouter, problem_of
+from tests.support.builtin_services import ctx, services, through_executor
+from tests.support.gateways import FakeRouter, problem_of
 
 NOW = datetime(2026, 7, 1, 8, 0, tzinfo=UTC)  # Wednesday, 10:00 in Berlin
 EVERY_DAY = {"duration_minutes": 60, "timezone": "Europe/Berlin",

@@ -15,20 +15,8 @@ from structlog.testing import capture_logs
 from services.builtins.appointments import SlotUnavailable, service_from_body
 from services.tools.errors import InvalidArguments, PolicyDenied
 from storage.repos.builtins import SlotTaken
-from tests.integration.builtins_support import SECRET, ctx, receiver, services
-
-NOW = datetime(2026, 7, 1, 8, 0, tzinfo=UTC)  # Wednesday, 10:00 in Berlin
-HAIRCUT = {"duration_minutes": 30, "timezone": "Europe/Berlin",
-           "opening_hours": {"mon": [["09:00", "12:00"], ["13:00", "17:00"]], "tue": ["09:00", "17:00"],
-                             "wed": ["09:00", "17:00"], "thu": ["09:00", "17:00"], "fri": ["09:00", "12:00"]}}
-
-
-async def tenant_with_services(make_tenant, svc, **extra):
-    tenant, _ = await make_tenant("appt")
-    await svc.repos.appointments.put_service(tenant.id, service_from_body("haircut", HAIRCUT))
-    for name, body in extra.items():
-        await svc.repos.appointments.put_service(tenant.id, service_from_body(name, body))
-    return tenant
+from tests.support.appointments import BOOKABLE, HAIRCUT, NOW, tenant_with_services
+from tests.support.builtin_services import SECRET, ctx, receiver, services
 
 
 async def test_free_slots_follow_opening_hours_in_the_service_time_zone(pool, make_tenant):
@@ -82,10 +70,6 @@ async def test_booking_a_free_slot_stores_it_and_removes_it_from_the_listing(poo
     booked_events = [e for e in events if e["type"] == "appointment.booked"]
     assert {e["data"]["starts_at"] for e in booked_events} == {"2026-07-02T07:00:00+00:00", "2026-07-02T07:30:00+00:00"}
     assert any(e["data"]["contact_email"] == "jane@example.com" for e in booked_events)
-
-
-#: what a refusal of a far-off day or start adds: the days that can be booked
-BOOKABLE = r"; the bookable days are 2026-07-01 to 2027-07-02 \(Europe/Berlin\)"
 
 
 @pytest.mark.parametrize(("start", "message"), [

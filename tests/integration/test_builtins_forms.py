@@ -16,7 +16,7 @@ from services.tools.executor import Executor, ToolCall, ToolOutcome
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import SessionToolState
-from tests.integration.builtins_support import SECRET, ctx, receiver, services, through_executor
+from tests.support.builtin_services import SECRET, ctx, receiver, services, through_executor
 
 QUOTE = {
     "type": "object",

@@ -24,8 +24,8 @@ from services.llm.port import (
 )
 from services.tools.executor import Executor
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.integration.builtins_support import SECRET, ctx, receiver, services
-from tests.unit.fakes import StreamScriptedLLM
+from tests.support.builtin_services import SECRET, ctx, receiver, services
+from tests.support.fakes import StreamScriptedLLM
 
 
 class ScriptedLLM(StreamScriptedLLM):

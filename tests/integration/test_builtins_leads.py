@@ -17,7 +17,7 @@ from services.builtins.notify import sign, verify
 from services.tools.errors import InvalidArguments, PolicyDenied
 from services.tools.redaction import REDACTED
 from services.tools.registry import SetVariables
-from tests.integration.builtins_support import SECRET, ctx, receiver, services, through_executor
+from tests.support.builtin_services import SECRET, ctx, receiver, services, through_executor
 
 
 @pytest.mark.parametrize(("args", "message"), [

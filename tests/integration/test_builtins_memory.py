@@ -11,7 +11,7 @@ from services.tools.errors import InvalidArguments
 from services.tools.redaction import REDACTED
 from storage.records import MessageRecord, SessionDelta, SessionSnapshot
 from storage.repos import SessionRepo
-from tests.integration.builtins_support import ctx, services, through_executor
+from tests.support.builtin_services import ctx, services, through_executor
 
 
 async def store_conversation(pool, tenant_id: str, session_id: str, texts: list[tuple[str, str]],

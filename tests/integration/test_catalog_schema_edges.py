@@ -39,9 +39,9 @@ from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
-from tests.integration.builtins_support import ctx, services
-from tests.integration.test_gateway_bad_input import FakeRouter
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.builtin_services import ctx, services
+from tests.support.gateways import FakeRouter
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 
 OLD_KEY, NEW_KEY = generate_key(), generate_key()
 BACKEND_SECRET = "Bearer sk_backend_saved_under_the_old_key"

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from storage.pool import create_pool
 from storage.repos import TenantRepo
-from tests.integration.test_cli import run_cli
+from tests.support.cli import run_cli
 
 STAMP = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"
 

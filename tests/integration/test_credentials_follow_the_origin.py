@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.mcp_servers import McpServerRepo
-from tests.integration.test_gateway_bad_input import FakeRouter
+from tests.support.gateways import FakeRouter, OriginGateway
 
 SECRET = "Bearer sk_live_written_by_the_shop_owner"
 NEW_SECRET = "Bearer sk_live_for_the_new_host"
@@ -47,43 +46,14 @@ SAME_ORIGIN = [
 ]
 
 
-@dataclass
-class Gateway:
-    client: TestClient
-    headers: dict[str, str]
-    tenant_id: str
-    box: SecretBox
-    pool: Any
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-        async with self.client.request(method, path, headers=self.headers, json=body) as r:
-            text = await r.text()
-            return r.status, json.loads(text) if text else {}
-
-    async def tool_secret(self, name: str = "order_status") -> str | None:
-        enc = (await ToolRepo(self.pool).get(self.tenant_id, name)).definition.get("auth_header_enc")
-        return self.box.decrypt(enc) if enc else None
-
-    async def backend(self) -> dict[str, Any]:
-        return (await BotConfigRepo(self.pool).get(self.tenant_id) or {}).get("backend") or {}
-
-    async def backend_secret(self) -> str | None:
-        enc = (await self.backend()).get("auth_header_enc")
-        return self.box.decrypt(enc) if enc else None
-
-    async def mcp_secret(self, name: str = "shop") -> str | None:
-        enc = (await McpServerRepo(self.pool).get(self.tenant_id, name)).auth_header_enc
-        return self.box.decrypt(enc) if enc else None
-
-
 @pytest_asyncio.fixture
-async def gw(pool, make_tenant) -> AsyncIterator[Gateway]:
+async def gw(pool, make_tenant) -> AsyncIterator[OriginGateway]:
     box = SecretBox([generate_key()])
     deps = GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
                        sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=box)
     tenant, key = await make_tenant("origin")
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-        yield Gateway(client, {"Authorization": f"Bearer {key.api_key}"}, tenant.id, box, pool)
+        yield OriginGateway(client, {"Authorization": f"Bearer {key.api_key}"}, tenant.id, box, pool)
 
 
 def refused_for(problem: dict[str, Any], field: str, without: str) -> None:
@@ -96,7 +66,7 @@ def refused_for(problem: dict[str, Any], field: str, without: str) -> None:
 
 # -- webhook tools: PATCH /v1/tools/{name} ----------------------------------------------------------
 
-async def make_tool(gw: Gateway, *, auth_header: str | None = SECRET) -> None:
+async def make_tool(gw: OriginGateway, *, auth_header: str | None = SECRET) -> None:
     body = {"name": "order_status", "description": "Look up an order by its number.", "webhook_url": ORDERS,
             "parameters": {"order_id": {"type": "string"}}}
     if auth_header is not None:
@@ -167,7 +137,7 @@ async def test_rolling_back_a_tool_brings_back_the_old_url_with_its_own_auth_hea
 BACKEND_URL = "https://api.shop.example/v1"
 
 
-async def put_backend(gw: Gateway, **backend: Any) -> tuple[int, dict[str, Any]]:
+async def put_backend(gw: OriginGateway, **backend: Any) -> tuple[int, dict[str, Any]]:
     return await gw.call("PUT", "/v1/bot-config", {"persona": "You help with orders.", "backend": backend})
 
 
@@ -235,7 +205,7 @@ async def test_auth_header_set_true_with_no_backend_header_stored_is_refused(gw,
 MCP_URL = "https://mcp.shop.example/mcp"
 
 
-async def make_server(gw: Gateway, *, auth_header: str | None = SECRET) -> None:
+async def make_server(gw: OriginGateway, *, auth_header: str | None = SECRET) -> None:
     status, created = await gw.call("POST", "/v1/mcp-servers", {"name": "shop", "url": MCP_URL, "auth_header": auth_header})
     assert status == 201, created
 

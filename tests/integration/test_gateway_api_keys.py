@@ -19,7 +19,7 @@ from cachetools import TTLCache
 from services.gateway.app import build_app
 from services.gateway.common import KEY_CACHE_TTL_S, UNKNOWN_KEY_TTL_S, GatewayDeps
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.unit.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 
 class CountingTenants:

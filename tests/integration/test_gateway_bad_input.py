@@ -13,78 +13,22 @@ from __future__ import annotations
 
 import base64
 import gzip
-import json
 import zlib
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
-import pytest_asyncio
-from aiohttp.test_utils import TestClient, TestServer
 
 from actors.host import TurnNotSaved
 from actors.placement import _host_exception
 from actors.ray_host import to_host_error
-from services.gateway.app import build_app
 from services.gateway.bodies import MAX_VARIABLE_NAME
-from services.gateway.common import GatewayDeps
 from services.nesting import MAX_JSON_DEPTH
-from services.tools.crypto import SecretBox, generate_key
-from services.wire import ToolCallSummary, Turn, TurnReply, UsageOut
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from tests.support import gateways
+from tests.support.gateways import problem_of
 
-PROBLEM_JSON = "application/problem+json"
+gateway = gateways.gateway  # the fixture
+
 TTL_MAX = 30 * 86400
-
-
-class FakeRouter:
-    """SessionRouter answering every turn with one reply, or raising `raises`."""
-
-    def __init__(self) -> None:
-        self.raises: BaseException | None = None
-        self.texts: list[str] = []
-
-    async def send(self, turn: Turn, *, new_id=False) -> TurnReply:
-        self.texts.append(turn.text)
-        if self.raises is not None:
-            raise self.raises
-        return TurnReply(session_id=turn.session_id, message_id=turn.message_id or "m-1", reply="hello", rounds=1,
-                         tool_calls=[ToolCallSummary(id="t1", name="x", success=True, latency_ms=1)],
-                         usage=UsageOut())
-
-    async def decide(self, *args, **kw):  # pragma: no cover - not used here
-        raise AssertionError("not called")
-
-    async def stream(self, *args, **kw):  # pragma: no cover - not used here
-        raise AssertionError("not called")
-        yield
-
-    async def view(self, tenant_id, session_id):
-        return None
-
-    async def stats(self) -> list[dict[str, Any]]:
-        return []
-
-
-@pytest_asyncio.fixture
-async def gateway(pool, make_tenant) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
-    router = FakeRouter()
-    deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
-    _, key = await make_tenant("bad-input")
-    async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-        yield client, router, {"Authorization": f"Bearer {key.api_key}"}
-
-
-async def problem_of(resp, status: int) -> str:
-    """The detail of a problem+json answer with `status`, checked for its shape."""
-    text = await resp.text()
-    assert (resp.status, resp.content_type) == (status, PROBLEM_JSON), text
-    body = json.loads(text)
-    assert {"type", "title", "status", "detail"} <= body.keys() and body["status"] == status
-    assert "Traceback" not in text and "postgres" not in text.lower(), text
-    return body["detail"]
 
 
 # -- bot config -------------------------------------------------------------------------------

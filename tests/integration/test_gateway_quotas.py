@@ -25,7 +25,7 @@ from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.integration.test_gateway_bad_input import FakeRouter, problem_of
+from tests.support.gateways import FakeRouter, problem_of
 
 LIMIT = 3
 

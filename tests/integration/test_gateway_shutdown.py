@@ -18,7 +18,7 @@ from services.errors import ConfigError
 from services.gateway.server import DRAIN_TIMEOUT_S, check_listen_address, open_gateway
 from services.settings import Settings
 from services.wire import Turn, TurnReply, UsageOut
-from tests.integration.test_gateway_bad_input import FakeRouter
+from tests.support.gateways import FakeRouter
 
 #: longer than the gateway used to wait for a request in flight: 5 s, twice (aiohttp waits for the
 #: handler, then again after cancelling the request body), rounded up

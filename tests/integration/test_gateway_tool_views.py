@@ -5,7 +5,9 @@ no tool body can carry). A real aiohttp server on loopback over real Postgres re
 from __future__ import annotations
 
 from services.gateway.bodies import ToolCreate
-from tests.integration.test_gateway_unit_edges import gateway  # noqa: F401 - the fixture
+from tests.support import gateways
+
+gateway = gateways.scripted_gateway  # the fixture
 
 #: what a view adds to the definition a tenant sent
 VIEW_EXTRAS = {"auth_header_set", "version", "published", "based_on_version", "created_at", "updated_at"}
@@ -13,7 +15,7 @@ TOOL = {"name": "order_status", "description": "Look up an order by its number."
         "webhook_url": "https://example.com/orders/{order_id}", "parameters": {"order_id": {"type": "string"}}}
 
 
-async def test_a_tenants_tool_views_show_what_the_tenant_can_set_and_no_unset_engine_field(gateway):  # noqa: F811
+async def test_a_tenants_tool_views_show_what_the_tenant_can_set_and_no_unset_engine_field(gateway):
     client, _router, headers = gateway
     created = await client.post("/v1/tools", headers=headers, json=TOOL)
     assert created.status == 201, await created.text()

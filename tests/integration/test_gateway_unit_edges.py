@@ -2,7 +2,7 @@
 become problem+json, the reply body's required fields, SSE framing of a failed turn.
 
 A real aiohttp server on loopback and real Postgres repositories (the shared `pool`); only the
-SessionRouter port is a fake (FakeRouter implements the gateway's Protocol).
+SessionRouter port is a fake (ScriptedRouter implements the gateway's Protocol).
 """
 
 from __future__ import annotations
@@ -10,102 +10,26 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-import pytest_asyncio
 import structlog
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from actors.placement import HostFailure
 from actors.ray_host import HostError
 from services.errors import InvalidInput, NotFound, Overloaded
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps, parse_since
-from services.tools.crypto import SecretBox, generate_key
-from services.wire import (
-    ApprovalDecision,
-    SessionView,
-    StreamEvent,
-    ToolCallSummary,
-    Turn,
-    TurnCommand,
-    TurnReply,
-    TurnTiming,
-    UsageOut,
-)
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from services.gateway.common import parse_since
+from services.wire import TurnTiming
+from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
+from tests.support import gateways
+from tests.support.gateways import ScriptedRouter, scripted_deps
 
-
-def reply(session_id: str, message_id: str = "m-1", **kw: Any) -> TurnReply:
-    return TurnReply(session_id=session_id, message_id=message_id, reply="hello", rounds=1,
-                     tool_calls=[ToolCallSummary(id="t1", name="check_order", success=True, latency_ms=3)],
-                     usage=UsageOut(input_tokens=1, output_tokens=1), **kw)
-
-
-class FakeRouter:
-    """SessionRouter that answers with a scripted reply or raises a scripted error."""
-
-    def __init__(self) -> None:
-        self.raises: BaseException | None = None
-        self.handoff = False
-        self.timing: TurnTiming | None = None
-        self.calls: list[tuple[str, str]] = []
-        self.ids: list[tuple[str | None, bool]] = []  # (message_id, new_id) of each send and stream
-        self.refuses: BaseException | None = None  # raised by a stream before its first event
-        self.hold: asyncio.Event | None = None  # a stream's first event waits for it
-
-    async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply:
-        self.calls.append((turn.tenant_id, turn.session_id))
-        self.ids.append((turn.message_id, new_id))
-        if self.raises is not None:
-            raise self.raises
-        return reply(turn.session_id, turn.message_id or "m-1", handoff=self.handoff, timing=self.timing)
-
-    async def decide(self, decision: ApprovalDecision) -> TurnReply:
-        return await self.send(Turn(tenant_id=decision.tenant_id, session_id=decision.session_id, text="",
-                                    message_id=decision.approval_id))
-
-    async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
-        session_id = command.session_id
-        message_id = command.message_id if isinstance(command, Turn) else None
-        self.ids.append((message_id, new_id))
-        if self.refuses is not None:
-            raise self.refuses
-        if self.hold is not None:
-            await self.hold.wait()
-        yield StreamEvent(event="text", data="hel")
-        if self.raises is not None:  # as the routers do: the turn's error once the events before it are out
-            raise self.raises
-        yield StreamEvent(event="done", data=msgspec.to_builtins(
-            reply(session_id, message_id or "m-1", timing=self.timing)))
-
-    async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
-        return None
-
-    async def stats(self) -> list[dict[str, Any]]:
-        raise RuntimeError("host down")
-
-
-async def _deps(pool, router: FakeRouter) -> tuple[GatewayDeps, Any]:
-    """The gateway's real repositories over `router`, and a new tenant's key."""
-    deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
-    _, key = await TenantRepo(pool).create_tenant(f"edges-{id(router)}")
-    return deps, key
-
-
-@pytest_asyncio.fixture
-async def gateway(pool) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
-    router = FakeRouter()
-    deps, key = await _deps(pool, router)
-    async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-        yield client, router, {"Authorization": f"Bearer {key.api_key}"}
+gateway = gateways.scripted_gateway  # the fixture
 
 
 async def problem_of(resp) -> dict[str, Any]:
@@ -198,9 +122,9 @@ async def test_a_stream_refused_before_its_first_event_is_answered_with_the_prob
 async def test_a_stream_whose_client_left_before_its_first_event_ends_quietly(pool):
     # A contact closing the app while the model thinks is routine: logged as a hang-up, no error.
     # The gateway's own server settings (TestServer cancels a handler whose client went away).
-    router = FakeRouter()
+    router = ScriptedRouter()
     router.hold = asyncio.Event()
-    deps, key = await _deps(pool, router)
+    deps, key = await scripted_deps(pool, router)
     runner = web.AppRunner(build_app(deps), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -29,8 +29,8 @@ from storage.pool import create_pool
 from storage.records import session_uid
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
-from tests.conftest import database_url
-from tests.unit.host_fakes import FakeTenants
+from tests.support.host_fakes import FakeTenants
+from tests.support.postgres import database_url
 
 T = 10.0
 PROBLEM = "application/problem+json"

@@ -1,7 +1,7 @@
 """Names and ids from a tenant admin or a contact that look plain but are not: a trailing line
 break (`^...$` matched it), a control character in a message id, a forged approval id with a
-non-ASCII character. The real gateway app over a session host (tests/integration/
-test_openapi_statuses.py's harness) and the real Postgres repositories."""
+non-ASCII character. The real gateway app over a session host
+(tests/support/gateways.py's documented_gateway) and the real Postgres repositories."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from services.approvals import approval_keys, verify_approval_id
-from tests.integration import test_openapi_statuses
+from tests.support import gateways
 
-gateway = test_openapi_statuses.gateway  # the fixture
+gateway = gateways.documented_gateway  # the fixture
 KEYS = approval_keys(["k" * 32])
 
 

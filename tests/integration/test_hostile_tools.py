@@ -25,10 +25,6 @@ import msgspec
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import capture_logs
 
 from actors.session import TurnEnv, handle_message, new_state
@@ -50,8 +46,11 @@ from storage.records import (
     session_uid,
 )
 from storage.repos import SessionRepo
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support import tracing
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.turns import ScriptedLLM
+
+spans = tracing.spans  # the fixture
 
 ORDER = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}
 
@@ -224,19 +223,6 @@ async def test_a_stored_tool_with_a_private_literal_is_refused_at_call_time(guar
 
 
 # --------------------------------------------------------------------------- secrets in a traced turn
-
-@pytest.fixture
-def spans() -> InMemorySpanExporter:
-    # The global provider can be set once per process: share the unit tests' exporter, so whichever
-    # of us sets the provider first, both see their spans.
-    from tests.unit.test_tracing import _EXPORTER
-
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        trace.set_tracer_provider(provider)
-    _EXPORTER.clear()
-    return _EXPORTER
 
 
 async def test_a_turn_leaks_no_auth_header_or_sensitive_argument_into_spans_logs_records_or_errors(

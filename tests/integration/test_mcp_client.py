@@ -11,8 +11,8 @@ from services.tools.errors import DestinationBlocked, UpstreamTimeout, UpstreamU
 from services.tools.mcp import McpToolFailed, result_value
 from services.tools.mcp_client import McpHttpClient, _PinnedBackend
 from services.tools.ssrf import CheckedDestination, DestinationPolicy
-from tests.mcp_support import ShopMcpServer
-from tests.net_fakes import MapResolver
+from tests.support.mcp_server import ShopMcpServer
+from tests.support.net_fakes import MapResolver
 
 LOOPBACK_TWO = DestinationPolicy(allow=("127.0.0.2/32",))
 TOKEN = "Bearer mcp-test-token"

@@ -17,7 +17,7 @@ from services.builtins.notify import LIGHT_POLL_S, PRUNE_EVERY_S, Notifier, veri
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
 from storage.repos.notifications import NewNotification, NotificationRepo
-from tests.integration.builtins_support import SECRET, FakeConfigs, ctx, receiver, services
+from tests.support.builtin_services import SECRET, FakeConfigs, ctx, receiver, services
 
 
 @asynccontextmanager

@@ -12,23 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-import pytest_asyncio
-from aiohttp.test_utils import TestClient, TestServer
 
-from actors.host import HostSettings, SessionHost
-from actors.local import LocalRouter
-from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
 from services.gateway.limits import TenantLimiter
-from services.tools.crypto import SecretBox, generate_key
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from storage.repos.jobs import JobRepo
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support import gateways
+from tests.support.gateways import DocumentedGateway
+
+gateway = gateways.documented_gateway  # the fixture
 
 #: every /v1 route: no or an unknown key (401), a NUL in the URL (422), Postgres unreachable while
 #: the key or anything else is looked up (503 with Retry-After)
@@ -88,58 +79,7 @@ NOT_DOCUMENTED = {("GET", "/"), ("GET", "/static/{file}"), ("GET", "/openapi.jso
 DELETES = [path for (method, path), statuses in EXPECTED.items() if method == "DELETE"]
 
 
-@dataclass
-class Gateway:
-    client: TestClient
-    deps: GatewayDeps
-    host: SessionHost
-    store: FakeSessionStore
-    headers: dict[str, str]
-    tenant_id: str
-    doc: dict[str, Any]
-
-    async def documented(self, resp, method: str, path: str) -> None:
-        """`resp` (to `method path`, as the document names the path) has a status the document
-        lists for that operation, and the content type it lists (none for a body-less status)."""
-        op = self.doc["paths"][path][method.lower()]
-        status = str(resp.status)
-        assert status in op["responses"], (
-            f"{method} {path} answered {status}, documented: {sorted(op['responses'])}: {await resp.text()}")
-        documented = op["responses"][status].get("content", {})
-        ctype = resp.headers.get("Content-Type", "").split(";")[0].strip()
-        if documented:
-            assert ctype in documented, f"{method} {path} {status} is {ctype!r}, documented {sorted(documented)}"
-        else:
-            assert await resp.read() == b"", f"{method} {path} {status} has a body, documented none"
-        for header in op["responses"][status].get("headers", {}):
-            if header in ("Retry-After", "X-Message-Id"):
-                assert header in resp.headers, f"{method} {path} {status} lacks its documented {header}"
-
-
-@pytest_asyncio.fixture
-async def gateway(pool, make_tenant) -> AsyncIterator[Gateway]:
-    store = FakeSessionStore()
-    host = SessionHost(name="h1", store=store, tenants=FakeTenants(),
-                       settings=HostSettings(output_gate=True, gate_timeout_s=0.3))
-    await host.start()
-    deps = GatewayDeps(router=LocalRouter(host), tenants=TenantRepo(pool), tools=ToolRepo(pool),
-                       calls=ToolCallRepo(pool), sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
-                       secret_box=SecretBox([generate_key()]), jobs=JobRepo(pool))
-    tenant, key = await make_tenant("openapi")
-    try:
-        async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
-            r = await client.get("/openapi.json")
-            assert r.status == 200
-            yield Gateway(client, deps, host, store, {"Authorization": f"Bearer {key.api_key}"}, tenant.id,
-                          json.loads(await r.text()))
-    finally:
-        store.down = False
-        if store.hold is not None:
-            store.hold.set()
-        await asyncio.wait_for(host.stop(), 10)
-
-
-def _served(gateway: Gateway) -> set[tuple[str, str]]:
+def _served(gateway: DocumentedGateway) -> set[tuple[str, str]]:
     app = gateway.client.server.app
     return {(r.method, r.resource.canonical) for r in app.router.routes()
             if r.resource is not None and r.method != "HEAD"}

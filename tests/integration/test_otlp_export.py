@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent('''
     from services.botconfig import BotConfig
     from services.tools.executor import Executor
     from services.tools.registry import HandlerRegistry, build_catalog
-    from tests.unit.test_session_loop import ScriptedLLM
+    from tests.support.turns import ScriptedLLM
 
     provider = configure_tracing(sys.argv[1], service_name="otlp-test")
     env = TurnEnv(llm=ScriptedLLM(["hello"]), executor=Executor(), main_model="m", cheap_model="c",

@@ -36,8 +36,8 @@ from services.tools.registry import Catalog, HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
+from tests.support.turns import ScriptedLLM
 
 
 class Upstream(LoopbackApp):

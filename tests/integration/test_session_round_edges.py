@@ -32,7 +32,7 @@ from services.wire import Turn
 from storage.errors import StorageUnavailable
 from storage.records import session_uid
 from storage.repos import SessionRepo
-from tests.unit.host_fakes import FakeTenants
+from tests.support.host_fakes import FakeTenants
 
 MODEL = "claude-haiku-4-5"
 OPEN = {"type": "object", "properties": {"q": {"type": "string"}}}

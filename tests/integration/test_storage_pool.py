@@ -48,7 +48,7 @@ async def test_unreachable_postgres_is_unavailable_and_names_host_not_password()
 
 
 async def test_unknown_database_is_a_clear_error(pg_url):
-    from tests.conftest import database_url
+    from tests.support.postgres import database_url
 
     with pytest.raises(StorageError, match="the database does not exist") as info:
         await create_pool(database_url(pg_url, "no_such_db_here"))

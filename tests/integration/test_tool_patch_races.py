@@ -27,8 +27,7 @@ from services.tools.crypto import SecretBox, generate_key
 from storage.records import PublishedTool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.tools import ToolChanged
-from tests.integration.test_credentials_follow_the_origin import Gateway as CredentialsGateway
-from tests.integration.test_gateway_bad_input import FakeRouter
+from tests.support.gateways import FakeRouter, OriginGateway
 
 TOOL = {"name": "order_status", "description": "Look up an order by its number.",
         "webhook_url": "https://api.shop.example/orders/{order_id}", "parameters": {"order_id": {"type": "string"}}}
@@ -52,7 +51,7 @@ class ReadsTogether(ToolRepo):
 
 
 @dataclass
-class Gateway(CredentialsGateway):  # its `call`: one request, (status, the JSON answer)
+class Gateway(OriginGateway):  # its `call`: one request, (status, the JSON answer)
     tools: ReadsTogether | None = None
 
 

@@ -33,9 +33,9 @@ from services.tools.ssrf import DestinationPolicy
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient, WebhookToolBackend
 from storage.records import McpServerRecord
-from tests.mcp_support import ShopMcpServer, serve_in_thread, stop_served
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.mcp_server import ShopMcpServer, serve_in_thread, stop_served
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.turns import ScriptedLLM
 
 SCOPE = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "accountId": "tn_A"}
 LOOPBACK_TWO = DestinationPolicy(allow=("127.0.0.2/32",))

@@ -21,8 +21,11 @@ from services.tools.mcp_client import McpHttpClient
 from services.tools.model import WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient
-from tests.mcp_support import ShopMcpServer
-from tests.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
+from tests.support import net_fakes
+from tests.support.mcp_server import ShopMcpServer
+from tests.support.net_fakes import LoopbackApp, LoopbackOnlySockets, MapResolver
+
+sockets = net_fakes.sockets  # the fixture
 
 SLACK_TOKEN = "Ab3dEf6hIj9kLm2nOp5qRs8t"  # a Slack-style incoming-webhook token: letters and digits
 HEX_TOKEN = "0123456789abcdef0123456789abcdef01234567"
@@ -54,13 +57,6 @@ class EchoUpstream(LoopbackApp):
              "segments": request.path.split("/")},
             status=int(request.match_info["code"]),
         )
-
-
-@pytest.fixture
-def sockets():
-    factory = LoopbackOnlySockets()
-    yield factory
-    assert factory.refused == [], "a client tried to connect off loopback"
 
 
 @pytest.fixture

@@ -37,7 +37,10 @@ from services.tools.errors import (
 from services.tools.model import BackendBindingTool, WebhookTool
 from services.tools.ssrf import DestinationPolicy
 from services.tools.webhook import WebhookClient, WebhookResponse, WebhookToolBackend
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support import net_fakes
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
+
+sockets = net_fakes.sockets  # the fixture
 
 LOOPBACK_ONLY = ("127.0.0.1/32",)
 TEN_MB = 10 * 1024 * 1024
@@ -274,13 +277,6 @@ async def listen_script(
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-def sockets():
-    factory = LoopbackOnlySockets()
-    yield factory
-    assert factory.refused == [], "a client tried to connect off loopback"
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from services.tools.ssrf import DestinationPolicy
 from services.tools.templating import template_holes
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import ERROR_BODY_WAIT_S, WebhookClient, WebhookToolBackend
-from tests.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 
 #: what the session host puts in the trusted scope (actors.session._scope): the tenant's id
 TRUSTED_SCOPE = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "accountId": "tn_A"}

@@ -13,9 +13,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from actors.session import PendingTurn, TurnEnv, handle_approval, handle_message, new_state
@@ -25,8 +22,10 @@ from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
 from storage.records import SessionSnapshot
-from tests.unit.test_session_loop import ScriptedLLM
-from tests.unit.test_tracing import _EXPORTER
+from tests.support import tracing
+from tests.support.turns import ScriptedLLM
+
+spans = tracing.spans  # the fixture
 
 KEYS = (b"k" * 32,)
 EMAIL = "ana.lopez@example.com"
@@ -46,18 +45,6 @@ PAYOUT_STRICT = msgspec.structs.replace(PAYOUT_UNMARKED, parameters={**SCHEMA, "
 #: an unrelated read held in the same batch: nothing of it is sensitive
 LOOKUP = PythonTool(name="lookup_order", description="orders", handler="lookup",
                     parameters={"type": "object", "properties": {"q": {"type": "string"}}})
-
-
-@pytest.fixture
-def spans() -> InMemorySpanExporter:
-    """test_tracing's exporter: the global provider can be set once per process, with one exporter."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # the global provider can be set once per process
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        trace.set_tracer_provider(provider)
-    _EXPORTER.clear()
-    return _EXPORTER
 
 
 @pytest.fixture

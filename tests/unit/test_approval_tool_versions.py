@@ -26,7 +26,7 @@ from services.botconfig import BotConfig
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
 KEYS = (b"k" * 32,)

@@ -7,14 +7,7 @@ import asyncio
 from actors import catalogs
 from actors.catalogs import TenantCatalogs
 from services.tools.registry import HandlerRegistry
-
-
-class FakeTools:
-    async def list_published(self, tenant_id: str) -> list:
-        return []
-
-    async def catalog_stamp(self, tenant_id: str) -> str:
-        return "s1"
+from tests.support.catalog_fakes import FakeTools
 
 
 class FakeConfigs:

@@ -6,33 +6,15 @@ import pytest
 
 from services.botconfig import Backend, BotConfig, Intent
 from services.contract import build_report
-from services.tools.model import BackendBindingTool, PythonTool
+from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
+from tests.support.contract import NullBackend, binding
 
 OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
     {"name": "q", "in": "query", "required": True},
     {"name": "per_page", "in": "query"},
     {"name": "account_id", "in": "query", "required": True},
 ]}}}}
-
-SEARCH_PARAMS = {"type": "object", "properties": {"search": {"type": "string"}, "limit": {"type": "integer"}},
-                 "required": ["search"]}
-
-
-def binding(**overrides) -> BackendBindingTool:
-    base = {"name": "example_catalog_search", "description": "search", "parameters": SEARCH_PARAMS,
-            "method": "GET", "path": "/example/catalog", "parameter_map": {"search": "q", "limit": "per_page"},
-            "scope": ("account_id",)}
-    base.update(overrides)
-    return BackendBindingTool(**base)
-
-
-class NullBackend:
-    async def call_webhook(self, *a, **k):  # pragma: no cover - never called by the report
-        raise AssertionError
-
-    async def call_binding(self, *a, **k):  # pragma: no cover
-        raise AssertionError
 
 
 def report_for(tools, *, config=None, builtins=(), registry=None):

@@ -10,7 +10,7 @@ from services.botconfig import Backend, BotConfig
 from services.contract import build_report
 from services.tools.model import BackendBindingTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.test_contract import NullBackend, binding
+from tests.support.contract import NullBackend, binding
 
 
 def report_with(openapi: dict):

@@ -18,7 +18,7 @@ from actors.placement import Placement
 from actors.ray_host import HostResult, result_encoder, turn_decoder
 from services.settings import Settings
 from services.wire import Turn, TurnReply
-from tests.unit.placement_fakes import FakeRay
+from tests.support.placement_fakes import FakeRay
 
 
 class FakeSessionActor:

@@ -29,7 +29,7 @@ from services.tools.model import PROTECTED_KEYS
 from services.tools.redaction import REDACTED
 from services.tools.registry import Catalog, ClientAction
 from services.tools.toolset import SessionToolState
-from tests.unit.fakes import (
+from tests.support.fakes import (
     FakeClock,
     FakeHandler,
     FakeToolBackend,

@@ -19,7 +19,8 @@ from services.tools.executor import Executor, ToolCall, ToolOutcome
 from services.tools.limiter import ResourceLimiter
 from services.tools.registry import Catalog
 from services.tools.toolset import SessionToolState
-from tests.unit.fakes import FakeClock, FakeHandler, make_catalog, python_tool
+from tests.support.fakes import FakeClock, FakeHandler, make_catalog, python_tool
+from tests.support.waits import spin
 
 CTX = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-1")
 ORDERS = BotConfig(intents={"orders": Intent(phrases=("my order",), tools=("lookup_order",))})
@@ -27,15 +28,6 @@ ORDERS = BotConfig(intents={"orders": Intent(phrases=("my order",), tools=("look
 
 def call(name: str, call_id: str, **arguments: Any) -> ToolCall:
     return ToolCall(id=call_id, name=name, arguments=arguments)
-
-
-async def spin(until, *, limit: int = 1000) -> None:
-    """Yield to the loop until `until()` holds; fails instead of hanging."""
-    for _ in range(limit):
-        if until():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never became true")
 
 
 # -- the turn's intent -------------------------------------------------------------------------

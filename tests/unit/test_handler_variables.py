@@ -21,7 +21,7 @@ from services.tools.errors import InvalidArguments
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, SetVariables, build_catalog
-from tests.unit.fakes import StreamScriptedLLM
+from tests.support.fakes import StreamScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"email": {"type": "string"}}}
 

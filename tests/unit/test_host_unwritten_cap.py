@@ -7,7 +7,7 @@ session, a new turn is refused, Overloaded 'storage_unavailable' (503 + Retry-Af
 nothing; a retry of a message id whose answer is held (written or not) still gets that answer;
 nothing held is dropped, and once the flusher gets through the count falls and turns run again.
 
-No Postgres, no Ray: the fakes of tests/unit/test_host.py (`FakeSessionStore.down` is Postgres away).
+No Postgres, no Ray: the fakes of tests/support/host_world.py (`FakeSessionStore.down` is Postgres away).
 """
 
 from __future__ import annotations
@@ -21,18 +21,14 @@ from actors.host import MAX_UNWRITTEN_PER_SESSION, UNWRITTEN_PER_INFLIGHT, HostS
 from actors.session import TURN_CACHE
 from services.errors import Overloaded
 from services.wire import ApprovalDecision, Turn
-from tests.unit.test_host import KEY, T, World, answer, eventually, offer_only_book, spin
+from tests.support import host_world
+from tests.support.host_world import KEY, T, answer, eventually, offer_only_book, spin
+
+world = host_world.world  # the fixture
 
 #: a host that gives up waiting at the gate fast and retries its flush often
 FAST = {"gate_timeout_s": 0.1, "max_backoff_s": 0.02}
 REFUSED = "could not be saved yet .*this message was not run .*send it again in a moment"
-
-
-@pytest.fixture
-async def world():
-    w = World()
-    yield w
-    await w.close()
 
 
 async def unsaved(host: SessionHost, session_id: str, text: str, message_id: str, tenant_id: str = "t1") -> None:

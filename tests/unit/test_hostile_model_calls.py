@@ -7,10 +7,10 @@ import pytest
 
 from actors.session import SessionError, handle_approval, handle_message, new_state
 from services.tools.executor import MAX_ARGUMENT_DEPTH
-from tests.unit import test_session_loop
-from tests.unit.test_session_loop import LOOKUP, WRITE, ScriptedLLM, make_env
+from tests.support import turns
+from tests.support.turns import LOOKUP, WRITE, ScriptedLLM, make_env
 
-registry = test_session_loop.registry  # the fixture
+registry = turns.registry  # the fixture
 
 
 def nested(levels: int) -> object:

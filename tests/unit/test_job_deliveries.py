@@ -15,7 +15,7 @@ from actors.host import HostSettings, SessionHost
 from actors.session import JOBS_KEY
 from services.wire import Turn
 from storage.records import JobRecord
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 T = 5.0
 KEY = ("t1", "s1")

@@ -9,18 +9,10 @@ import pytest
 
 from services.tools.errors import DeadlineExceeded
 from services.tools.limiter import ResourceLimiter
-from tests.unit.fakes import FakeClock
+from tests.support.fakes import FakeClock
+from tests.support.waits import spin
 
 FAR = 60.0  # a deadline no test should reach: seconds from now
-
-
-async def spin(until, *, limit: int = 1000) -> None:
-    """Yield to the loop until `until()` holds; fails instead of hanging."""
-    for _ in range(limit):
-        if until():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never became true")
 
 
 def far() -> float:

@@ -32,9 +32,9 @@ from services.tools.webhook import WebhookToolBackend
 from storage.repos.cluster import ClusterRepo
 from storage.repos.jobs import JobRepo
 from storage.repos.sessions import SessionRepo
-from tests.unit.fakes import FakeClock, FakeHandler, FakeToolBackend
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants, RuleModel
-from tests.unit.placement_fakes import FakeShardStore
+from tests.support.fakes import FakeClock, FakeHandler, FakeToolBackend
+from tests.support.host_fakes import FakeSessionStore, FakeTenants, RuleModel
+from tests.support.placement_fakes import FakeShardStore
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -44,8 +44,8 @@ from services.tools.ssrf import DestinationPolicy, check_destination
 from services.tools.templating import binding_arguments, render_request
 from services.tools.toolset import BREAKER_THRESHOLD, SessionToolState
 from services.tools.validation import ArgumentValidator
-from tests.unit.fakes import FakeHandler, make_catalog, python_tool
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.fakes import FakeHandler, make_catalog, python_tool
+from tests.support.turns import ScriptedLLM
 
 FAST = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,13 @@ from services.gateway.common import failure
 from services.tools.model import PROTECTED_KEYS, WebhookTool
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import tool_specs
-from tests.unit.fakes import FakeHandler, FakeToolBackend, make_catalog, python_tool, webhook_tool
+from tests.support.fakes import (
+    FakeHandler,
+    FakeToolBackend,
+    make_catalog,
+    python_tool,
+    webhook_tool,
+)
 
 ORDER_URL = "https://mystore.example/api/accounts/{account_id}/orders/{order_id}"
 

@@ -33,7 +33,7 @@ from services.tools.model import (
 )
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import SessionToolState
-from tests.unit.fakes import FakeHandler, FakeToolBackend, make_catalog, python_tool
+from tests.support.fakes import FakeHandler, FakeToolBackend, make_catalog, python_tool
 
 #: another spelling of a tenant/account key, and the spellings the trusted scope holds it under
 SPELLINGS = [

@@ -14,7 +14,7 @@ from services.tools.registry import (
     build_catalog,
     compile_tool,
 )
-from tests.unit.fakes import (
+from tests.support.fakes import (
     FakeHandler,
     FakeToolBackend,
     binding_tool,

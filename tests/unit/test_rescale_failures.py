@@ -26,8 +26,8 @@ from actors.sharding import host_name, route
 from services.settings import Settings
 from services.wire import Turn
 from storage.repos.cluster import ShardState
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
-from tests.unit.placement_fakes import FakeRay, FakeShardStore
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.placement_fakes import FakeRay, FakeShardStore
 
 T = 5.0
 SESSIONS = [f"s{i}" for i in range(40)]

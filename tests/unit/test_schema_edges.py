@@ -37,7 +37,8 @@ from services.tools.validation import (
     checked_formats,
 )
 from services.wire import Turn
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.catalog_fakes import FakeTools
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 ROOT = Path(__file__).resolve().parents[2]  # the project, where `services` imports from
 OBJECT = {"type": "object", "properties": {"a": {"type": "string"}}}
@@ -286,14 +287,6 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_unless_only_checked_
 
 
 # --------------------------------------------------------------------------- catalog invalidation
-
-
-class FakeTools:
-    async def list_published(self, tenant_id: str) -> list:
-        return []
-
-    async def catalog_stamp(self, tenant_id: str) -> str:
-        return "s1"
 
 
 class GatedConfigs:

@@ -165,7 +165,7 @@ async def test_a_root_rule_error_keeps_a_sensitive_value_out_of_the_model_and_th
     from services.tools.context import TrustedContext
     from services.tools.executor import Executor, ToolCall
     from services.tools.toolset import SessionToolState
-    from tests.unit.fakes import make_catalog, python_tool
+    from tests.support.fakes import make_catalog, python_tool
 
     schema = {**obj(card={"type": "string"}, amount={"type": "integer"}), "anyOf": [{"required": ["amount"]}]}
     catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
@@ -183,7 +183,7 @@ async def test_a_tools_sensitive_arguments_stay_out_of_its_in_band_error_and_rec
     from services.tools.context import TrustedContext
     from services.tools.executor import Executor, ToolCall
     from services.tools.toolset import SessionToolState
-    from tests.unit.fakes import make_catalog, python_tool
+    from tests.support.fakes import make_catalog, python_tool
 
     schema = obj(card={"type": "string", "pattern": "^[0-9]{16}$"})
     catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))

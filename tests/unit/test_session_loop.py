@@ -6,92 +6,27 @@ import asyncio
 from typing import Any
 
 import msgspec
-import pytest
 
 from actors.session import (
     MAX_ROUNDS,
     ROUND_CAP_REPLY,
-    TurnEnv,
     handle_approval,
     handle_message,
     new_state,
 )
-from services.botconfig import BotConfig
 from services.llm.port import (
-    LLMRequest,
-    LLMResponse,
-    TextBlock,
-    TextDelta,
     ToolResultBlock,
-    ToolUseBlock,
-    Usage,
 )
-from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
-from services.tools.registry import HandlerRegistry, build_catalog
 from services.wire import StreamEvent
-from tests.unit.fakes import StreamScriptedLLM
+from tests.support import turns
+from tests.support.fakes import StreamScriptedLLM
+from tests.support.turns import LOOKUP, SCHEMA, WRITE, ScriptedLLM, make_env
 
-SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
-
-
-class ScriptedLLM(StreamScriptedLLM):
-    """Answers each request with the next scripted step: a text or a list of (name, args) calls."""
-
-    def __init__(self, steps: list[Any]) -> None:
-        self.steps = list(steps)
-        self.requests: list[LLMRequest] = []
-
-    async def stream(self, request: LLMRequest):
-        self.requests.append(request)
-        step = self.steps.pop(0) if self.steps else "fallback text"
-        if isinstance(step, str):
-            yield TextDelta(text=step)
-            content = [TextBlock(text=step)]
-        else:
-            n = len(self.requests)
-            content = [ToolUseBlock(id=f"call_{n}_{i}", name=name, input=args) for i, (name, args) in enumerate(step)]
-        yield LLMResponse(
-            content=content, stop_reason="tool_use" if not isinstance(step, str) else "end_turn",
-            usage=Usage(input_tokens=10, output_tokens=3), model=request.model,
-        )
+registry = turns.registry  # the fixture
 
 
-def make_env(llm, registry: HandlerRegistry, tools: list, config: BotConfig | None = None) -> TurnEnv:
-    catalog = build_catalog([], [(t, 1) for t in tools], registry=registry, backend=None)
-    return TurnEnv(llm=llm, executor=Executor(), catalog=catalog, config=config or BotConfig(),
-                   main_model="main", cheap_model="cheap")
-
-
-@pytest.fixture
-def registry() -> HandlerRegistry:
-    reg = HandlerRegistry()
-    calls: list[str] = []
-
-    @reg.register("lookup")
-    async def lookup(args, ctx):
-        calls.append("lookup")
-        return {"found": args.get("q", "")}
-
-    @reg.register("broken")
-    async def broken(args, ctx):
-        from services.tools.errors import UpstreamStatus
-        raise UpstreamStatus("upstream error (500)", status=500)
-
-    @reg.register("lead")
-    async def lead(args, ctx):
-        return {"lead": "saved"}
-
-    @reg.register("handoff")
-    async def handoff(args, ctx):
-        return {"handed_off": True}
-
-    reg.calls = calls  # type: ignore[attr-defined]
-    return reg
-
-
-LOOKUP = PythonTool(name="lookup", description="look things up", parameters=SCHEMA, handler="lookup")
 BROKEN = PythonTool(name="check_order", description="orders", parameters=SCHEMA, handler="broken")
 LEAD = PythonTool(name="collect_lead", description="lead", parameters=SCHEMA, handler="lead",
                   mutability="write", requires_approval=False, completes_variable="lead_collected")
@@ -274,9 +209,6 @@ async def test_a_turn_nobody_streams_asks_the_model_for_whole_answers(registry):
     reply = await handle_message(new_state("t", "s"), "x", "m1", make_env(llm, registry, [LOOKUP]))
     assert reply.reply == "final" and reply.rounds == 2
     assert llm.completions == 2
-
-
-WRITE = PythonTool(name="book", description="book a slot", parameters=SCHEMA, handler="lookup", mutability="write")
 
 
 async def test_write_tool_holds_the_turn_until_approved_then_resumes(registry):

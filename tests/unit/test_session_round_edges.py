@@ -21,8 +21,7 @@ from services.llm.port import ToolResultBlock, ToolUseBlock
 from services.tools.errors import InvalidArguments, PolicyDenied, ToolCrashed, UpstreamStatus
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry
-from tests.unit.test_session_loop import ScriptedLLM
-from tests.unit.test_tool_limits_and_approvals import env_for
+from tests.support.turns import ScriptedLLM, env_for
 
 OPEN = {"type": "object", "properties": {"q": {"type": "string"}}}
 CODE = {"type": "object", "properties": {"q": {"type": "string", "minLength": 3}}, "required": ["q"]}

@@ -15,7 +15,7 @@ from actors.host import HostSettings, SessionHost, SessionMoved
 from actors.sharding import owns, parse_host_name, rendezvous_index, route
 from services.wire import Turn
 from storage.repos.cluster import ShardState
-from tests.unit.host_fakes import FakeSessionStore, FakeTenants
+from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 T = 5.0
 SESSIONS = [("t1", f"s{i}") for i in range(400)]

@@ -19,7 +19,7 @@ from services.tools.ssrf import (
     check_destination,
     refusal_rule,
 )
-from tests.net_fakes import MapResolver
+from tests.support.net_fakes import MapResolver
 
 NO_ALLOW = DestinationPolicy(allow=())
 

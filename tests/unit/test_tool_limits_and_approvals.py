@@ -13,7 +13,6 @@ from actors.session import (
     DECIDED_KEY,
     JOBS_KEY,
     SessionError,
-    TurnEnv,
     decided_turn,
     handle_approval,
     handle_message,
@@ -21,23 +20,14 @@ from actors.session import (
     remember_decided,
 )
 from services.approvals import approval_keys, new_approval_id, verify_approval_id
-from services.botconfig import BotConfig
 from services.llm.port import ToolUseBlock
 from services.tools.errors import UpstreamStatus, UpstreamTimeout
-from services.tools.executor import Executor
 from services.tools.model import PythonTool
-from services.tools.registry import HandlerRegistry, build_catalog
+from services.tools.registry import HandlerRegistry
 from storage.records import JobRecord, SessionSnapshot
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import KEYS, ScriptedLLM, env_for
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
-KEYS = approval_keys(["a" * 44])
-
-
-def env_for(llm, registry, tools, **env) -> TurnEnv:
-    catalog = build_catalog([], [(t, 1) for t in tools], registry=registry, backend=None)
-    return TurnEnv(llm=llm, executor=Executor(progress_after_ms=50), catalog=catalog, config=BotConfig(),
-                   main_model="main", cheap_model="cheap", approval_keys=KEYS, **env)
 
 
 @pytest.fixture

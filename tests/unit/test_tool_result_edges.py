@@ -24,7 +24,7 @@ from services.tools.templating import binding_arguments, unfillable_holes
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import idempotency_header
 from storage.records import McpServerRecord
-from tests.unit.fakes import FakeHandler, make_catalog, python_tool
+from tests.support.fakes import FakeHandler, make_catalog, python_tool
 
 CTX = TrustedContext(tenant_id="tn_A", session_id="s1", message_id="m1")
 SCOPE = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "accountId": "tn_A"}

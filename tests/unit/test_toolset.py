@@ -14,7 +14,7 @@ from services.tools.toolset import (
     gate_reason,
     tool_specs,
 )
-from tests.unit.fakes import (
+from tests.support.fakes import (
     OPEN_SCHEMA,
     ORDER_SCHEMA,
     FakeToolBackend,

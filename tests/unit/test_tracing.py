@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from actors.session import TurnEnv, handle_message, new_state
 from services.botconfig import BotConfig
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support import tracing
+from tests.support.turns import ScriptedLLM
 
-_EXPORTER = InMemorySpanExporter()
-
-
-@pytest.fixture
-def spans():
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # the global provider can be set once per process
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        trace.set_tracer_provider(provider)
-    _EXPORTER.clear()
-    return _EXPORTER
+spans = tracing.spans  # the fixture
 
 
 async def test_a_turn_is_one_trace_of_rounds_and_tool_calls_with_redacted_arguments(spans):

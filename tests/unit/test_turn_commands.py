@@ -19,7 +19,7 @@ from actors.session import JOBS_KEY, handle_approval, handle_message, new_state
 from services.errors import NotFound
 from services.tools.registry import build_catalog
 from services.wire import ApprovalDecision, SessionView, Turn
-from tests.unit.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
+from tests.support.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
 
 TURN = Turn(tenant_id="t1", session_id="s1", text="hello", message_id="m1")
 DECISION = ApprovalDecision(tenant_id="t1", session_id="s1", approval_id="ap_1", approve=True,

@@ -23,7 +23,7 @@ from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.unit.test_session_loop import ScriptedLLM
+from tests.support.turns import ScriptedLLM
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
 

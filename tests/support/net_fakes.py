@@ -8,6 +8,7 @@ import ipaddress
 import socket
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 
@@ -69,3 +70,10 @@ class LoopbackApp:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+@pytest.fixture
+def sockets():
+    factory = LoopbackOnlySockets()
+    yield factory
+    assert factory.refused == [], "a client tried to connect off loopback"

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 from actors import placement as placement_module
 from services.errors import Conflict
 from storage.repos.cluster import ShardState
-from tests.unit.host_fakes import StoreUnavailable
+from tests.support.host_fakes import StoreUnavailable
 
 
 class FakeRay:

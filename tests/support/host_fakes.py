@@ -38,7 +38,7 @@ from storage.records import (
     SessionSnapshot,
     ToolCallRecord,
 )
-from tests.unit.fakes import StreamScriptedLLM
+from tests.support.fakes import StreamScriptedLLM
 
 Key = tuple[str, str]
 
