@@ -172,7 +172,7 @@ def whole_number(raw: str, *, name: str, low: int, high: int, at: str) -> int:
     return int(digits)
 
 
-_TOO_DEEP_BODY = (f"the body nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; "
+_TOO_DEEP_BODY = (f"the body nests arrays or objects too deeply (more than {MAX_JSON_DEPTH} levels); "
                   "send a flatter JSON object")
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")  # a JSON \u0000 escape (not an escaped backslash)
 
