@@ -43,7 +43,6 @@ from services.tools.errors import ToolError, UpstreamMalformed
 from services.tools.model import MAX_VALUE_DEPTH, Mutability, ToolBase
 from services.tools.registry import Catalog, CompiledTool
 from services.tools.validation import check_schema
-from storage.records import McpServerRecord
 
 log = structlog.get_logger(__name__)
 
@@ -114,10 +113,31 @@ class McpConnector(Protocol):
     ) -> McpCallResult: ...
 
 
+class McpServer(Protocol):
+    """What a catalog reads of a registered server (a row of ce_mcp_servers, as the store gives it)."""
+
+    @property
+    def name(self) -> str: ...  # prefixes its tools' catalog names: <name>__<tool>
+    @property
+    def url(self) -> str: ...
+    @property
+    def auth_header_enc(self) -> str | None: ...  # ciphertext, opened with a SecretOpener
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def read_only_tools(self) -> tuple[str, ...]: ...
+    @property
+    def include_tools(self) -> tuple[str, ...] | None: ...
+    @property
+    def intents(self) -> tuple[str, ...]: ...
+    @property
+    def timeout_ms(self) -> int: ...
+
+
 class McpServerStore(Protocol):
     """Port: a tenant's registered servers (storage.repos.mcp_servers implements it)."""
 
-    async def list(self, tenant_id: str) -> list[McpServerRecord]: ...
+    async def list(self, tenant_id: str) -> Sequence[McpServer]: ...
 
 
 class SecretOpener(Protocol):
@@ -211,7 +231,7 @@ def _parameters(schema: dict[str, Any]) -> dict[str, Any]:
     return parameters
 
 
-def _description(server: McpServerRecord, tool: McpToolInfo) -> str:
+def _description(server: McpServer, tool: McpToolInfo) -> str:
     text = _CONTROL_RE.sub(" ", tool.description or tool.title or "").strip()
     if not text:
         text = f"{tool.name} (a tool of the {server.name} service)"
@@ -219,7 +239,7 @@ def _description(server: McpServerRecord, tool: McpToolInfo) -> str:
 
 
 def compile_server_tools(
-    server: McpServerRecord, listed: Sequence[McpToolInfo], connector: McpConnector,
+    server: McpServer, listed: Sequence[McpToolInfo], connector: McpConnector,
     *, open_auth: Callable[[], str | None],
 ) -> tuple[list[CompiledTool], dict[str, str]]:
     """The catalog tools of one server's listing, and problems (catalog name -> why not loaded).
@@ -341,7 +361,7 @@ class McpCatalogSource:
             complete = complete and ok
         return McpLoad(tools=tools, problems=problems, complete=complete)
 
-    async def _load_server(self, server: McpServerRecord) -> tuple[list[CompiledTool], dict[str, str], bool]:
+    async def _load_server(self, server: McpServer) -> tuple[list[CompiledTool], dict[str, str], bool]:
         key = server_problem_key(server.name)
         open_auth = auth_opener(server, self._secret_box)
         timeout_s = min(self._list_timeout_s, server.timeout_ms / 1000)
@@ -359,7 +379,7 @@ class McpCatalogSource:
         return tools, problems, True
 
 
-def auth_opener(server: McpServerRecord, secret_box: SecretOpener | None) -> Callable[[], str | None]:
+def auth_opener(server: McpServer, secret_box: SecretOpener | None) -> Callable[[], str | None]:
     """A function returning the server's decrypted auth header (None when it has none), opened
     on every use so no plaintext is kept in the catalog. It raises ToolError when the header
     cannot be opened (no key configured, key rotated out)."""

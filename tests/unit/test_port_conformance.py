@@ -27,10 +27,12 @@ from services.llm.anthropic_client import AnthropicLLM
 from services.llm.port import LLMClient
 from services.tools.executor import Executor
 from services.tools.limiter import Clock, SystemClock
+from services.tools.mcp import McpServerStore
 from services.tools.registry import Handler, ToolBackend
 from services.tools.webhook import WebhookToolBackend
 from storage.repos.cluster import ClusterRepo
 from storage.repos.jobs import JobRepo
+from storage.repos.mcp_servers import McpServerRepo
 from storage.repos.sessions import SessionRepo
 from tests.support.fakes import FakeClock, FakeHandler, FakeToolBackend
 from tests.support.host_fakes import FakeSessionStore, FakeTenants, RuleModel
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _as_their_ports(
     anthropic: AnthropicLLM, sessions: SessionRepo, jobs: JobRepo, cluster: ClusterRepo,
-    placement: Placement, local: LocalRouter, webhooks: WebhookToolBackend,
+    placement: Placement, local: LocalRouter, webhooks: WebhookToolBackend, mcp_servers: McpServerRepo,
 ) -> None:
     """Never called: mypy reads it. Each line states that a class implements a port."""
     # the fakes the unit tests run the turn with
@@ -64,7 +66,8 @@ def _as_their_ports(
     router = local
     backend = webhooks
     clock = SystemClock()
-    del llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
+    servers: McpServerStore = mcp_servers
+    del servers, llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
 
 
 @pytest.mark.parametrize(("fake", "port"), [
