@@ -3,6 +3,7 @@ given, otherwise the newest supported one that runs; it says which, or what to i
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
+# What a make running these tests hands its children (`make test-core PYTHON=... VENV=...` puts
+# both in MAKEFLAGS, and a child make would take them as given on its own command line).
+INHERITED = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTHON", "VENV"}
+
+
 def make_python(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED}
     return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "python", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
 
 
 def test_the_python_given_is_used_and_named() -> None:
