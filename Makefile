@@ -84,10 +84,10 @@ soak: setup
 	$(BIN)/python -m bench.soak --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 # ruff, then the import contracts of pyproject.toml [tool.importlinter]: the folders are layers
-# (bench > app > actors > services > storage), services.tools imports no gateway, actors or
+# (bench > app > actors > services > storage > kernel), services.tools imports no gateway, actors or
 # storage, and no two sibling modules import each other
 lint: setup
-	$(BIN)/ruff check bench app actors services storage tests
+	$(BIN)/ruff check bench app actors services storage kernel tests
 	$(BIN)/lint-imports
 
 clean:

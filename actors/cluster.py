@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import ray
 
 from actors.placement import NAMESPACE
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.settings import Settings
 
 

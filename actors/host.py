@@ -37,8 +37,9 @@ import structlog
 
 from actors import session as core
 from actors.session import SealedTurns, SessionState, TurnEnv
+from kernel.errors import ChatEngineError, Overloaded
+from kernel.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
 from services import heap
-from services.errors import ChatEngineError, Overloaded
 from services.wire import (
     ApprovalDecision,
     SessionView,
@@ -48,7 +49,6 @@ from services.wire import (
     TurnReply,
     TurnTiming,
 )
-from storage.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
 
 log = structlog.get_logger(__name__)
 

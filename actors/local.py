@@ -11,7 +11,7 @@ from typing import Any
 
 from actors.host import SessionHost
 from actors.session import SessionError
-from services.errors import NotFound
+from kernel.errors import NotFound
 from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
 
 

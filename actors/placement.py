@@ -66,10 +66,10 @@ from actors.ray_host import (
     result_decoder,
 )
 from actors.sharding import HOST_PREFIX, host_name, parse_host_name, rendezvous_index, route
-from services.errors import ChatEngineError, ConfigError, Overloaded
+from kernel.errors import ChatEngineError, ConfigError, Overloaded
+from kernel.records import session_uid
 from services.settings import Settings
 from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
-from storage.records import session_uid
 from storage.repos.cluster import ShardState
 
 log = structlog.get_logger(__name__)

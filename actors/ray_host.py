@@ -31,7 +31,7 @@ from actors.lane import STREAM, LaneAddress, LaneServer
 from actors.runtime import Runtime
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
-from services.errors import ChatEngineError, Overloaded
+from kernel.errors import ChatEngineError, Overloaded
 from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings

@@ -14,12 +14,12 @@ import msgspec
 import structlog
 
 from actors.catalogs import TenantCatalogs
+from kernel.errors import ConfigError
 from services.approvals import approval_keys
 from services.botconfig import BotConfig
 from services.builtins import install as install_builtins
 from services.catalog_sync import CatalogSync
 from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
-from services.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.settings import Settings
 from services.tools.context import TrustedContext

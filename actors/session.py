@@ -23,6 +23,16 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import structlog
 
+from kernel.records import (
+    ActivatedSession,
+    JobRecord,
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    ToolCallRecord,
+    TurnRecord,
+    UsageDelta,
+)
 from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
 from services.llm.port import (
@@ -67,16 +77,6 @@ from services.wire import (
     ToolCallSummary,
     TurnReply,
     UsageOut,
-)
-from storage.records import (
-    ActivatedSession,
-    JobRecord,
-    MessageRecord,
-    SessionDelta,
-    SessionSnapshot,
-    ToolCallRecord,
-    TurnRecord,
-    UsageDelta,
 )
 
 log = structlog.get_logger(__name__)

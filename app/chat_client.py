@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from kernel.errors import ChatEngineError
 from services.contract_text import format_report
-from services.errors import ChatEngineError
 
 
 def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from app.chat_client import chat, print_contract
-from services.errors import ChatEngineError, Conflict, NotFound
+from kernel.errors import ChatEngineError, Conflict, NotFound
 from services.gateway.common import KEY_CACHE_TTL_S
 from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
@@ -38,7 +38,7 @@ from storage.pool import create_pool
 from storage.repos import TenantRepo
 
 if TYPE_CHECKING:
-    from storage.records import Tenant
+    from kernel.records import Tenant
 
 
 #: the long-running commands: they log on stdout; every other command logs on stderr

@@ -18,7 +18,7 @@ import structlog
 
 from actors import cluster
 from actors.placement import Placement
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.settings import Settings
 from storage.pool import create_pool
 from storage.repos.cluster import ClusterRepo

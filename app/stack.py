@@ -25,9 +25,9 @@ from app.demo_store import OPENAPI as DEMO_OPENAPI
 from app.demo_store import start_demo_store
 from app.local_model import start_local_model
 from app.shards import follow_shards
+from kernel.errors import NotFound
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form
-from services.errors import NotFound
 from services.gateway.bodies import ToolCreate, definition_from_body
 from services.gateway.server import Gateway, check_listen_address, open_gateway
 from services.settings import Settings

@@ -26,10 +26,7 @@ from pathlib import Path
 import psutil
 
 from bench.measure import postgres_pids
-from storage.embedded import start_embedded
-from storage.migrate import migrate
-from storage.pool import create_pool
-from storage.records import (
+from kernel.records import (
     MessageRecord,
     SessionDelta,
     SessionSnapshot,
@@ -38,6 +35,9 @@ from storage.records import (
     UsageDelta,
     session_uid,
 )
+from storage.embedded import start_embedded
+from storage.migrate import migrate
+from storage.pool import create_pool
 from storage.repos.sessions import (
     SessionRepo,
     _flush_in_one_statement,

@@ -574,7 +574,7 @@ async def _warm(send: Send, sessions: list[str], concurrency: int, rounds: int, 
 async def _inprocess_sender(spec: WorkerSpec, tool_round: bool):
     from actors.host import HostSettings, SessionHost
     from actors.runtime import Runtime
-    from services.errors import ChatEngineError
+    from kernel.errors import ChatEngineError
     from services.logging import configure_logging
     from services.settings import Settings
     from services.wire import Turn, TurnReply

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 
 
 class Intent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kernel.errors import ConfigError, InvalidInput
 from services.botconfig import APPROVAL_TTL_MAX_S, APPROVAL_TTL_MIN_S, check_approval_ttl
-from services.errors import ConfigError, InvalidInput
 
 Placement = Literal["sharded", "dedicated"]
 #: how a turn knows its cached catalog is current (CE_CATALOG_CHECK; see actors.catalogs)

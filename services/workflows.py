@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from services.errors import Conflict, NotFound
+from kernel.errors import Conflict, NotFound
 from services.tools.context import TrustedContext
 from services.tools.errors import ToolError
 from services.tools.model import ClientTool, WorkflowTool

@@ -1,8 +1,8 @@
 """Storage errors, and the one place asyncpg's exceptions are translated into them.
 
 Callers above `storage/` never see an asyncpg exception: a dependency that is down becomes
-`StorageUnavailable` (retryable), a duplicate becomes `services.errors.Conflict`, a missing row
-`services.errors.NotFound`, and anything else a plain `StorageError` naming what was being done.
+`StorageUnavailable` (retryable), a duplicate becomes `kernel.errors.Conflict`, a missing row
+`kernel.errors.NotFound`, and anything else a plain `StorageError` naming what was being done.
 Messages never contain a password or a row's contents.
 """
 
@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from services.errors import ChatEngineError, Conflict
+from kernel.errors import ChatEngineError, Conflict
 
 
 class StorageError(ChatEngineError):
@@ -90,7 +90,7 @@ def translate(doing: str, *, conflict: str | None = None) -> Iterator[None]:
     """Map asyncpg/OS errors raised inside the block to storage errors.
 
     `doing` completes "postgres failed while ...". A unique violation becomes `Conflict(conflict)`
-    when `conflict` is given. Errors of this package and services.errors pass through untouched.
+    when `conflict` is given. Errors of this package and kernel.errors pass through untouched.
     """
     try:
         yield

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from storage.records import IssuedKey, Tenant
+from kernel.records import IssuedKey, Tenant
 from tests.support.postgres import database_url
 
 

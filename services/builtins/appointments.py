@@ -32,10 +32,10 @@ from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from kernel.errors import InvalidInput
 from services.builtins.base import Now, TenantConfigs, clip, utc_now
 from services.builtins.memory import MemoryService
 from services.builtins.notify import Notifier
-from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied, ToolError
 from services.tools.model import PythonTool

@@ -20,10 +20,10 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
+from kernel.errors import InvalidInput
 from services.builtins.base import TenantConfigs, clip
 from services.builtins.memory import MemoryService
 from services.builtins.notify import Notifier
-from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
 from services.tools.model import PythonTool

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import msgspec
 import yarl
 
+from kernel.errors import InvalidInput
 from services.botconfig import Intent
-from services.errors import InvalidInput
 from services.tools.model import (
     PROTECTED_KEYS,
     TOOL_NAME_RE,

@@ -22,9 +22,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kernel.errors import InvalidInput, NotFound
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form, form_problems
-from services.errors import InvalidInput, NotFound
 from services.gateway.common import (
     DEPS,
     TENANT,

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from cachetools import TTLCache
 
-from services.errors import (
+from kernel.errors import (
     ChatEngineError,
     Conflict,
     InvalidInput,

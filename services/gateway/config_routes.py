@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kernel.errors import InvalidInput
 from services.botconfig import Backend, BotConfig, check_approval_ttl
 from services.builtins.notify import InvalidSecret, secret_key
-from services.errors import InvalidInput
 from services.gateway.bodies import (
     MAX_VARIABLE_NAME,
     BotConfigIn,

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.errors import InvalidInput, NotFound
+from kernel.errors import InvalidInput, NotFound
 from services.gateway.common import (
     DEPS,
     TENANT,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.gateway.common import DEPS, TENANT, decode_body, json_response
 
 

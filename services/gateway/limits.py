@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from services.errors import Overloaded
+from kernel.errors import Overloaded
 
 
 class _Bucket:

@@ -24,12 +24,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.errors import InvalidInput, NotFound
+from kernel.errors import InvalidInput, NotFound
+from kernel.records import McpServerRecord
 from services.gateway.bodies import check_credential_stays
 from services.gateway.bodies import check_url as check_destination
 from services.gateway.common import DEPS, TENANT, decode_body, json_response
 from services.tools.mcp import DEFAULT_TIMEOUT_MS, ORIGIN, SEPARATOR, check_server_name
-from storage.records import McpServerRecord
 from storage.repos.mcp_servers import McpServerRepo
 
 MAX_TIMEOUT_MS = 60_000

@@ -17,7 +17,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.messages = Counter("ce_messages_total", "Chat messages handled", ["outcome"], registry=r)
-        # services.errors.Overloaded's reasons: the caller's own limits (429) or the engine's
+        # kernel.errors.Overloaded's reasons: the caller's own limits (429) or the engine's
         # capacity or health (503: host_busy, restarting, host_unresponsive, storage_unavailable...)
         self.refused = Counter("ce_refused_total", "Requests answered 429/503 with Retry-After, by reason",
                                ["reason"], registry=r)

@@ -76,7 +76,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 }
 _DEFAULT = ("200", (*_V1, "404"))
 
-#: why a turn is refused, as a client reads it (services.errors.Overloaded's reasons; the problem's
+#: why a turn is refused, as a client reads it (kernel.errors.Overloaded's reasons; the problem's
 #: detail says which): each is sent again after Retry-After, with the same message_id
 _TURN_429 = ("problem: the tenant's message rate or turns in flight, or the session's queue of waiting "
              "messages, is full; nothing was run: send it again after Retry-After")

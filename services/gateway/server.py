@@ -12,7 +12,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.gateway.limits import TenantLimiter

@@ -12,7 +12,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.gateway.common import (
     DEPS,
     MAX_TEXT,

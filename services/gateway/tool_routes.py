@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kernel.errors import InvalidInput, NotFound
 from services.builtins import DEFINITIONS as BUILTIN_DEFINITIONS
-from services.errors import InvalidInput, NotFound
 from services.gateway.bodies import (
     ToolCreate,
     ToolPatch,

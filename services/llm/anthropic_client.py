@@ -38,7 +38,7 @@ import httpx2
 import msgspec
 import structlog
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.llm.port import (
     ChatMessage,
     ContentBlock,

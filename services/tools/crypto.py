@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
-from services.errors import ChatEngineError, ConfigError
+from kernel.errors import ChatEngineError, ConfigError
 
 DEFAULT_KEY_FILE = "secret.key"
 

@@ -7,7 +7,7 @@ The executor turns any of these into an in-band result:
 
 from __future__ import annotations
 
-from services.errors import ChatEngineError
+from kernel.errors import ChatEngineError
 
 DEFAULT_ADVICE = "Tell the customer you cannot complete this right now and offer another way to help."
 

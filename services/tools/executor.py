@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from kernel.records import ToolCallRecord
 from services.botconfig import BotConfig
 from services.nesting import nests_deeper_than
 from services.tools.context import TrustedContext
@@ -61,7 +62,6 @@ from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
 from services.tracing import current_trace_id, tracer
-from storage.records import ToolCallRecord
 
 log = structlog.get_logger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.nesting import nests_deeper_than
 from services.tools.context import TrustedContext
 from services.tools.errors import ToolError, UpstreamMalformed

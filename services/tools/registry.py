@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.llm.port import ToolSpec
 from services.tools.context import TrustedContext
 from services.tools.model import (

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import aiodns
 import msgspec
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.tools.errors import UpstreamUnreachable, blocked
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

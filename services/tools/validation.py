@@ -26,7 +26,7 @@ import referencing.jsonschema
 import structlog
 from jsonschema.exceptions import SchemaError, ValidationError
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.tools.redaction import secret_name
 
 log = structlog.get_logger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 
 import asyncpg
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from storage.errors import translate
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 

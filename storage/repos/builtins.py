@@ -24,10 +24,10 @@ from typing import Any, Literal
 import asyncpg
 import msgspec
 
-from services.errors import ChatEngineError, NotFound
+from kernel.errors import ChatEngineError, NotFound
+from kernel.records import session_uid
 from storage.errors import translate
 from storage.pool import storable_text as _text
-from storage.records import session_uid
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.notifications import NewNotification, NotificationRepo, insert_notification
 

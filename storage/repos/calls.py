@@ -10,9 +10,9 @@ from datetime import datetime
 
 import asyncpg
 
+from kernel.records import ToolCallRecord, ToolStats, session_uid
 from storage.errors import translate
 from storage.pool import storable_text
-from storage.records import ToolCallRecord, ToolStats, session_uid
 
 INSERT_CALL_SQL = (
     "INSERT INTO ce_tool_calls (id, session_id, tenant_id, message_id, tool_name, parameters, "

@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from services.errors import Conflict
+from kernel.errors import Conflict
 from storage.errors import translate
 from storage.pool import hold_session_state
 from storage.repos.notify import ChannelListener, listen

@@ -13,8 +13,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from kernel.records import session_uid
 from storage.errors import translate
-from storage.records import session_uid
 
 
 class ToolCallBucket(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,9 +7,9 @@ from typing import Any
 
 import asyncpg
 
-from services.errors import Conflict, NotFound
+from kernel.errors import Conflict, NotFound
+from kernel.records import JobRecord, session_uid
 from storage.errors import translate
-from storage.records import JobRecord, session_uid
 
 _COLUMNS = "id, tenant_id, session_key, tool_name, status, result, error, created_at, updated_at, runner"
 #: who reports a job's outcome: the engine (a `handler` workflow), the tenant's system (a

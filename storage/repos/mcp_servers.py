@@ -14,9 +14,9 @@ from typing import Any
 
 import asyncpg
 
-from services.errors import InvalidInput, NotFound
+from kernel.errors import InvalidInput, NotFound
+from kernel.records import McpServerRecord
 from storage.errors import translate
-from storage.records import McpServerRecord
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.quotas import TenantCap, claim_slot
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from services.errors import LimitReached
+from kernel.errors import LimitReached
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from services.errors import NotFound
-from storage.errors import StorageError, translate
-from storage.pool import encode_json, storable_text
-from storage.records import (
+from kernel.errors import NotFound
+from kernel.records import (
     ActivatedSession,
     FlushResult,
     MessageRecord,
@@ -30,6 +28,8 @@ from storage.records import (
     UsageTotal,
     session_uid,
 )
+from storage.errors import StorageError, translate
+from storage.pool import encode_json, storable_text
 from storage.repos.calls import INSERT_CALL_SQL, call_row
 
 #: seed 000: the third failure of a tool in a session opens its breaker

@@ -18,9 +18,9 @@ from datetime import datetime
 import asyncpg
 import msgspec
 
-from services.errors import InvalidInput, NotFound
+from kernel.errors import InvalidInput, NotFound
+from kernel.records import IssuedKey, Tenant
 from storage.errors import translate
-from storage.records import IssuedKey, Tenant
 
 KEY_PREFIX = "ce_"
 MAX_NAME_LENGTH = 100

@@ -18,9 +18,9 @@ from typing import Any
 
 import asyncpg
 
-from services.errors import Conflict, InvalidInput, NotFound
+from kernel.errors import Conflict, InvalidInput, NotFound
+from kernel.records import PublishedTool, ToolVersion
 from storage.errors import translate
-from storage.records import PublishedTool, ToolVersion
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.notify import ChannelListener, listen
 from storage.repos.quotas import TenantCap, claim_slot

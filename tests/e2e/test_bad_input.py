@@ -24,8 +24,8 @@ from urllib.parse import quote, urlsplit
 import pytest
 import pytest_asyncio
 
+from kernel.records import session_uid
 from services.gateway.common import MAX_BODY, MAX_TEXT
-from storage.records import session_uid
 from tests.support.backend import Backend
 
 PROBLEM_JSON = "application/problem+json"

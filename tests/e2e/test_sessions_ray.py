@@ -29,8 +29,8 @@ import ray
 from actors.placement import NAMESPACE, SESSION_PREFIX
 from actors.ray_host import DEDICATED_POOL_SIZE
 from app.stack import DEMO_STORE_HOST
-from services.errors import Overloaded
-from storage.records import SessionDelta, session_uid
+from kernel.errors import Overloaded
+from kernel.records import SessionDelta, session_uid
 from tests.support.e2e import (
     MESSAGES_PER_TOOL_TURN,
     NOTED,

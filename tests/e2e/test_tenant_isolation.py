@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from storage.records import session_uid
+from kernel.records import session_uid
 from tests.support.api import Api
 from tests.support.e2e import new_tenant
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 
-from storage.records import MessageRecord, SessionDelta, SessionSnapshot, TurnRecord
+from kernel.records import MessageRecord, SessionDelta, SessionSnapshot, TurnRecord
 from storage.repos import SessionRepo
 from storage.repos.sessions import ACTIVATION_TURNS
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kernel.errors import InvalidInput
 from services.botconfig import BotConfig
 from services.builtins import DEFINITIONS
 from services.builtins.forms import check_form
-from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
 from services.tools.executor import Executor, ToolCall, ToolOutcome

@@ -7,9 +7,9 @@ import secrets
 
 import pytest
 
+from kernel.records import MessageRecord, SessionDelta, SessionSnapshot
 from services.tools.errors import InvalidArguments
 from services.tools.redaction import REDACTED
-from storage.records import MessageRecord, SessionDelta, SessionSnapshot
 from storage.repos import SessionRepo
 from tests.support.builtin_services import ctx, services, through_executor
 

@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.gateway.server import DRAIN_TIMEOUT_S, check_listen_address, open_gateway
 from services.settings import Settings
 from services.wire import Turn, TurnReply, UsageOut

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from actors.placement import HostFailure
 from actors.ray_host import HostError
-from services.errors import InvalidInput, NotFound, Overloaded
+from kernel.errors import InvalidInput, NotFound, Overloaded
 from services.gateway.app import build_app
 from services.gateway.common import parse_since
 from services.wire import TurnTiming

@@ -22,11 +22,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from actors.host import HostSettings, SessionHost
 from actors.local import LocalRouter
+from kernel.records import session_uid
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.pool import create_pool
-from storage.records import session_uid
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
 from tests.support.host_fakes import FakeTenants

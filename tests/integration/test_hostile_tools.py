@@ -28,6 +28,14 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from actors.session import TurnEnv, handle_message, new_state
+from kernel.records import (
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    ToolCallRecord,
+    TurnRecord,
+    session_uid,
+)
 from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, generate_key
@@ -37,14 +45,6 @@ from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient, WebhookToolBackend
-from storage.records import (
-    MessageRecord,
-    SessionDelta,
-    SessionSnapshot,
-    ToolCallRecord,
-    TurnRecord,
-    session_uid,
-)
 from storage.repos import SessionRepo
 from tests.support import tracing
 from tests.support.net_fakes import LoopbackOnlySockets, MapResolver

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from app.local_model import LocalModelServer, start_local_model
 from app.local_model_rules import respond
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.llm.port import (
     ChatMessage,

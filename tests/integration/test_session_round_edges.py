@@ -22,15 +22,15 @@ import pytest_asyncio
 from actors.host import HostSettings, SessionHost
 from actors.session import LLM_DOWN_REPLY, TURN_CACHE, TurnEnv, handle_message, new_state
 from app.local_model import LocalModelServer, start_local_model
+from kernel.errors import Overloaded
+from kernel.records import session_uid
 from services.botconfig import BotConfig
-from services.errors import Overloaded
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.wire import Turn
 from storage.errors import StorageUnavailable
-from storage.records import session_uid
 from storage.repos import SessionRepo
 from tests.support.host_fakes import FakeTenants
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.errors import InvalidInput
-from storage.records import ToolCallRecord, session_uid
+from kernel.errors import InvalidInput
+from kernel.records import ToolCallRecord, session_uid
 from storage.repos import BotConfigRepo, ToolCallRepo
 
 

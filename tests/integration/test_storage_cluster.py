@@ -8,7 +8,7 @@ import secrets
 import asyncpg
 import pytest
 
-from services.errors import Conflict
+from kernel.errors import Conflict
 from storage.repos.cluster import _RESCALE_LOCK, ClusterRepo, ShardState
 
 

@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.errors import NotFound
-from storage.records import SessionDelta, SessionSnapshot, ToolCallRecord, TurnRecord, UsageDelta
+from kernel.errors import NotFound
+from kernel.records import SessionDelta, SessionSnapshot, ToolCallRecord, TurnRecord, UsageDelta
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 
 DEF = {"description": "d", "parameters": {}, "webhook_url": "https://x.example/{id}"}

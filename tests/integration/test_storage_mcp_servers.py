@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from services.errors import Conflict, InvalidInput, NotFound
-from storage.records import McpServerRecord
+from kernel.errors import Conflict, InvalidInput, NotFound
+from kernel.records import McpServerRecord
 from storage.repos import ToolRepo, listen_catalog
 from storage.repos.catalog_sync import fence_number
 from storage.repos.mcp_servers import McpServerRepo

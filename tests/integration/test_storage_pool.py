@@ -97,8 +97,8 @@ def test_starting_on_a_running_data_dir_attaches_to_the_same_server(pg_server):
 
 
 async def test_a_connection_lost_mid_flush_is_retryable_and_writes_nothing(fresh_db):
+    from kernel.records import MessageRecord, SessionDelta, SessionSnapshot, session_uid
     from storage.pool import connect
-    from storage.records import MessageRecord, SessionDelta, SessionSnapshot, session_uid
     from storage.repos import SessionRepo
 
     url = await fresh_db()

@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from services.errors import NotFound
-from storage.records import (
+from kernel.errors import NotFound
+from kernel.records import (
     MessageRecord,
     SessionDelta,
     SessionSnapshot,

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from services.errors import Conflict, InvalidInput, NotFound
+from kernel.errors import Conflict, InvalidInput, NotFound
 from storage.repos import TenantRepo
 
 

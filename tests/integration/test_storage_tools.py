@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.errors import Conflict, InvalidInput, NotFound
+from kernel.errors import Conflict, InvalidInput, NotFound
 from storage.repos import ToolRepo, listen_catalog
 from storage.repos.catalog_sync import fence_number
 

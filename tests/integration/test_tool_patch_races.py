@@ -20,11 +20,11 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
+from kernel.records import PublishedTool
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.gateway.tool_routes import PATCH_ATTEMPTS
 from services.tools.crypto import SecretBox, generate_key
-from storage.records import PublishedTool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.tools import ToolChanged
 from tests.support.gateways import FakeRouter, OriginGateway

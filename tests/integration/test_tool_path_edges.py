@@ -22,6 +22,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
 from actors.session import TurnEnv, handle_message, new_state
+from kernel.records import McpServerRecord
 from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.executor import Executor, ToolCall, idempotency_key
@@ -32,7 +33,6 @@ from services.tools.registry import Catalog, HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient, WebhookToolBackend
-from storage.records import McpServerRecord
 from tests.support.mcp_server import ShopMcpServer, serve_in_thread, stop_served
 from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 from tests.support.turns import ScriptedLLM

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.errors import Conflict
+from kernel.errors import Conflict
 from services.tools.context import TrustedContext
 from services.tools.model import WorkflowTool
 from services.workflows import STOPPED_ERROR, WorkflowRunner, job_id_for

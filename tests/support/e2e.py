@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from storage.records import session_uid
+from kernel.records import session_uid
 
 NOTED = "order_noted"
 

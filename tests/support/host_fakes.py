@@ -16,6 +16,14 @@ from typing import Any
 import msgspec
 
 from actors.session import TurnEnv
+from kernel.records import (
+    ActivatedSession,
+    FlushResult,
+    MessageRecord,
+    SessionDelta,
+    SessionSnapshot,
+    ToolCallRecord,
+)
 from services.botconfig import BotConfig
 from services.llm.port import (
     LLMRequest,
@@ -30,14 +38,6 @@ from services.tools.context import TrustedContext
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from storage.records import (
-    ActivatedSession,
-    FlushResult,
-    MessageRecord,
-    SessionDelta,
-    SessionSnapshot,
-    ToolCallRecord,
-)
 from tests.support.fakes import StreamScriptedLLM
 
 Key = tuple[str, str]

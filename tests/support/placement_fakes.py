@@ -22,7 +22,7 @@ import msgspec
 from ray.exceptions import RayActorError
 
 from actors import placement as placement_module
-from services.errors import Conflict
+from kernel.errors import Conflict
 from storage.repos.cluster import ShardState
 from tests.support.host_fakes import StoreUnavailable
 

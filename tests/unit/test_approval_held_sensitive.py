@@ -16,12 +16,12 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from actors.session import PendingTurn, TurnEnv, handle_approval, handle_message, new_state
+from kernel.records import SessionSnapshot
 from services.botconfig import BotConfig
 from services.tools.executor import Executor
 from services.tools.model import PythonTool
 from services.tools.redaction import REDACTED
 from services.tools.registry import HandlerRegistry, build_catalog
-from storage.records import SessionSnapshot
 from tests.support import tracing
 from tests.support.turns import ScriptedLLM
 

@@ -8,13 +8,13 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from kernel.errors import InvalidInput
 from services.builtins.appointments import (
     Schedule,
     normalise_opening_hours,
     parse_start,
     service_from_body,
 )
-from services.errors import InvalidInput
 from services.tools.errors import InvalidArguments
 
 

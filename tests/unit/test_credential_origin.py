@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from msgspec import UNSET
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.gateway.bodies import ToolPatch, check_credential_stays, patched_body, same_origin
 
 BASE = "https://api.shop.example/orders/{order_id}"

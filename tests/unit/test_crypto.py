@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.tools.crypto import SecretBox, SecretDecryptError, generate_key, load_or_create_key
 
 PLAINTEXT = "Bearer sk-live-0123456789abcdef"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.records import SessionDelta, SessionSnapshot, UsageDelta, session_uid
+from kernel.records import SessionDelta, SessionSnapshot, UsageDelta, session_uid
 from storage.repos.sessions import _one_statement
 
 

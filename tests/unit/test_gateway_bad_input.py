@@ -10,7 +10,7 @@ import pytest
 from actors.host import TurnNotSaved
 from actors.placement import _host_exception
 from actors.ray_host import to_host_error
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.gateway.bodies import MAX_VARIABLE_NAME, ToolCreate, definition_from_body
 from services.gateway.common import OutOfRange, failure, whole_number
 

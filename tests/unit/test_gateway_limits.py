@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.errors import Overloaded
+from kernel.errors import Overloaded
 from services.gateway.limits import TenantLimiter
 
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from actors.host import LeaseLost
-from services.errors import ChatEngineError, Overloaded
+from kernel.errors import ChatEngineError, Overloaded
 from services.llm.port import ToolResultBlock, ToolUseBlock
 from services.wire import ApprovalDecision, Turn
 from tests.support import host_world

@@ -19,7 +19,7 @@ import pytest
 
 from actors.host import MAX_UNWRITTEN_PER_SESSION, UNWRITTEN_PER_INFLIGHT, HostSettings, SessionHost
 from actors.session import TURN_CACHE
-from services.errors import Overloaded
+from kernel.errors import Overloaded
 from services.wire import ApprovalDecision, Turn
 from tests.support import host_world
 from tests.support.host_world import KEY, T, answer, eventually, offer_only_book, spin

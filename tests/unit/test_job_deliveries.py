@@ -13,8 +13,8 @@ import pytest
 
 from actors.host import HostSettings, SessionHost
 from actors.session import JOBS_KEY
+from kernel.records import JobRecord
 from services.wire import Turn
-from storage.records import JobRecord
 from tests.support.host_fakes import FakeSessionStore, FakeTenants
 
 T = 5.0

@@ -357,7 +357,7 @@ async def test_an_unreachable_lane_sends_turns_through_ray_until_the_host_listen
 
 async def test_a_lane_that_breaks_mid_call_is_retried_once_then_503(monkeypatch):
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     host = Host()
@@ -395,7 +395,7 @@ async def test_a_host_call_lost_to_any_ray_failure_is_retried_with_its_id_then_a
     # Not only an actor's death: a node, a worker, a lost reply or Ray's own services failing
     # mid-turn is the host being unreachable, never an internal error (500) of the gateway.
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     class Flaky:
@@ -441,7 +441,7 @@ async def test_a_connect_that_hangs_is_unreachable_after_the_connect_timeout(mon
 async def test_a_new_message_id_is_said_only_to_a_host_that_takes_it_and_never_on_a_retry(monkeypatch):
     from actors.placement import Placement
     from actors.ray_host import LANE_FEATURES
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
@@ -513,7 +513,7 @@ async def test_a_host_that_cannot_say_its_lane_address_gets_the_turn_through_ray
     # pid and node IP. Ray's path answers such a host's turn cleanly (HostResult's error).
     from actors import placement as placement_module
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
     from storage.errors import StorageUnavailable
 
@@ -556,7 +556,7 @@ async def test_a_lane_lookup_lost_to_the_hosts_failure_is_the_host_lost():
     from ray.exceptions import ActorDiedError
 
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     class Gone(FakeHostHandle):
@@ -603,7 +603,7 @@ async def _healthy_lane_and_a_view_that_fails(view_failures: int):
 async def test_a_ray_failure_of_a_view_leaves_the_hosts_lane_and_its_running_turn_alone():
     # Before, the view's error closed the lane: the running turn broke and was sent again (one
     # error), or came back 503 "restarting" though it ran on a healthy host (two).
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
 
     host, server, fake, p, turn = await _healthy_lane_and_a_view_that_fails(1)
     lane = p._lanes[p.actor_name("t", "s")]
@@ -650,7 +650,7 @@ class _FailingStream:
 
 async def test_a_turn_lost_to_its_hosts_failure_takes_that_lane_but_never_a_newer_one(monkeypatch):
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     monkeypatch.setattr("actors.lane.CLOSE_GRACE_S", 0.01)
@@ -815,7 +815,7 @@ async def test_a_host_of_an_earlier_version_answers_a_ping_with_an_error_which_i
 
 async def test_a_turn_on_a_hung_host_is_503_host_unresponsive_and_not_retried_through_ray(hanging_host):
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     p = Placement(Settings(shards=1))
@@ -840,7 +840,7 @@ async def test_a_turn_on_a_hung_host_is_503_host_unresponsive_and_not_retried_th
 
 async def test_a_host_that_does_not_say_its_lane_address_in_time_is_503_host_unresponsive(monkeypatch):
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     monkeypatch.setattr("actors.placement.LANE_LOOKUP_TIMEOUT_S", 0.2)
@@ -1016,7 +1016,7 @@ async def test_an_sse_turn_goes_over_a_lane_that_carries_streams_and_through_ray
 
 async def test_an_sse_turn_on_a_host_that_hangs_mid_stream_is_503_host_unresponsive(hanging_host):
     from actors.placement import Placement
-    from services.errors import Overloaded
+    from kernel.errors import Overloaded
     from services.settings import Settings
 
     p = Placement(Settings(shards=1))

@@ -8,8 +8,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from kernel.errors import InvalidInput
+from kernel.records import McpServerRecord
 from services.botconfig import BotConfig
-from services.errors import InvalidInput
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.errors import DestinationBlocked, UpstreamUnreachable
@@ -32,7 +33,6 @@ from services.tools.mcp import (
 from services.tools.model import TOOL_NAME_RE
 from services.tools.registry import Catalog, HandlerRegistry, build_catalog
 from services.tools.toolset import SessionToolState, build_tool_set
-from storage.records import McpServerRecord
 
 SCHEMA = {"type": "object", "properties": {"ref": {"type": "string"}}, "required": ["ref"]}
 CTX = TrustedContext(tenant_id="t1", session_id="s1", message_id="m1", idempotency_key="m1")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from kernel.errors import InvalidInput
 from services.botconfig import BotConfig
 from services.contract import build_report
-from services.errors import InvalidInput
 from services.gateway.bodies import ToolCreate, definition_from_body
 from services.gateway.common import failure
 from services.tools.model import PROTECTED_KEYS, WebhookTool

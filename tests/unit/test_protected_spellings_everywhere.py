@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from kernel.errors import InvalidInput
 from services.botconfig import Backend, BotConfig
 from services.contract import build_report
-from services.errors import InvalidInput
 from services.gateway.bodies import ToolCreate, definition_from_body
 from services.gateway.common import failure
 from services.tools.executor import Executor, ToolCall

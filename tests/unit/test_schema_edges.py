@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from actors.catalogs import TenantCatalogs
 from actors.host import HostSettings, SessionHost
-from services.errors import InvalidInput, Overloaded
+from kernel.errors import InvalidInput, Overloaded
 from services.tools.registry import HandlerRegistry
 from services.tools.validation import (
     STANDARD_FORMATS,
@@ -256,7 +256,7 @@ import sys
 for name in ("rfc3339_validator", "rfc3986_validator", "rfc3987_syntax", "fqdn", "idna", "isoduration",
              "jsonpointer", "uri_template", "webcolors"):
     sys.modules[name] = None  # as if not installed: importing it raises ImportError
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.tools.validation import check_schema
 check_schema({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}, where="$")
 try:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.errors import InvalidInput
+from kernel.errors import InvalidInput
 from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
 
 

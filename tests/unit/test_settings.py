@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.settings import Settings
 
 

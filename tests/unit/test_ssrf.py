@@ -10,7 +10,7 @@ import ipaddress
 
 import pytest
 
-from services.errors import ConfigError
+from kernel.errors import ConfigError
 from services.tools.errors import DestinationBlocked, UpstreamUnreachable
 from services.tools.ssrf import (
     AresResolver,

@@ -7,7 +7,7 @@ import msgspec
 
 from actors.placement import HostFailure, _host_error, _host_exception
 from actors.ray_host import HostError
-from services.errors import Overloaded
+from kernel.errors import Overloaded
 
 
 def raised(data) -> Exception:

@@ -19,12 +19,12 @@ from actors.session import (
     new_state,
     remember_decided,
 )
+from kernel.records import JobRecord, SessionSnapshot
 from services.approvals import approval_keys, new_approval_id, verify_approval_id
 from services.llm.port import ToolUseBlock
 from services.tools.errors import UpstreamStatus, UpstreamTimeout
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry
-from storage.records import JobRecord, SessionSnapshot
 from tests.support.turns import KEYS, ScriptedLLM, env_for
 
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}

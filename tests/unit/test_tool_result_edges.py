@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kernel.records import McpServerRecord
 from services.botconfig import BotConfig
 from services.tools.context import TrustedContext
 from services.tools.errors import UpstreamMalformed
@@ -23,7 +24,6 @@ from services.tools.registry import Catalog, SetVariables
 from services.tools.templating import binding_arguments, unfillable_holes
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import idempotency_header
-from storage.records import McpServerRecord
 from tests.support.fakes import FakeHandler, make_catalog, python_tool
 
 CTX = TrustedContext(tenant_id="tn_A", session_id="s1", message_id="m1")

@@ -16,7 +16,7 @@ from actors.host import HostSettings, SessionHost
 from actors.local import LocalRouter
 from actors.ray_host import command_decoder, decision_decoder, encode_command, turn_decoder
 from actors.session import JOBS_KEY, handle_approval, handle_message, new_state
-from services.errors import NotFound
+from kernel.errors import NotFound
 from services.tools.registry import build_catalog
 from services.wire import ApprovalDecision, SessionView, Turn
 from tests.support.host_fakes import LOOKUP, FakeSessionStore, FakeTenants
