@@ -38,10 +38,12 @@ import structlog
 from actors import session as core
 from actors.session import SealedTurns, SessionState, TurnEnv
 from kernel.errors import ChatEngineError, Overloaded
-from kernel.records import ActivatedSession, FlushResult, JobRecord, SessionDelta
+from kernel.records import ActivatedSession, FlushResult, JobRecord, SessionDelta, SessionEvent
 from services import heap
 from services.wire import (
+    AgentMessage,
     ApprovalDecision,
+    SessionCommand,
     SessionView,
     StreamEvent,
     Turn,
@@ -61,6 +63,7 @@ class SessionStore(Protocol):
     async def flush(self, deltas: list[SessionDelta]) -> FlushResult: ...
     async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None: ...
     async def recent_turns(self, tenant_id: str, session_id: str, limit: int) -> dict[str, dict]: ...
+    async def events_after(self, tenant_id: str, session_id: str, after: int) -> list[SessionEvent]: ...
 
 
 @runtime_checkable
@@ -135,6 +138,45 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+#: the newest written events a host keeps in memory per watched session, so that a push costs its
+#: watchers no read of Postgres (one far behind reads the log from Postgres instead)
+FEED_KEPT = 256
+
+
+class _Feed:
+    """A watched session's newest written events on this host, and the bell its watchers wait on.
+
+    `recent` holds events with consecutive numbers (a gap, as after the session moved away and
+    back, empties it first), so any watcher whose last event is at or after the first one's
+    predecessor is served from memory. The bell is a future resolved (and replaced) at each push.
+    """
+
+    __slots__ = ("bell", "recent", "watchers")
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[SessionEvent] = collections.deque(maxlen=FEED_KEPT)
+        self.bell: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.watchers = 0
+
+    def after(self, seq: int) -> list[SessionEvent] | None:
+        """The kept events after `seq`, or None when memory cannot say (ask the store)."""
+        if not self.recent or seq < self.recent[0].seq - 1:
+            return None
+        if seq >= self.recent[-1].seq:
+            return []
+        return [e for e in self.recent if e.seq > seq]
+
+    def push(self, events: list[SessionEvent]) -> None:
+        if self.recent and events[0].seq != self.recent[-1].seq + 1:
+            self.recent.clear()
+        self.recent.extend(events)
+        self.ring()
+
+    def ring(self) -> None:
+        bell, self.bell = self.bell, asyncio.get_running_loop().create_future()
+        bell.set_result(None)
+
+
 class _Entry:
     __slots__ = ("counted", "durable_through", "last_used", "lock", "new_turn", "queued", "stale", "state")
 
@@ -206,6 +248,8 @@ class SessionHost:
         #: reads of a stored answer for a message id the session's turn cache did not hold
         #: (a client's id in a session of more than TURN_CACHE turns; gateway-made ids need none)
         self.stored_turn_reads = 0
+        #: the sessions someone watches (GET .../events), by key: see `watch`
+        self._feeds: dict[Key, _Feed] = {}
         #: how long recent activations of sessions with a past took (Postgres lease + state
         #: load): the cost of coming back after passivation, reported by the benchmark
         self.reactivation_ms: collections.deque[float] = collections.deque(maxlen=4096)
@@ -236,6 +280,8 @@ class SessionHost:
         nothing of its running turn was acknowledged. Then everything else is flushed.
         """
         self._closing = True
+        for feed in self._feeds.values():  # watchers come back at once, to ask the next host
+            feed.ring()
         # Bounded: an admitted turn leaves within the gate timeout (replied, or told its reply
         # could not be saved yet); past that something is stuck, and stopping matters more.
         deadline = time.monotonic() + self._settings.gate_timeout_s + STOP_GRACE_S
@@ -321,6 +367,7 @@ class SessionHost:
             "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
             "dirty": len(self._dirty), "activations": self.activations,
+            "watched_sessions": len(self._feeds),
             "stored_turn_reads": self.stored_turn_reads,
             # run, not yet written (Postgres away): at the cap, new turns are refused
             "unwritten_turns": self._unwritten, "unwritten_turns_cap": self._unwritten_cap,
@@ -373,6 +420,68 @@ class SessionHost:
                                               edited_arguments=decision.edited)
 
         return await self._turn(decision.tenant_id, decision.session_id, run)
+
+    async def act(self, command: SessionCommand) -> TurnReply:
+        """Run a command that is not a contact's turn (an agent's message, a handoff's change) in
+        the session, in turn with its messages; returns once its state is durable, as `send`."""
+
+        async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            if isinstance(command, AgentMessage):
+                if command.message_id:
+                    await self._load_turn(entry.state, command.message_id)
+                return core.handle_agent_message(entry.state, command)
+            return core.handle_handoff_change(entry.state, command)
+
+        return await self._turn(command.tenant_id, command.session_id, run)
+
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list[SessionEvent]:
+        """The session's written events after number `after`, oldest first; when there are none
+        yet, waits up to `wait_s` for the next ones (then an empty list: ask again).
+
+        Pushed, not polled: the flusher rings the session's bell once a flush holding its events
+        committed (`_publish`), so an event reaches its watchers only once it is durable. Served
+        from memory when this host has pushed the events asked for, from Postgres otherwise (a
+        watcher coming back after a host restart, a rescale or passivation): no event is skipped
+        or given twice, since the watcher names the last one it has. Only the session's owner can
+        push its events: a host that does not own it says SessionMoved, as for a turn."""
+        self._refuse_if_closing()
+        if not self.owns(tenant_id, session_id):
+            raise SessionMoved(session_id)
+        key = (tenant_id, session_id)
+        feed = self._feeds.get(key)
+        if feed is None:
+            feed = self._feeds[key] = _Feed()
+        feed.watchers += 1
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                bell = feed.bell  # taken before reading: a push after the read rings it
+                events = feed.after(after)
+                if events is None:
+                    events = await self._store.events_after(tenant_id, session_id, after)
+                if events:
+                    return events
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return []
+                try:
+                    await asyncio.wait_for(asyncio.shield(bell), left)
+                except TimeoutError:
+                    return []
+        finally:
+            feed.watchers -= 1
+            if not feed.watchers and self._feeds.get(key) is feed:
+                del self._feeds[key]
+
+    def _publish(self, key: Key, events: list[SessionEvent]) -> None:
+        """Events of `key` just written: to its watchers on this host, if any."""
+        feed = self._feeds.get(key)
+        if feed is not None and events:
+            feed.push(events)
+
+    @property
+    def watched_sessions(self) -> int:
+        return len(self._feeds)
 
     async def _load_turn(self, state: SessionState, message_id: str) -> None:
         """Put turn `message_id`'s stored answer in the session's cache if it may be missing there
@@ -906,6 +1015,8 @@ class SessionHost:
             source = deltas.get(key)  # type: ignore[call-overload]
             if source is not None:
                 source[0].durable_through = source[1].last
+                if self._feeds:
+                    self._publish(key, [e for d in source[1].turns for e in d.events])  # type: ignore[arg-type]
         for key, kept in poisoned.items():
             # Postgres refuses this session's data for good (not a lost connection): the turns
             # from the one it refused on are not acknowledged and the copy, which holds them, is
@@ -925,6 +1036,10 @@ class SessionHost:
                         f"the last turn of session {key[1]!r} could not be saved and was not acknowledged; "
                         "send the message again (the session continues from its saved state)"
                     ))
+            feed = self._feeds.get(key)
+            if feed is not None:  # some of its events may be written: its watchers read the store
+                feed.recent.clear()
+                feed.ring()
             log.error("flush_refused_session_data", session_id=key[1],
                       turns_kept=kept - (deltas[key][1].last - len(deltas[key][1].turns)))
         for key in map(tuple, refused):

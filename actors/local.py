@@ -11,8 +11,17 @@ from typing import Any
 
 from actors.host import SessionHost
 from actors.session import SessionError
-from kernel.errors import NotFound
-from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
+from kernel.errors import Conflict, NotFound
+from kernel.records import SessionEvent
+from services.wire import (
+    ApprovalDecision,
+    SessionCommand,
+    SessionView,
+    StreamEvent,
+    Turn,
+    TurnCommand,
+    TurnReply,
+)
 
 
 class LocalRouter:
@@ -36,6 +45,15 @@ class LocalRouter:
             if not isinstance(command, ApprovalDecision):
                 raise
             raise NotFound(str(exc), kind="approval", key=command.approval_id) from None
+
+    async def act(self, command: SessionCommand) -> TurnReply:
+        try:
+            return await self.host.act(command)
+        except SessionError as exc:
+            raise Conflict(str(exc)) from None
+
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list[SessionEvent]:
+        return await self.host.watch(tenant_id, session_id, after, wait_s)
 
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None:
         return await self.host.view(tenant_id, session_id)

@@ -56,20 +56,31 @@ from actors.lane import (
     LaneUnreachable,
 )
 from actors.ray_host import (
+    EVENTS,
     LANE_METHODS,
     NEW_ID,
+    TURN_METHODS,
     HostError,
     HostResult,
     SessionHostActor,
     encode_command,
     event_decoder,
     result_decoder,
+    watch_decoder,
 )
 from actors.sharding import HOST_PREFIX, host_name, parse_host_name, rendezvous_index, route
 from kernel.errors import ChatEngineError, ConfigError, Overloaded
-from kernel.records import session_uid
+from kernel.records import SessionEvent, session_uid
 from services.settings import Settings
-from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
+from services.wire import (
+    ApprovalDecision,
+    SessionCommand,
+    SessionView,
+    StreamEvent,
+    Turn,
+    TurnCommand,
+    TurnReply,
+)
 from storage.repos.cluster import ShardState
 
 log = structlog.get_logger(__name__)
@@ -395,7 +406,7 @@ class Placement:
             try:
                 if self._use_lanes and turn:
                     lane = await self._lane(name, handle)
-                    if lane is not None:
+                    if lane is not None and (method in TURN_METHODS or EVENTS in lane.address.features):
                         try:
                             return await lane.call(method, *args, *self._new_id_arg(name, new_id and not attempt))
                         except LaneUnreachable as exc:
@@ -475,6 +486,31 @@ class Placement:
     async def decide(self, decision: ApprovalDecision) -> TurnReply:
         return await self._turn_call(decision.tenant_id, decision.session_id, "decide",
                                      encode_command(decision))
+
+    async def act(self, command: SessionCommand) -> TurnReply:
+        """An agent's message or a handoff's change, run by the session's host (SessionHost.act)."""
+        return await self._turn_call(command.tenant_id, command.session_id, "act", encode_command(command))
+
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list[SessionEvent]:
+        """The session's written events after `after`, from its host (SessionHost.watch): waits
+        up to `wait_s` for new ones. While the session moves between hosts, routes again."""
+        deadline = time.monotonic() + MOVED_RETRY_S
+        delay = 0.02
+        while True:
+            raw = await self._call(tenant_id, session_id, "watch", tenant_id, session_id, after, wait_s)
+            result = watch_decoder.decode(raw)
+            error = result.error
+            if error is None:
+                return result.events
+            if not self._ran_nothing(error.reason) or time.monotonic() > deadline:
+                raise _host_exception(error)
+            if error.reason == "moved":
+                if error.shard_state is not None and self.apply_shard_state(error.shard_state):
+                    continue
+            else:
+                self._forget(self.actor_name(tenant_id, session_id))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     async def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]:
         """The turn's events; a turn that fails raises its error (as `send` does) once the events

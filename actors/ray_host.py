@@ -32,11 +32,19 @@ from actors.runtime import Runtime
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
 from kernel.errors import ChatEngineError, Overloaded
+from kernel.records import SessionEvent
 from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
 from services.tracing import configure_tracing
-from services.wire import ApprovalDecision, StreamEvent, Turn, TurnCommand, TurnReply
+from services.wire import (
+    ApprovalDecision,
+    SessionCommand,
+    StreamEvent,
+    Turn,
+    TurnCommand,
+    TurnReply,
+)
 from storage.repos.cluster import ClusterRepo, ShardState
 
 log = structlog.get_logger(__name__)
@@ -55,18 +63,30 @@ class HostResult(msgspec.Struct, frozen=True, kw_only=True):
     error: HostError | None = None
 
 
+class WatchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `watch` answers: the session's events after the one asked for, or why not."""
+
+    events: list[SessionEvent] = []
+    error: HostError | None = None
+
+
 SHARD_POOL_SIZE = 10  # Postgres connections of a shard host (thousands of sessions)
 DEDICATED_POOL_SIZE = 2  # of a dedicated actor (one session: the listener and one working)
 
 #: the calls a gateway may send over a shard host's lane (actors/lane.py): the turns, and the
 #: streamed turn (an SSE client's), each of its events a frame
-LANE_METHODS = frozenset({"send", "decide"})
+TURN_METHODS = frozenset({"send", "decide"})
+#: and, to a host whose address lists EVENTS, an agent's message or a handoff change (`act`) and a
+#: watcher's wait for a session's events (`watch`, held open up to its wait: one frame back)
+LANE_METHODS = TURN_METHODS | {"act", "watch"}
 LANE_STREAMS = frozenset({"stream"})
 #: a host lists in its lane address that `send` and `stream` take `new_id` (SessionHost.send): a
 #: gateway passes it only to a host that lists it, so gateways may be rolled before hosts; and
 #: that its lane carries `stream` (STREAM): to a host that does not, streamed turns go through Ray
 NEW_ID = "new_id"
-LANE_FEATURES = (NEW_ID, STREAM)
+#: and that its lane carries `act` and `watch` (EVENTS): to a host that does not, they go through Ray
+EVENTS = "events"
+LANE_FEATURES = (NEW_ID, STREAM, EVENTS)
 
 #: a shard host that refuses a turn as "moved" reads the stored shard state again, at most this often
 SHARD_REFRESH_S = 1.0
@@ -88,10 +108,13 @@ event_decoder = msgspec.json.Decoder(StreamEvent)
 turn_decoder = msgspec.json.Decoder(Turn)
 decision_decoder = msgspec.json.Decoder(ApprovalDecision)
 command_decoder = msgspec.json.Decoder(TurnCommand)
+session_command_decoder = msgspec.json.Decoder(SessionCommand)
+watch_decoder = msgspec.json.Decoder(WatchResult)
 
 
-def encode_command(command: TurnCommand) -> bytes:
-    """A Turn or an ApprovalDecision as the host's `send`, `decide` and `stream` take it."""
+def encode_command(command: TurnCommand | SessionCommand) -> bytes:
+    """A Turn or an ApprovalDecision as the host's `send`, `decide` and `stream` take it; an
+    AgentMessage or a HandoffChange as its `act` takes it."""
     return result_encoder.encode(command)
 
 
@@ -312,6 +335,19 @@ class SessionHostActor:
         """Run an encoded ApprovalDecision (`encode_command`); its encoded HostResult."""
         return await self._reply(lambda host: host.decide(decision_decoder.decode(decision)))
 
+    async def act(self, command: bytes) -> bytes:
+        """Run an encoded AgentMessage or HandoffChange (`encode_command`); its encoded HostResult."""
+        return await self._reply(lambda host: host.act(session_command_decoder.decode(command)))
+
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> bytes:
+        """The session's written events after `after` (SessionHost.watch), as an encoded WatchResult."""
+        try:
+            host = await self._ensure()
+            events = await host.watch(tenant_id, session_id, after, wait_s)
+            return result_encoder.encode(WatchResult(events=events))
+        except Exception as exc:  # noqa: BLE001 - errors travel as data
+            return result_encoder.encode(WatchResult(error=self._failure(exc)))
+
     async def stream(self, command: bytes, new_id: bool = False):
         """An async generator of encoded StreamEvents (called with num_returns="streaming") of an
         encoded Turn or ApprovalDecision (`encode_command`)."""
@@ -382,13 +418,16 @@ class SessionHostActor:
         return True
 
     def _error(self, exc: BaseException) -> bytes:
+        return result_encoder.encode(HostResult(error=self._failure(exc)))
+
+    def _failure(self, exc: BaseException) -> HostError:
         err = to_host_error(exc)
         if isinstance(exc, SessionMoved):
             err = msgspec.structs.replace(err, shard_state=self._shard_state)
             self._moved()
         if err.kind == "internal":
             log.error("host_call_failed", host=self._name, error=type(exc).__name__, exc_info=exc)
-        return result_encoder.encode(HostResult(error=err))
+        return err
 
     async def _exit_when_idle(self) -> None:
         # A dedicated actor is one process per live session: once its session passivates, the
@@ -399,7 +438,7 @@ class SessionHostActor:
         assert host is not None
         while True:
             await asyncio.sleep(max(0.5, self._settings.idle_seconds / 4))
-            if not host.live_sessions and not self._turns:
+            if not host.live_sessions and not self._turns and not host.watched_sessions:
                 await self.shutdown()
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return

@@ -28,6 +28,7 @@ from kernel.records import (
     JobRecord,
     MessageRecord,
     SessionDelta,
+    SessionEvent,
     SessionSnapshot,
     ToolCallRecord,
     TurnRecord,
@@ -70,6 +71,8 @@ from services.tools.toolset import (
 )
 from services.tracing import tracer
 from services.wire import (
+    AgentMessage,
+    HandoffChange,
     PendingApproval,
     PendingCall,
     SessionView,
@@ -109,6 +112,8 @@ DECIDED_KEPT = 32
 HANDED_OFF_REPLY = (
     "You have been handed over to a member of our team; they will reply here as soon as they can."
 )
+#: what the contact is told once a person closed the conversation without giving it back to the bot
+CLOSED_REPLY = "This conversation was closed by our team. Thank you for writing to us."
 LLM_DOWN_REPLY = (
     "I'm sorry, I can't answer right now because of a technical problem. Please try again in a moment."
 )
@@ -267,6 +272,7 @@ class SessionState:
         self._calls: list[ToolCallRecord] = []
         self._usage: dict[str, list[int]] = {}
         self._turns: list[TurnRecord] = []
+        self._events: list[SessionEvent] = []
         self._dirty = False
         self.turn_message_id: str | None = None  # the message id of the turn running (or last run)
         #: jobs the turn in progress took off the waiting list to deliver: waiting again if it fails
@@ -339,9 +345,11 @@ class SessionState:
             usage=[UsageDelta(model=m, input_tokens=i, output_tokens=o, through_seq=newest)
                    for m, (i, o) in self._usage.items()],
             turns=self._turns,  # one turn's: its one answer (a turn ends by remembering it)
+            events=self._events,
         ))
         self.sealed_turns += 1
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
+        self._events = []
         self._dirty = False
 
     def close_failed_turn(self) -> None:
@@ -386,6 +394,12 @@ class SessionState:
         ))
         self.next_seq += 1
         self.snapshot.message_count += 1
+        self._touch()
+
+    def log_event(self, type_: str, data: dict[str, Any]) -> None:
+        """Add an event to the session's log (numbered next), written with the turn that made it."""
+        self.snapshot.event_seq += 1
+        self._events.append(SessionEvent(seq=self.snapshot.event_seq, type=type_, data=data))
         self._touch()
 
     def set_variable(self, key: str, value: str) -> None:
@@ -561,13 +575,19 @@ async def _handle_message(
     deliveries = _deliver_jobs(state, finished_jobs)
     for delivery in deliveries:
         await emit(StreamEvent(event="job_result", data=delivery))
+        state.log_event("job_result", {k: delivery[k] for k in ("job_id", "tool", "status")})
         content.append(TextBlock(text=_job_notice(delivery)))
     content.append(TextBlock(text=text))
     state.append(ChatMessage(role="user", content=content), message_id)
+    state.log_event("message", {"author": "contact", "text": text, "message_id": message_id})
     turn.deliveries = deliveries
     if state.snapshot.handoff:
-        turn_reply = turn.reply(state, HANDED_OFF_REPLY)
-        state.append(ChatMessage(role="assistant", content=[TextBlock(text=HANDED_OFF_REPLY)]), message_id)
+        if state.snapshot.handoff_state == "assigned":
+            # a person has the conversation: the message is theirs to answer (their stream has it)
+            return await _finish(state, turn.reply(state, ""), emit)
+        said = CLOSED_REPLY if state.snapshot.handoff_state == "resolved" else HANDED_OFF_REPLY
+        turn_reply = turn.reply(state, said)
+        state.append(ChatMessage(role="assistant", content=[TextBlock(text=said)]), message_id)
         return await _finish(state, turn_reply, emit)
     intent = detect_intent(env.config, text)
     return await _loop(state, turn, env, emit, first_round=1, intent=intent)
@@ -795,6 +815,7 @@ async def _loop(
             tool_calls = [ToolCall(id=b.id, name=b.name, arguments=b.input) for b in calls]
             for call in tool_calls:
                 await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
+                state.log_event("tool_call", {"id": call.id, "name": call.name})
             plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn, intent=intent)
             if plan.needs_approval:
                 return await _hold(state, turn, env, emit, tool_calls, plan, round_no, intent)
@@ -944,10 +965,13 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
         elif o.counts_for_breaker:
             state.snapshot.breakers[o.name] = state.snapshot.breakers.get(o.name, 0) + 1
         events.append(StreamEvent(event="tool_result", data=msgspec.to_builtins(summary)))
+        # what a watcher of the session sees: no arguments, result or error text
+        state.log_event("tool_result", {"id": o.call_id, "name": o.name, "success": o.success})
         if o.client_action is not None:
             action = {"call_id": o.call_id, **msgspec.to_builtins(o.client_action)}
             turn.client_actions.append(action)
             events.append(StreamEvent(event="client_action", data=action))
+            state.log_event("client_action", action)
     state.append(ChatMessage(role="user", content=blocks), message_id)
     return events
 
@@ -977,8 +1001,11 @@ async def _hold(
         ],
     )
     await emit(StreamEvent(event="approval_required", data=msgspec.to_builtins(approval)))
+    state.log_event("approval_required", {"approval_id": approval.approval_id, "summary": approval.summary,
+                                          "tools": approval.tools, "expires_at": approval.expires_at})
     text = "Before I go ahead, please confirm:\n" + "\n".join(f"- {line}" for line in pending.summary)
     reply = turn.reply(state, text, pending=approval)
+    _log_reply(state, reply)
     # Remembered so a retried message_id returns the same approval request, not a second run.
     state.remember_turn(turn.message_id, reply)
     return reply
@@ -1031,12 +1058,77 @@ async def _record_handoff(state: SessionState, env: TurnEnv, message_id: str, re
 def _mark_handoff(state: SessionState, reason: str) -> None:
     state.snapshot.handoff = True
     state.snapshot.handoff_reason = reason[:500]
+    if state.snapshot.handoff_state != "requested":
+        state.snapshot.handoff_state = "requested"
+        state.snapshot.handoff_agent = None
+        state.log_event("handoff", {"state": "requested"})
     state._touch()
 
 
 async def _finish(state: SessionState, reply: TurnReply, emit: Emit) -> TurnReply:
     # No `done` event here: the host sends it once the reply's state is durable (output gate).
+    _log_reply(state, reply)
     state.remember_turn(reply.message_id, reply)
+    return reply
+
+
+def _log_reply(state: SessionState, reply: TurnReply) -> None:
+    if reply.reply:
+        state.log_event("message", {"author": "bot", "text": reply.reply, "message_id": reply.message_id})
+
+
+# -- a person in the conversation (handoffs) ------------------------------------------------------
+
+#: how the model reads an agent's words in the history once the session is back with the bot
+AGENT_WORDS = "[{agent}, a member of the team] {text}"
+
+
+def handle_agent_message(state: SessionState, message: AgentMessage) -> TurnReply:
+    """An agent's message to the contact: stored in the history (the model reads it once the
+    conversation is given back) and logged for the contact's stream. Idempotent by message id.
+    Raises SessionError(kind="conflict") when the session is not handed off to a person."""
+    message_id = message.message_id or f"a_{secrets.token_hex(8)}"
+    if message_id in state.turns:
+        return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
+    snap = state.snapshot
+    if not snap.handoff or snap.handoff_state == "resolved":
+        raise SessionError(
+            f"session {state.session_id!r} is not handed off to a person (it is "
+            f"{'closed' if snap.handoff else 'with the bot'}); an agent may write only between a handoff "
+            "(escalate_to_human or [[HANDOFF]]) and its resolution", kind="conflict")
+    state.turn_message_id = message_id
+    words = AGENT_WORDS.format(agent=message.agent, text=message.text)
+    state.append(ChatMessage(role="assistant", content=[TextBlock(text=words)]), message_id)
+    state.log_event("message", {"author": "agent", "agent": message.agent, "text": message.text,
+                                "message_id": message_id})
+    reply = TurnReply(session_id=state.session_id, message_id=message_id, reply=message.text, tool_calls=[],
+                      rounds=0, usage=UsageOut(), handoff=True)
+    state.remember_turn(message_id, reply)
+    return reply
+
+
+def handle_handoff_change(state: SessionState, change: HandoffChange) -> TurnReply:
+    """A handoff claimed by an agent or resolved (the store made the change; the session follows
+    it and logs it for its watchers). Applying the same change again changes nothing."""
+    snap = state.snapshot
+    message_id = f"h_{change.handoff_id}_{change.state}"
+    if change.state == "assigned":
+        changed = snap.handoff_state != "assigned" or snap.handoff_agent != change.agent
+        if changed:
+            snap.handoff, snap.handoff_state, snap.handoff_agent = True, "assigned", change.agent
+            state.log_event("handoff", {"state": "assigned", "handoff_id": change.handoff_id, "agent": change.agent})
+    else:
+        back = bool(change.return_to_bot)
+        changed = snap.handoff != (not back) or snap.handoff_state != (None if back else "resolved")
+        if changed:
+            snap.handoff, snap.handoff_state, snap.handoff_agent = not back, None if back else "resolved", None
+            state.log_event("handoff", {"state": "resolved", "handoff_id": change.handoff_id, "return_to_bot": back})
+    reply = TurnReply(session_id=state.session_id, message_id=message_id, reply="", tool_calls=[], rounds=0,
+                      usage=UsageOut(), handoff=snap.handoff)
+    if changed:
+        state.turn_message_id = message_id
+        state._touch()
+        state._seal()
     return reply
 
 

@@ -111,6 +111,23 @@ class SessionSnapshot(msgspec.Struct, kw_only=True):
     message_count: int = 0
     pending: dict[str, Any] | None = None  # a held turn awaiting approval
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: the sequence number of the session's newest event (SessionEvent.seq); 0: none yet
+    event_seq: int = 0
+    #: where a handoff stands: "requested" (no one has claimed it), "assigned" (an agent has),
+    #: "resolved" (closed: the bot does not come back); None: not handed off, or given back
+    handoff_state: str | None = None
+    handoff_agent: str | None = None
+
+
+class SessionEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of a session's event log: what a watcher of the session sees (messages of the
+    contact, the bot and agents, tool activity without arguments or results, approvals, client
+    actions, job results, handoff changes), numbered 1, 2, ... per session (`seq`), written in
+    the same transaction as the turn that made it, and pushed only once written."""
+
+    seq: int
+    type: str
+    data: dict[str, Any]
 
 
 class SessionDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +142,7 @@ class SessionDelta(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: list[ToolCallRecord] = []
     usage: list[UsageDelta] = []
     turns: list[TurnRecord] = []
+    events: list[SessionEvent] = []
 
 
 class ActivatedSession(msgspec.Struct, frozen=True, kw_only=True):

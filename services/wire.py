@@ -6,7 +6,7 @@ session core and encoded once. The same structs feed /openapi.json.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -14,6 +14,22 @@ import msgspec
 class SendMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     text: str
     message_id: str | None = None
+
+
+class SendAgentMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/sessions/{id}/agent-messages: a person's message to the contact of a handed-off session."""
+
+    text: str
+    agent: str
+    message_id: str | None = None
+
+
+class ClaimHandoff(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    agent: str
+
+
+class ResolveHandoff(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    return_to_bot: bool
 
 
 class DecideApproval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -129,3 +145,30 @@ class ApprovalDecision(msgspec.Struct, frozen=True, kw_only=True, tag_field="typ
 
 #: what a session host runs as one turn: a message, or the decision that resumes a held one
 TurnCommand = Turn | ApprovalDecision
+
+
+class AgentMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="agent_message"):
+    """A person's message in a handed-off session (POST .../agent-messages): stored in its history
+    and pushed to the contact's stream; the model is not called."""
+
+    tenant_id: str
+    session_id: str
+    text: str
+    agent: str
+    message_id: str | None = None
+
+
+class HandoffChange(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="handoff_change"):
+    """A handoff the store moved on (claimed: "assigned"; "resolved"), for the session to follow."""
+
+    tenant_id: str
+    session_id: str
+    handoff_id: str
+    state: Literal["assigned", "resolved"]
+    agent: str | None = None
+    return_to_bot: bool | None = None
+
+
+#: what a session host runs that is not a contact's turn: a person's message, a handoff's change
+SessionCommand = AgentMessage | HandoffChange
+

@@ -28,11 +28,20 @@ from kernel.errors import (
     NotFound,
     Overloaded,
 )
+from kernel.records import SessionEvent
 from services.gateway.limits import TenantLimiter
 from services.gateway.metrics import GatewayMetrics
 from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
 from services.tools.ssrf import DestinationPolicy
-from services.wire import ApprovalDecision, SessionView, StreamEvent, Turn, TurnCommand, TurnReply
+from services.wire import (
+    ApprovalDecision,
+    SessionCommand,
+    SessionView,
+    StreamEvent,
+    Turn,
+    TurnCommand,
+    TurnReply,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +66,8 @@ class SessionRouter(Protocol):
     async def send(self, turn: Turn, *, new_id: bool = False) -> TurnReply: ...
     async def decide(self, decision: ApprovalDecision) -> TurnReply: ...
     def stream(self, command: TurnCommand, *, new_id: bool = False) -> AsyncIterator[StreamEvent]: ...
+    async def act(self, command: SessionCommand) -> TurnReply: ...
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list[SessionEvent]: ...
     async def view(self, tenant_id: str, session_id: str) -> SessionView | None: ...
     async def stats(self) -> list[dict[str, Any]]: ...
 
@@ -139,6 +150,8 @@ def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, 
         kind = getattr(getattr(exc, "error", None), "kind", None)
         if kind == "not_found":
             return 404, "Not found", str(exc), None
+        if kind == "conflict":
+            return 409, "Conflict", str(exc), None
         if kind == "internal":
             # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
             return 500, "Internal error", str(exc), None

@@ -22,6 +22,7 @@ from kernel.records import (
     FlushResult,
     MessageRecord,
     SessionDelta,
+    SessionEvent,
     SessionSnapshot,
     SessionSummary,
     SessionView,
@@ -90,6 +91,12 @@ _KEEP_TURN = (
 _INSERT_TURN = (
     "INSERT INTO ce_turns (tenant_id, session_id, message_id, response) VALUES ($1, $2, $3, $4) " + _KEEP_TURN
 )
+_INSERT_EVENT = (
+    "INSERT INTO ce_session_events (tenant_id, session_id, seq, type, data) VALUES ($1, $2, $3, $4, $5) "
+    "ON CONFLICT (session_id, seq) DO NOTHING"
+)
+#: the most events one read of a session's log returns (a watcher far behind reads again)
+EVENTS_PAGE = 500
 
 # The whole flush as ONE statement, so one round trip and no BEGIN/COMMIT (a statement is its own
 # transaction): `ok` locks the rows of the sessions whose epoch is current, in id order (as
@@ -149,6 +156,12 @@ WITH d AS (
     FROM unnest($36::text[], $37::text[], $38::text[], $39::text[]) AS t(tenant_id, session_id, message_id, response)
     JOIN ok ON ok.id = t.session_id
     {_KEEP_TURN}
+), events AS (
+    INSERT INTO ce_session_events (tenant_id, session_id, seq, type, data)
+    SELECT e.tenant_id, e.session_id, e.seq, e.type, e.data::jsonb
+    FROM unnest($40::text[], $41::text[], $42::bigint[], $43::text[], $44::text[]) AS e(tenant_id, session_id, seq, type, data)
+    JOIN ok ON ok.id = e.session_id
+    ON CONFLICT (session_id, seq) DO NOTHING
 )
 SELECT id FROM ok
 """
@@ -173,12 +186,13 @@ class _Rows(msgspec.Struct):
     calls: list[tuple]
     usage: list[tuple]
     turns: list[tuple]
+    events: list[tuple]
 
 
 def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Rows:
     """The rows of the deltas marked in `keep`. Text from contacts, the model and tools goes
     through storable_text: a NUL in one row must not fail the whole group commit."""
-    rows = _Rows(sessions=[], messages=[], variables=[], calls=[], usage=[], turns=[])
+    rows = _Rows(sessions=[], messages=[], variables=[], calls=[], usage=[], turns=[], events=[])
     # the last delta of a session in the batch carries its newest snapshot
     sessions: dict[str, tuple] = {}
     # by (session, stored key): two keys that storable_text makes one ("k\x00", "k\ufffd") are
@@ -201,6 +215,7 @@ def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Row
             for u in d.usage
         ]
         rows.turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
+        rows.events += [(d.tenant_id, uid, e.seq, e.type, e.data) for e in d.events]
     rows.sessions, rows.variables = list(sessions.values()), list(variables.values())
     return rows
 
@@ -215,7 +230,7 @@ def _columns(rows: list[tuple], width: int, json: tuple[int, ...] = ()) -> list[
 
 
 def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
-    """The 39 column arrays of `_FLUSH`: every delta's rows (the statement does the fencing).
+    """The 44 column arrays of `_FLUSH`: every delta's rows (the statement does the fencing).
     One delta per session (`_one_statement`), so the sessions' rows and epochs line up."""
     rows = _rows(deltas, uids, [True] * len(deltas))
     return [
@@ -225,6 +240,7 @@ def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
         *_columns(rows.calls, 13, json=(5, 6)),
         *_columns(rows.usage, 6),
         *_columns(rows.turns, 4, json=(3,)),
+        *_columns(rows.events, 5, json=(4,)),
     ]
 
 
@@ -251,6 +267,7 @@ async def _flush_statement_by_statement(
         (INSERT_CALL_SQL, rows.calls),
         (_ADD_USAGE, rows.usage),
         (_INSERT_TURN, rows.turns),
+        (_INSERT_EVENT, rows.events),
     ):
         if batch:
             await conn.executemany(sql, batch)
@@ -346,6 +363,17 @@ class SessionRepo:
             written=[(d.tenant_id, d.session_id) for d, took in zip(deltas, ok, strict=True) if took],
             refused=[(d.tenant_id, d.session_id) for d, took in zip(deltas, ok, strict=True) if not took],
         )
+
+    async def events_after(self, tenant_id: str, session_id: str, after: int,
+                           limit: int = EVENTS_PAGE) -> list[SessionEvent]:
+        """The session's written events numbered above `after`, oldest first, at most `limit`."""
+        with translate("reading session events"):
+            rows = await self._pool.fetch(
+                "SELECT seq, type, data FROM ce_session_events WHERE session_id = $1 AND tenant_id = $2 "
+                "AND seq > $3 ORDER BY seq LIMIT $4",
+                session_uid(tenant_id, session_id), tenant_id, after, min(limit, EVENTS_PAGE),
+            )
+        return [SessionEvent(seq=r["seq"], type=r["type"], data=r["data"]) for r in rows]
 
     async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
         """The session's current lease epoch, or None if it was never activated."""

@@ -21,6 +21,7 @@ from kernel.records import (
     FlushResult,
     MessageRecord,
     SessionDelta,
+    SessionEvent,
     SessionSnapshot,
     ToolCallRecord,
 )
@@ -73,6 +74,8 @@ class FakeSessionStore:
         self.messages: dict[Key, list[MessageRecord]] = defaultdict(list)
         self.turns: dict[Key, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.tool_calls: dict[Key, list[ToolCallRecord]] = defaultdict(list)
+        self.events: dict[Key, list[SessionEvent]] = defaultdict(list)
+        self.events_reads = 0
         self.usage: dict[Key, dict[str, list[int]]] = defaultdict(dict)
         #: per model, the newest message seq whose tokens are counted (Postgres's ce_usage.applied_seq)
         self.applied_seq: dict[Key, dict[str, int]] = defaultdict(dict)
@@ -148,6 +151,11 @@ class FakeSessionStore:
         await asyncio.sleep(0)
         return dict(list(self.turns[(tenant_id, session_id)].items())[-limit:])
 
+    async def events_after(self, tenant_id: str, session_id: str, after: int) -> list[SessionEvent]:
+        self.events_reads += 1
+        await asyncio.sleep(0)
+        return [e for e in self.events[(tenant_id, session_id)] if e.seq > after]
+
     async def get_turn(self, tenant_id: str, session_id: str, message_id: str) -> dict | None:
         self.get_turn_calls += 1
         await asyncio.sleep(0)
@@ -175,6 +183,11 @@ class FakeSessionStore:
             if self._retried(key, f"tool call {c.id}", c.id in ids, acked):
                 continue  # ON CONFLICT DO NOTHING
             self.tool_calls[key].append(c)
+        known = {e.seq for e in self.events[key]}
+        for e in delta.events:
+            if self._retried(key, f"event {e.seq}", e.seq in known, acked):
+                continue  # ON CONFLICT DO NOTHING
+            self.events[key].append(e)
         newest = max((m.seq for m in delta.messages), default=None)
         for u in delta.usage:
             # As storage.repos.sessions does: a row whose seq is not past the model's applied seq
