@@ -15,6 +15,7 @@ from services.gateway.common import DEPS, MAX_BODY, GatewayDeps
 from services.gateway.config_routes import add_config_routes
 from services.gateway.dashboard import add_dashboard_routes
 from services.gateway.job_routes import add_job_routes
+from services.gateway.live_routes import add_live_routes
 from services.gateway.mcp_routes import add_mcp_routes
 from services.gateway.middleware import auth_middleware, errors_middleware
 from services.gateway.ops_routes import add_ops_routes
@@ -28,6 +29,7 @@ def build_app(deps: GatewayDeps) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=MAX_BODY)
     app[DEPS] = deps
     add_session_routes(app)
+    add_live_routes(app)
     add_tool_routes(app)
     add_job_routes(app)
     add_config_routes(app)

@@ -7,7 +7,7 @@
     PUT    /v1/appointment-services/{name}      body: {"duration_minutes", "timezone"?, "opening_hours"}
     GET    /v1/appointment-services             GET/DELETE /v1/appointment-services/{name}
     GET    /v1/appointments?service=&since=
-    GET    /v1/leads                            GET /v1/handoffs
+    GET    /v1/leads                            (handoffs: services.gateway.live_routes)
     GET    /v1/notifications?status=pending|delivered|failed
     POST   /v1/notifications/{id}/retry         a given-up notification, on a fresh schedule
 
@@ -135,16 +135,11 @@ async def list_appointments(request: web.Request) -> web.Response:
     return json_response({"appointments": [_view(r) for r in rows]})
 
 
-# -- leads and handoffs -------------------------------------------------------------------------
+# -- leads -------------------------------------------------------------------------
 
 async def list_leads(request: web.Request) -> web.Response:
     rows = await _repos(request).leads.list(request[TENANT], _limit(request))
     return json_response({"leads": [_view(r) for r in rows]})
-
-
-async def list_handoffs(request: web.Request) -> web.Response:
-    rows = await _repos(request).handoffs.list(request[TENANT], _limit(request))
-    return json_response({"handoffs": [_view(r) for r in rows]})
 
 
 # -- notifications (the outbox of tenant events) -------------------------------------------------
@@ -186,6 +181,5 @@ def add_builtin_routes(app: web.Application) -> None:
     r.add_delete("/v1/appointment-services/{name}", delete_service)
     r.add_get("/v1/appointments", list_appointments)
     r.add_get("/v1/leads", list_leads)
-    r.add_get("/v1/handoffs", list_handoffs)
     r.add_get("/v1/notifications", list_notifications)
     r.add_post("/v1/notifications/{id}/retry", retry_notification)

@@ -83,6 +83,8 @@ class GatewayDeps:
     secret_box: Any  # services.tools.crypto.SecretBox
     contract: Callable[[str], Awaitable[dict]] | None = None
     jobs: Any = None  # storage JobRepo
+    #: handoffs: list, claim, resolve (services.builtins.handoff.HandoffDesk); None: no such routes
+    handoffs: Any = None
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

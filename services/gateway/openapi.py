@@ -60,9 +60,15 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("DELETE", "/v1/appointment-services/{name}"): ("204", (*_V1, "404")),
     ("GET", "/v1/appointments"): ("200", _V1),
     ("GET", "/v1/leads"): ("200", _V1),
-    ("GET", "/v1/handoffs"): ("200", _V1),
     ("GET", "/v1/notifications"): ("200", _V1),
     ("POST", "/v1/notifications/{id}/retry"): ("200", (*_V1, "404")),  # reads no body; 422: not failed
+    # services.gateway.live_routes (a person's message and a handoff's change run in the session: _TURN's refusals)
+    ("GET", "/v1/sessions/{session_id}/events"): ("200", _V1),
+    ("GET", "/v1/sessions/{session_id}/ws"): ("101", (*_V1, "400")),  # 400: not a WebSocket upgrade
+    ("POST", "/v1/sessions/{session_id}/agent-messages"): ("200", (*_TURN, "409")),
+    ("GET", "/v1/handoffs"): ("200", _V1),
+    ("POST", "/v1/handoffs/{handoff_id}/claim"): ("200", (*_TURN, "404", "409")),
+    ("POST", "/v1/handoffs/{handoff_id}/resolve"): ("200", (*_TURN, "404", "409")),
     # services.gateway.dashboard
     ("GET", "/v1/sessions"): ("200", _V1),
     ("GET", "/v1/sessions/{session_id}/calls"): ("200", (*_V1, "404")),

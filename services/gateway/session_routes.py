@@ -69,6 +69,33 @@ def reply_response(reply: TurnReply, gateway_s: float) -> web.Response:
     return response
 
 
+def contact_turn(body: SendMessage, tenant_id: str, session_id: str) -> tuple[Turn, bool]:
+    """A contact's message as the turn it runs (POST .../messages, or a frame on the session's
+    WebSocket), and whether its message id was made up here (`new_id`). Raises InvalidInput
+    naming the field that is wrong and what to send instead."""
+    if not body.text.strip():
+        raise InvalidInput("text is empty - at `$.text`; send what the contact wrote", path="$.text")
+    if len(body.text) > MAX_TEXT:
+        raise InvalidInput(f"text is longer than {MAX_TEXT} characters - at `$.text`", path="$.text")
+    check_message_id(body.message_id)
+    # Every turn gets a message id here, so a retry of the hop to the actor (a host that died
+    # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
+    # An id made here is new: the host need not look for a stored answer to it (`new_id`).
+    message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
+    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id)
+    return turn, body.message_id is None
+
+
+def check_message_id(message_id: str | None) -> None:
+    """A client's message id: 1-128 printable characters (it becomes the Idempotency-Key header
+    of the turn's tool calls, which cannot carry a control character)."""
+    if message_id is not None and not 0 < len(message_id) <= 128:
+        raise InvalidInput("message_id must be 1-128 characters - at `$.message_id`", path="$.message_id")
+    if message_id is not None and not message_id.isprintable():
+        raise InvalidInput("message_id must not hold a line break, tab or other control character - at "
+                           "`$.message_id`; send the client's own id as printable text", path="$.message_id")
+
+
 def _wants_stream(request: web.Request) -> bool:
     return "text/event-stream" in request.headers.get("Accept", "")
 
@@ -80,26 +107,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     tenant_id = request[TENANT]
     session_id = path_session_id(request)
     body: SendMessage = await decode_body(request, SendMessage)
-    if not body.text.strip():
-        raise InvalidInput("text is empty - at `$.text`; send what the contact wrote", path="$.text")
-    if len(body.text) > MAX_TEXT:
-        raise InvalidInput(f"text is longer than {MAX_TEXT} characters - at `$.text`", path="$.text")
-    if body.message_id is not None and not 0 < len(body.message_id) <= 128:
-        raise InvalidInput("message_id must be 1-128 characters - at `$.message_id`", path="$.message_id")
-    if body.message_id is not None and not body.message_id.isprintable():
-        # it becomes the Idempotency-Key header of the turn's tool calls, which cannot carry one
-        raise InvalidInput("message_id must not hold a line break, tab or other control character - at "
-                           "`$.message_id`; send the client's own id as printable text", path="$.message_id")
     structlog.contextvars.bind_contextvars(session_id=session_id)
-    # Every turn gets a message id here, so a retry of the hop to the actor (a host that died
-    # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
-    # An id made here is new: the host need not look for a stored answer to it (`new_id`).
-    message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
-    new_id = body.message_id is None
-    if message_id.isascii() and message_id.isprintable():  # a header carries no control character
-        request[MESSAGE_ID] = message_id
+    turn, new_id = contact_turn(body, tenant_id, session_id)
+    assert turn.message_id is not None
+    if turn.message_id.isascii() and turn.message_id.isprintable():  # a header carries no control character
+        request[MESSAGE_ID] = turn.message_id
     started = time.perf_counter()
-    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id)
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):
             stream = deps.router.stream(turn, new_id=new_id)

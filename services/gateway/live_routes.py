@@ -1,0 +1,245 @@
+"""Live sessions: a session's event stream (SSE and WebSocket), a person's messages, handoffs.
+
+    GET  /v1/sessions/{id}/events            SSE; `Last-Event-ID` or ?after=N resumes after event N
+    GET  /v1/sessions/{id}/ws                WebSocket: the same events; contact messages in
+    POST /v1/sessions/{id}/agent-messages    {"text", "agent", "message_id"?}: 409 unless handed off
+    GET  /v1/handoffs?state=                 open handoffs with their last messages
+    POST /v1/handoffs/{id}/claim             {"agent"}
+    POST /v1/handoffs/{id}/resolve           {"return_to_bot": true|false}
+
+A watcher's connection is served by asking the session's host for the events after the last one
+it has (SessionRouter.watch, a long wait on the host, over its lane or Ray): the host answers
+when its flush has written new ones, so events arrive pushed, in order, once durable, and a
+watcher on any gateway gets them. A host that restarts or a session that moves costs the watcher
+a retry here, never an event: the next host reads the log from Postgres after the same number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import WSMsgType, web
+
+from kernel.errors import ChatEngineError, InvalidInput, NotFound
+from kernel.records import SessionEvent
+from services.gateway.common import (
+    DEPS,
+    MAX_TEXT,
+    TENANT,
+    count_refusal,
+    decode_body,
+    failure,
+    json_response,
+    path_session_id,
+    whole_number,
+)
+from services.gateway.session_routes import check_message_id, contact_turn, reply_body
+from services.wire import (
+    AgentMessage,
+    ClaimHandoff,
+    HandoffChange,
+    ResolveHandoff,
+    SendAgentMessage,
+    SendMessage,
+)
+
+log = structlog.get_logger(__name__)
+
+_encoder = msgspec.json.Encoder()
+_message_decoder = msgspec.json.Decoder(SendMessage)
+
+#: how long one wait on the session's host lasts; between two, an idle stream gets a comment line
+#: (proxies close a connection that stays silent for a minute or so)
+WATCH_WAIT_S = 15.0
+#: the longest pause between two attempts while the session's host cannot be reached
+RETRY_MAX_S = 2.0
+#: the longest name an agent may give (it is shown to the contact and kept in the history)
+MAX_AGENT = 100
+_HANDOFF_STATES = ("requested", "assigned", "resolved")
+
+
+def resume_point(request: web.Request) -> int:
+    """The number of the last event the watcher has: `Last-Event-ID` (what a browser's
+    EventSource sends when it reconnects) over `?after=`; 0 (everything) when neither is sent."""
+    header = request.headers.get("Last-Event-ID")
+    if header is not None and header.strip():
+        return whole_number(header.strip(), name="Last-Event-ID", low=0, high=2**62, at="Last-Event-ID")
+    raw = request.query.get("after")
+    return 0 if raw is None else whole_number(raw, name="after", low=0, high=2**62, at="?after")
+
+
+def event_data(event: SessionEvent) -> dict[str, Any]:
+    """What a watcher reads of an event: its number and type with its fields."""
+    return {"seq": event.seq, "type": event.type, **event.data}
+
+
+def sse_frame(event: SessionEvent) -> bytes:
+    return (b"id: %d\nevent: %s\ndata: " % (event.seq, event.type.encode())) + _encoder.encode(event_data(event)) + b"\n\n"
+
+
+async def follow(request: web.Request, tenant_id: str, session_id: str, after: int):
+    """The session's events after `after`, in order, as long as the caller reads: each batch as
+    its host hands it over, an empty batch after each quiet wait. The host unreachable for a
+    moment (restarting, the session moving) is retried here with backoff, from the same point."""
+    router = request.app[DEPS].router
+    pause = 0.1
+    while True:
+        try:
+            events = await router.watch(tenant_id, session_id, after, WATCH_WAIT_S)
+        except ChatEngineError as exc:
+            log.info("watch_retry", session_id=session_id, error=type(exc).__name__, retry_in_s=pause)
+            yield []
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
+            continue
+        pause = 0.1
+        if events:
+            after = events[-1].seq
+        yield events
+
+
+# -- the event stream ----------------------------------------------------------------------------
+
+async def get_events(request: web.Request) -> web.StreamResponse:
+    tenant_id = request[TENANT]
+    session_id = path_session_id(request)
+    after = resume_point(request)
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+    })
+    await response.prepare(request)
+    try:
+        await response.write(b"retry: 1000\n\n")  # a browser reconnects after a second, with Last-Event-ID
+        async for events in follow(request, tenant_id, session_id, after):
+            await response.write(b"".join(map(sse_frame, events)) if events else b": waiting\n\n")
+    except (ConnectionResetError, RuntimeError):
+        log.info("sse_watcher_gone", session_id=session_id)
+    return response
+
+
+async def session_socket(request: web.Request) -> web.WebSocketResponse:
+    """The session's events as JSON text frames ({"seq", "type", ...}); a frame the client sends
+    is a contact's message ({"text", "message_id"?}), run as POST .../messages runs it and
+    answered with {"type": "reply", ...the reply} or {"type": "error", "status", "title", "detail"}."""
+    tenant_id = request[TENANT]
+    session_id = path_session_id(request)
+    after = resume_point(request)
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=64 * 1024)
+    await ws.prepare(request)
+
+    async def push() -> None:
+        async for events in follow(request, tenant_id, session_id, after):
+            for event in events:
+                await ws.send_str(_encoder.encode(event_data(event)).decode())
+
+    pusher = asyncio.create_task(push())
+    try:
+        async for frame in ws:
+            if frame.type != WSMsgType.TEXT:
+                continue
+            await ws.send_str(_encoder.encode(await _socket_message(request, tenant_id, session_id, frame.data)).decode())
+    finally:
+        pusher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
+            await pusher
+    return ws
+
+
+async def _socket_message(request: web.Request, tenant_id: str, session_id: str, raw: str) -> dict[str, Any]:
+    deps = request.app[DEPS]
+    try:
+        body = _message_decoder.decode(raw)
+        turn, new_id = contact_turn(body, tenant_id, session_id)
+        with deps.limiter.admit(tenant_id):
+            reply = await deps.router.send(turn, new_id=new_id)
+    except Exception as exc:  # noqa: BLE001 - answered in-band, as a problem's fields; the socket stays
+        count_refusal(request, exc)
+        status, title, detail, retry_after = failure(exc, "", request.path)
+        problem: dict[str, Any] = {"type": "error", "status": status, "title": title, "detail": detail}
+        if retry_after is not None:
+            problem["retry_after"] = retry_after
+        return problem
+    return {"type": "reply", **reply_body(reply)}
+
+
+# -- a person in the conversation ------------------------------------------------------------------
+
+def _agent_name(agent: str, at: str) -> str:
+    name = agent.strip()
+    if not name or len(name) > MAX_AGENT or not name.isprintable():
+        raise InvalidInput(f"agent must be 1-{MAX_AGENT} printable characters - at `{at}`; send the name "
+                           "the contact will see", path=at)
+    return name
+
+
+async def post_agent_message(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    session_id = path_session_id(request)
+    body: SendAgentMessage = await decode_body(request, SendAgentMessage)
+    if not body.text.strip():
+        raise InvalidInput("text is empty - at `$.text`; send what the agent wrote", path="$.text")
+    if len(body.text) > MAX_TEXT:
+        raise InvalidInput(f"text is longer than {MAX_TEXT} characters - at `$.text`", path="$.text")
+    check_message_id(body.message_id)
+    agent = _agent_name(body.agent, "$.agent")
+    reply = await deps.router.act(AgentMessage(tenant_id=tenant_id, session_id=session_id, text=body.text,
+                                               agent=agent, message_id=body.message_id))
+    response = json_response({"session_id": session_id, "message_id": reply.message_id, "agent": agent,
+                              "text": reply.reply})
+    if reply.replay:
+        response.headers["X-Replayed"] = "true"
+    return response
+
+
+def _desk(request: web.Request) -> Any:
+    desk = request.app[DEPS].handoffs
+    if desk is None:
+        raise NotFound("the handoff routes are not available in this process", kind="route", key=request.path)
+    return desk
+
+
+async def list_handoffs(request: web.Request) -> web.Response:
+    state = request.query.get("state")
+    if state is not None and state not in _HANDOFF_STATES:
+        raise InvalidInput(f"state must be one of {', '.join(_HANDOFF_STATES)}, got {state[:20]!r} - at ?state")
+    raw = request.query.get("limit")
+    limit = 100 if raw is None else whole_number(raw, name="limit", low=1, high=1000, at="?limit")
+    rows = await _desk(request).list(request[TENANT], state=state, limit=limit)
+    return json_response({"handoffs": [msgspec.to_builtins(r) for r in rows]})
+
+
+async def claim_handoff(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    body: ClaimHandoff = await decode_body(request, ClaimHandoff)
+    agent = _agent_name(body.agent, "$.agent")
+    handoff = await _desk(request).claim(tenant_id, request.match_info["handoff_id"], agent)
+    await deps.router.act(HandoffChange(tenant_id=tenant_id, session_id=handoff.session_id, handoff_id=handoff.id,
+                                        state="assigned", agent=agent))
+    return json_response(msgspec.to_builtins(handoff))
+
+
+async def resolve_handoff(request: web.Request) -> web.Response:
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    body: ResolveHandoff = await decode_body(request, ResolveHandoff)
+    handoff = await _desk(request).resolve(tenant_id, request.match_info["handoff_id"], body.return_to_bot)
+    await deps.router.act(HandoffChange(tenant_id=tenant_id, session_id=handoff.session_id, handoff_id=handoff.id,
+                                        state="resolved", return_to_bot=body.return_to_bot))
+    return json_response(msgspec.to_builtins(handoff))
+
+
+def add_live_routes(app: web.Application) -> None:
+    """Register the routes above on the gateway app (called once from build_app)."""
+    r = app.router
+    r.add_get("/v1/sessions/{session_id}/events", get_events)
+    r.add_get("/v1/sessions/{session_id}/ws", session_socket)
+    r.add_post("/v1/sessions/{session_id}/agent-messages", post_agent_message)
+    r.add_get("/v1/handoffs", list_handoffs)
+    r.add_post("/v1/handoffs/{handoff_id}/claim", claim_handoff)
+    r.add_post("/v1/handoffs/{handoff_id}/resolve", resolve_handoff)
