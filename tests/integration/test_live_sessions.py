@@ -84,7 +84,7 @@ async def live(pool, make_tenant):
     deps = GatewayDeps(router=LocalRouter(host), tenants=TenantRepo(pool), tools=ToolRepo(pool),
                        calls=ToolCallRepo(pool), sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
                        secret_box=SecretBox([generate_key()]), jobs=JobRepo(pool))
-    tenant, key = await make_tenant("live")
+    _tenant, key = await make_tenant("live")
     try:
         async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
             yield client, host, {"Authorization": f"Bearer {key.api_key}"}
@@ -109,7 +109,7 @@ async def read_sse(resp, count: int) -> list[tuple[int, str, dict]]:
 
 
 async def test_the_stream_gives_the_log_then_pushes_and_resumes_after_the_last_event_id(live):
-    client, host, headers = live
+    client, _host, headers = live
     s = sid()
     r = await client.post(f"/v1/sessions/{s}/messages", json={"text": "hello", "message_id": "m1"}, headers=headers)
     assert r.status == 200
