@@ -23,6 +23,7 @@ from services.gateway.common import GatewayDeps
 from services.tools.crypto import SecretBox, generate_key
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
+from tests.support.api import read_sse
 from tests.support.host_fakes import FakeTenants
 
 T = 10.0
@@ -90,22 +91,6 @@ async def live(pool, make_tenant):
             yield client, host, {"Authorization": f"Bearer {key.api_key}"}
     finally:
         await asyncio.wait_for(host.stop(), T)
-
-
-async def read_sse(resp, count: int) -> list[tuple[int, str, dict]]:
-    """The next `count` events of an SSE response: (id, event, data)."""
-    got: list[tuple[int, str, dict]] = []
-    fields: dict[str, str] = {}
-    while len(got) < count:
-        line = (await asyncio.wait_for(resp.content.readline(), T)).decode().rstrip("\n")
-        if line == "":
-            if "data" in fields:
-                got.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
-            fields = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(": ")
-            fields[name] = value
-    return got
 
 
 async def test_the_stream_gives_the_log_then_pushes_and_resumes_after_the_last_event_id(live):

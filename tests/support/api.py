@@ -4,6 +4,7 @@ for the local model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -108,3 +109,24 @@ async def register(client, gw: str, headers: dict, body: dict) -> None:
 
 def call(name: str, args: dict) -> str:
     return f"/call {name} {json.dumps(args)}"
+
+
+async def read_sse(resp, count: int, timeout: float = 10.0) -> list[tuple[int, str, dict]]:
+    """The next `count` events of a session's event stream (GET .../events): (id, event, data).
+    Comment lines (`: waiting`) and the `retry:` field are skipped; each line is waited for at
+    most `timeout` seconds."""
+    got: list[tuple[int, str, dict]] = []
+    fields: dict[str, str] = {}
+    while len(got) < count:
+        raw = await asyncio.wait_for(resp.content.readline(), timeout)
+        if not raw:
+            raise ConnectionResetError(f"the stream ended after {len(got)} of {count} events")
+        line = raw.decode().rstrip("\n")
+        if line == "":
+            if "data" in fields:
+                got.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(": ")
+            fields[name] = value
+    return got

@@ -1,0 +1,81 @@
+"""Live sessions on the real stack (gateway, local Ray, sharded hosts with their lanes, Postgres,
+the local model): a watcher on another gateway gets the session's events pushed by its host; a
+host killed with -9 while a stream is open and events are pushed costs the watcher no event and
+gives it none twice, whether it stays connected or reconnects with Last-Event-ID."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import pytest_asyncio
+
+from actors.placement import Placement, rendezvous_index
+from services.gateway.server import open_gateway
+from tests.support.api import read_sse
+
+T = 30.0
+
+
+@pytest_asyncio.fixture
+async def second_gateway(stack):
+    """Another gateway process's worth of routing over the same hosts (its own Placement, lanes)."""
+    settings = msgspec.structs.replace(stack.settings)
+    placement = Placement(settings)
+    gateway = await open_gateway(settings, placement, port=0)
+    try:
+        yield gateway
+    finally:
+        placement.close_lanes()
+        await gateway.close()
+
+
+async def say(client, url: str, headers: dict, session_id: str, text: str, message_id: str) -> None:
+    """A contact's message, sent again with the same id while its host restarts (503)."""
+    for _ in range(60):
+        async with client.post(f"{url}/v1/sessions/{session_id}/messages", headers=headers,
+                               json={"text": text, "message_id": message_id}) as r:
+            if r.status == 200:
+                return
+            assert r.status == 503, await r.text()
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{message_id} was never answered")
+
+
+async def test_a_watcher_on_another_gateway_gets_the_events_as_they_are_written(stack, second_gateway, client, tenant):
+    _, _, headers = tenant
+    async with client.get(f"{second_gateway.url}/v1/sessions/live-1/events", headers=headers) as stream:
+        assert stream.status == 200
+        await say(client, stack.gateway.url, headers, "live-1", "hello there", "l1")
+        got = await read_sse(stream, 2, T)
+    assert [(i, d["author"]) for i, _, d in got] == [(1, "contact"), (2, "bot")]
+    assert got[0][2]["text"] == "hello there" and got[1][2]["message_id"] == "l1"
+
+
+async def test_a_host_killed_while_its_session_is_watched_costs_the_watcher_no_event_and_none_twice(
+        stack, client, tenant, db):
+    tenant_id, _, headers = tenant
+    gw = stack.gateway.url
+    session = "live-kill"
+    host = f"ce-host-{rendezvous_index(f'{tenant_id}:{session}', stack.placement.shards)}"
+    seen: list[int] = []
+
+    async with client.get(f"{gw}/v1/sessions/{session}/events", headers=headers) as stream:
+        await say(client, gw, headers, session, "first", "k1")
+        seen += [i for i, _, _ in await read_sse(stream, 2, T)]
+        pid = {s["host"]: s["pid"] for s in await stack.placement.stats()}[host]
+        sending = asyncio.create_task(say(client, gw, headers, session, "second", "k2"))
+        os.kill(pid, signal.SIGKILL)  # while the stream waits on the host for what follows
+        await sending
+        seen += [i for i, _, _ in await read_sse(stream, 2, T)]  # the same connection carries on
+    # a watcher that went away comes back naming the last event it has
+    await say(client, gw, headers, session, "third", "k3")
+    async with client.get(f"{gw}/v1/sessions/{session}/events",
+                          headers={**headers, "Last-Event-ID": str(seen[-1])}) as stream:
+        seen += [i for i, _, _ in await read_sse(stream, 2, T)]
+    stored = await db.fetchval(
+        "SELECT max(seq) FROM ce_session_events e JOIN ce_sessions s ON s.id = e.session_id "
+        "WHERE s.tenant_id = $1 AND s.session_key = $2", tenant_id, session)
+    assert seen == list(range(1, stored + 1)) == [1, 2, 3, 4, 5, 6]
