@@ -143,7 +143,7 @@ async def list_leads(request: web.Request) -> web.Response:
 
 
 async def list_handoffs(request: web.Request) -> web.Response:
-    rows = await _repos(request).handoffs.list(request[TENANT], _limit(request))
+    rows = await _repos(request).handoffs.list(request[TENANT], limit=_limit(request))
     return json_response({"handoffs": [_view(r) for r in rows]})
 
 
