@@ -5,7 +5,8 @@
     book_appointment         services.builtins.appointments   free slots, race-safe booking (write)
     list_appointment_slots   services.builtins.appointments   free slots (read, no approval)
     submit_form              services.builtins.forms          JSON-schema forms, validated rows
-    escalate_to_human        services.builtins.handoff        handoff row, handoff.requested
+    escalate_to_human        services.builtins.handoff        handoff row, handoff.requested; claim and
+                                                              resolve (handoff.assigned, handoff.resolved)
 
 `install(runtime)` is called by the composition root (actors.runtime): it builds the services on
 the runtime's pool and webhook client, registers their handlers in `runtime.registry` under

@@ -1,12 +1,15 @@
 """Repositories behind the built-in tools: memories, leads, forms, appointments, handoffs.
 
-Tables from migrations 005/006. In these tables `session_id` is the tenant's own session id (the
-engine's ce_messages and ce_session_variables key sessions by session_uid instead; the memory
-search joins the two through ce_sessions). Every query is scoped by tenant_id.
+Tables from migrations 005/006 (a handoff's states: 017). In these tables `session_id` is the
+tenant's own session id (the engine's ce_messages and ce_session_variables key sessions by
+session_uid instead; the memory search and a handoff's messages join the two through
+ce_sessions). Every query is scoped by tenant_id.
 
 Postgres decides the races here, not the caller: a second lead in one session is refused by
 UNIQUE (tenant_id, session_id), an overlapping booking by the exclusion constraint of
-ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes of 006.
+ce_appointments (`SlotTaken`), a replayed write by the idempotency-key indexes of 006, a second
+open handoff of a session by the partial unique index of 017, and of two claims of one handoff
+the conditional update lets one through.
 
 Text from the model or the contact (a name, a reason, a query, a form or service name) goes
 through `storable_text` on its way in, as in the session flush: Postgres refuses a NUL and UTF-8
@@ -24,7 +27,7 @@ from typing import Any, Literal
 import asyncpg
 import msgspec
 
-from kernel.errors import ChatEngineError, NotFound
+from kernel.errors import ChatEngineError, Conflict, InvalidInput, NotFound
 from kernel.records import session_uid
 from storage.errors import translate
 from storage.pool import storable_text as _text
@@ -102,11 +105,48 @@ class AppointmentRecord(msgspec.Struct, frozen=True, kw_only=True):
     created_at: datetime
 
 
+HandoffState = Literal["requested", "assigned", "resolved"]
+#: a handoff's states in the order it moves through them (requested may skip assigned)
+HANDOFF_STATES: tuple[HandoffState, ...] = ("requested", "assigned", "resolved")
+
+
+class HandoffMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A message of the handed-off conversation as a person reads it: its text blocks, joined."""
+
+    role: Literal["user", "assistant"]
+    text: str
+    seq: int
+
+
 class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A row of ce_handoffs. `session_id` is the tenant's own session id. `agent` and
+    `assigned_at` are set once it is claimed, `resolved_at` and `return_to_bot` once resolved
+    (`return_to_bot` is None on a duplicate that migration 017 closed). `messages` are the
+    session's last messages with text, oldest first, where the read asked for them (`get`,
+    `list`), else None."""
+
     id: str
     session_id: str
     reason: str | None
     created_at: datetime
+    state: HandoffState
+    agent: str | None
+    assigned_at: datetime | None
+    resolved_at: datetime | None
+    return_to_bot: bool | None
+    updated_at: datetime
+    messages: list[HandoffMessage] | None = None
+
+
+class HandoffConflict(Conflict):
+    """A handoff cannot make the asked transition from the state it is in (`state`, claimed by
+    `agent`): claimed by someone else, already resolved, or resolved the other way."""
+
+    def __init__(self, message: str, *, handoff_id: str, state: str, agent: str | None) -> None:
+        super().__init__(message)
+        self.handoff_id = handoff_id
+        self.state = state
+        self.agent = agent
 
 
 class SlotTaken(ChatEngineError):
@@ -558,7 +598,84 @@ class AppointmentRepo:
 # ----------------------------------------------------------------------------------- handoffs
 
 
+_HANDOFF_COLUMNS = ("id, session_id, reason, created_at, state, agent, assigned_at, resolved_at, return_to_bot, "
+                    "updated_at")
+_OPEN = "state IN ('requested', 'assigned')"  # the predicate of ce_handoffs_one_open_idx (017)
+
+# The handoffs `h` picks ($1 is the tenant), each with its session's last $N messages that hold
+# text, in one statement. ce_messages keys a session by session_uid, which ce_sessions maps from
+# the tenant's session id (a handoff of a session never flushed has no messages).
+_WITH_MESSAGES = """
+SELECT h.*, coalesce(last.messages, '[]'::jsonb) AS messages
+FROM ({handoffs}) h
+LEFT JOIN ce_sessions s ON s.tenant_id = $1 AND s.session_key = h.session_id
+LEFT JOIN LATERAL (
+  SELECT jsonb_agg(jsonb_build_object('seq', m.seq, 'role', m.role, 'content', m.content) ORDER BY m.seq) AS messages
+  FROM (SELECT seq, role, content FROM ce_messages
+        WHERE tenant_id = $1 AND session_id = s.id
+          AND jsonb_path_exists(content, '$[*] ? (@.type == "text" && @.text != "")')
+        ORDER BY seq DESC LIMIT {last}) m
+) last ON true
+ORDER BY h.created_at DESC, h.id
+"""
+_GET_SQL = _WITH_MESSAGES.format(
+    handoffs=f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND id = $2", last="$3")
+_LIST_SQL = _WITH_MESSAGES.format(
+    handoffs=f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
+             "ORDER BY created_at DESC, id LIMIT $3",
+    last="$4")
+
+# Transitions are conditional updates: of two racing claims Postgres lets exactly one match
+# `state = 'requested'` (the second waits for the first's row lock, then sees 'assigned'). Their
+# times are clock_timestamp(), not now(): now() is when the transaction began, and a resolve whose
+# transaction began first but waited for a claim's lock would be stamped before the claim.
+_CLAIM_SQL = (
+    "UPDATE ce_handoffs SET state = 'assigned', agent = $3, assigned_at = clock_timestamp(), "
+    "updated_at = clock_timestamp() "
+    f"WHERE tenant_id = $1 AND id = $2 AND state = 'requested' RETURNING {_HANDOFF_COLUMNS}"
+)
+_RESOLVE_SQL = (
+    "UPDATE ce_handoffs SET state = 'resolved', return_to_bot = $3, resolved_at = clock_timestamp(), "
+    "updated_at = clock_timestamp() "
+    f"WHERE tenant_id = $1 AND id = $2 AND {_OPEN} RETURNING {_HANDOFF_COLUMNS}"
+)
+_BY_ID_SQL = f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND id = $2"
+
+
+def message_text(content: Any) -> str:
+    """The text a person reads of a stored message: its text blocks' texts, in order, one per
+    line; tool calls and results are left out. "" when it has none (or is not a block list)."""
+    if not isinstance(content, list):
+        return ""
+    return "\n".join(
+        b["text"] for b in content
+        if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) and b["text"]
+    )
+
+
+def _handoff(r: Any, *, messages: bool = False) -> HandoffRecord:
+    fields = {k: r[k] for k in _HANDOFF_COLUMNS.split(", ")}
+    if messages:
+        fields["messages"] = [HandoffMessage(role=m["role"], text=message_text(m["content"]), seq=m["seq"])
+                              for m in r["messages"]]
+    return HandoffRecord(**fields)
+
+
+def _handoff_not_found(handoff_id: str) -> NotFound:
+    return NotFound(f"handoff {handoff_id[:64]!r} does not exist for this tenant", kind="handoff", key=handoff_id)
+
+
+def _resolved_how(h: HandoffRecord) -> str:
+    if h.return_to_bot is None:
+        return "closed as a duplicate of an earlier handoff of its session"
+    return f"resolved with return_to_bot={'true' if h.return_to_bot else 'false'}"
+
+
 class HandoffRepo:
+    """ce_handoffs: one open (requested or assigned) handoff per session at most, moved forward
+    by `claim` and `resolve`. Every read and write is scoped by tenant: another tenant's handoff
+    is NotFound, never seen."""
+
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
@@ -567,36 +684,124 @@ class HandoffRepo:
         announce: Announce | None = None,
     ) -> tuple[HandoffRecord, bool]:
         """Store a handoff request, with its event in the same transaction. Returns (row, True), or
-        (the row of an earlier call with the same idempotency key in this session, False)."""
-        cols = "id, session_id, reason, created_at"
+        (the row of an earlier call with the same idempotency key in this session, False), or
+        (the session's open handoff, False): a session has at most one open handoff, and escalating
+        it again while one is open neither adds one nor announces one."""
         reason, idempotency_key = _text(reason), _text(idempotency_key)  # the key holds the client's message id
         with translate("recording a handoff"):
             async with self._pool.acquire() as conn, conn.transaction():
-                row = await conn.fetchrow(
-                    "INSERT INTO ce_handoffs (tenant_id, session_id, reason, idempotency_key) "
-                    "VALUES ($1, $2, $3, $4) "
-                    "ON CONFLICT (tenant_id, session_id, idempotency_key) WHERE idempotency_key IS NOT NULL "
-                    f"DO NOTHING RETURNING {cols}",
-                    tenant_id, session_id, reason, idempotency_key,
-                )
-                if row is not None:
-                    await _announce(conn, announce, HandoffRecord(**dict(row)))
-                    return HandoffRecord(**dict(row)), True
-                row = await conn.fetchrow(
-                    f"SELECT {cols} FROM ce_handoffs WHERE tenant_id = $1 AND session_id = $2 AND idempotency_key = $3",
-                    tenant_id, session_id, idempotency_key,
-                )
-        return HandoffRecord(**dict(row)), False
+                # Either unique index may refuse the insert (DO NOTHING has no target, so both are
+                # arbiters; a conflicting insert still in flight is waited for). The row it met is
+                # read next; if that was an open handoff resolved in between, insert again.
+                for _ in range(3):
+                    row = await conn.fetchrow(
+                        "INSERT INTO ce_handoffs (tenant_id, session_id, reason, idempotency_key) "
+                        f"VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING {_HANDOFF_COLUMNS}",
+                        tenant_id, session_id, reason, idempotency_key,
+                    )
+                    if row is not None:
+                        await _announce(conn, announce, _handoff(row))
+                        return _handoff(row), True
+                    # the replayed call's own row first (even resolved since), else the open one
+                    row = await conn.fetchrow(
+                        f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND session_id = $2 "
+                        f"AND (idempotency_key = $3 OR {_OPEN}) ORDER BY (idempotency_key = $3) IS TRUE DESC LIMIT 1",
+                        tenant_id, session_id, idempotency_key,
+                    )
+                    if row is not None:
+                        return _handoff(row), False
+        raise Conflict(f"the open handoff of session {session_id!r} kept changing while a new one was recorded; "
+                       "escalate again")
 
-    async def list(self, tenant_id: str, limit: int = 100) -> list[HandoffRecord]:
-        """The tenant's handoffs, newest first."""
-        with translate("listing handoffs"):
-            rows = await self._pool.fetch(
-                "SELECT id, session_id, reason, created_at FROM ce_handoffs WHERE tenant_id = $1 "
-                "ORDER BY created_at DESC, id LIMIT $2",
-                tenant_id, limit,
+    async def get(self, tenant_id: str, handoff_id: str, *, last_messages: int = 5) -> HandoffRecord:
+        """The handoff with its session's last `last_messages` messages that hold text. Raises
+        NotFound when the tenant has no such handoff."""
+        with translate("reading a handoff"):
+            row = await self._pool.fetchrow(_GET_SQL, tenant_id, _text(handoff_id), last_messages)
+        if row is None:
+            raise _handoff_not_found(handoff_id)
+        return _handoff(row, messages=True)
+
+    async def open_for_session(self, tenant_id: str, session_id: str) -> HandoffRecord | None:
+        """The session's open (requested or assigned) handoff, or None. `messages` is not read."""
+        with translate("reading a session's open handoff"):
+            row = await self._pool.fetchrow(
+                f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND session_id = $2 AND {_OPEN}",
+                tenant_id, _text(session_id),
             )
-        return [HandoffRecord(**dict(r)) for r in rows]
+        return None if row is None else _handoff(row)
+
+    async def list(
+        self, tenant_id: str, state: HandoffState | None = None, limit: int = 100, *, last_messages: int = 5,
+    ) -> list[HandoffRecord]:
+        """The tenant's handoffs (in `state`, or all), newest first, each with its session's last
+        `last_messages` messages that hold text. Raises InvalidInput for an unknown state."""
+        if state is not None and state not in HANDOFF_STATES:
+            raise InvalidInput(f"state must be one of {', '.join(HANDOFF_STATES)}, got {str(state)[:20]!r}")
+        with translate("listing handoffs"):
+            rows = await self._pool.fetch(_LIST_SQL, tenant_id, state, limit, last_messages)
+        return [_handoff(r, messages=True) for r in rows]
+
+    async def claim(
+        self, tenant_id: str, handoff_id: str, agent: str, *, announce: Announce | None = None,
+    ) -> tuple[HandoffRecord, bool]:
+        """Assign a requested handoff to `agent`, with the event `announce(row)` builds in the same
+        transaction. Returns (row, True); (row, False) when `agent` holds it already (nothing
+        written). Raises NotFound for a handoff the tenant does not have, HandoffConflict when
+        another agent holds it or it is resolved. Of racing claims exactly one succeeds."""
+        handoff_id, agent = _text(handoff_id), _text(agent)
+        with translate("claiming a handoff"):
+            changed, row = await self._transition(_CLAIM_SQL, tenant_id, handoff_id, agent, announce=announce)
+        if changed:
+            return row, True
+        if row.state == "assigned" and row.agent == agent:
+            return row, False
+        if row.state == "assigned":
+            raise HandoffConflict(
+                f"handoff {handoff_id!r} is already assigned to {row.agent!r}; it stays theirs until it is "
+                "resolved", handoff_id=handoff_id, state=row.state, agent=row.agent)
+        raise HandoffConflict(
+            f"handoff {handoff_id!r} was {_resolved_how(row)} and cannot be claimed; the session's next "
+            "escalation opens a new handoff", handoff_id=handoff_id, state=row.state, agent=row.agent)
+
+    async def resolve(
+        self, tenant_id: str, handoff_id: str, return_to_bot: bool, *, announce: Announce | None = None,
+    ) -> tuple[HandoffRecord, bool]:
+        """Resolve a requested or assigned handoff, with the event `announce(row)` builds in the
+        same transaction. Returns (row, True); (row, False) when it is resolved already with this
+        `return_to_bot` (nothing written). Raises NotFound for a handoff the tenant does not have,
+        HandoffConflict when it was resolved the other way."""
+        handoff_id = _text(handoff_id)
+        with translate("resolving a handoff"):
+            changed, row = await self._transition(_RESOLVE_SQL, tenant_id, handoff_id, return_to_bot,
+                                                  announce=announce)
+        if changed:
+            return row, True
+        if row.return_to_bot is return_to_bot:
+            return row, False
+        raise HandoffConflict(
+            f"handoff {handoff_id!r} was {_resolved_how(row)} and cannot be resolved again with "
+            f"return_to_bot={'true' if return_to_bot else 'false'}; a resolved handoff is final",
+            handoff_id=handoff_id, state=row.state, agent=row.agent)
+
+    async def _transition(
+        self, sql: str, tenant_id: str, handoff_id: str, value: Any, *, announce: Announce | None,
+    ) -> tuple[bool, HandoffRecord]:
+        """Run the conditional update `sql` ($1 tenant, $2 id, $3 `value`) and, when it moved the
+        row, queue its event in the same transaction: (True, the moved row). Otherwise (False, the
+        row as it is now), read after the update (a state only moves forward, so what it shows
+        is what refused the update, or later). Raises NotFound for an id the tenant does not have."""
+        async with self._pool.acquire() as conn:
+            # a transaction only when an event goes with the change
+            async with conn.transaction() if announce else contextlib.nullcontext():
+                row = await conn.fetchrow(sql, tenant_id, handoff_id, value)
+                if row is not None:
+                    await _announce(conn, announce, _handoff(row))
+                    return True, _handoff(row)
+            row = await conn.fetchrow(_BY_ID_SQL, tenant_id, handoff_id)
+        if row is None:
+            raise _handoff_not_found(handoff_id)
+        return False, _handoff(row)
 
 
 class BuiltinRepos:

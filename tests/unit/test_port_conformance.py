@@ -22,6 +22,7 @@ from actors.local import LocalRouter
 from actors.placement import Placement, ShardStore
 from actors.ray_host import ShardSource
 from actors.session import ToolExecutor
+from services.builtins.handoff import HandoffStore
 from services.gateway.common import SessionRouter
 from services.llm.anthropic_client import AnthropicLLM
 from services.llm.port import LLMClient
@@ -30,6 +31,7 @@ from services.tools.limiter import Clock, SystemClock
 from services.tools.mcp import McpServerStore
 from services.tools.registry import Handler, ToolBackend
 from services.tools.webhook import WebhookToolBackend
+from storage.repos.builtins import HandoffRepo
 from storage.repos.cluster import ClusterRepo
 from storage.repos.jobs import JobRepo
 from storage.repos.mcp_servers import McpServerRepo
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _as_their_ports(
     anthropic: AnthropicLLM, sessions: SessionRepo, jobs: JobRepo, cluster: ClusterRepo,
     placement: Placement, local: LocalRouter, webhooks: WebhookToolBackend, mcp_servers: McpServerRepo,
+    handoff_repo: HandoffRepo,
 ) -> None:
     """Never called: mypy reads it. Each line states that a class implements a port."""
     # the fakes the unit tests run the turn with
@@ -67,7 +70,8 @@ def _as_their_ports(
     backend = webhooks
     clock = SystemClock()
     servers: McpServerStore = mcp_servers
-    del servers, llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
+    handoffs: HandoffStore = handoff_repo
+    del handoffs, servers, llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
 
 
 @pytest.mark.parametrize(("fake", "port"), [
