@@ -65,10 +65,12 @@ class TenantCatalogs:
         workflows: Any = None,
         approval_keys: tuple[bytes, ...] = (),
         approval_ttl_s: float = 900.0,
+        handoffs: Any = None,  # actors.session.HandoffDesk: the built-in handoff service
     ) -> None:
         self._workflows = workflows
         self._approval_keys = approval_keys
         self._approval_ttl_s = approval_ttl_s
+        self._handoffs = handoffs
         self._tools = tools
         self._configs = configs
         self._registry = registry
@@ -212,4 +214,5 @@ class TenantCatalogs:
             main_model=config.main_model or self._main, cheap_model=config.cheap_model or self._cheap,
             approval_keys=self._approval_keys, approval_ttl_s=approval_ttl(config, self._approval_ttl_s),
             handoff=self._registry.get(HANDOFF_HANDLER) if self._registry is not None else None,
+            handoffs=self._handoffs,
         )

@@ -430,6 +430,14 @@ class SessionHost:
                 if command.message_id:
                     await self._load_turn(entry.state, command.message_id)
                 return core.handle_agent_message(entry.state, command)
+            # the store first (it refuses what the handoff's state does not allow, and notifies the
+            # tenant), then the session follows; the same change again is a no-op on both
+            if env.handoffs is None:
+                raise core.SessionError("this engine process cannot change handoffs", kind="internal")
+            if command.state == "assigned":
+                await env.handoffs.claim(command.tenant_id, command.handoff_id, command.agent or "")
+            else:
+                await env.handoffs.resolve(command.tenant_id, command.handoff_id, bool(command.return_to_bot))
             return core.handle_handoff_change(entry.state, command)
 
         return await self._turn(command.tenant_id, command.session_id, run)

@@ -31,7 +31,7 @@ from actors.lane import STREAM, LaneAddress, LaneServer
 from actors.runtime import Runtime
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
-from kernel.errors import ChatEngineError, Overloaded
+from kernel.errors import ChatEngineError, Conflict, NotFound, Overloaded
 from kernel.records import SessionEvent
 from services.heap import tune_collector
 from services.logging import configure_logging
@@ -131,6 +131,10 @@ def to_host_error(exc: BaseException) -> HostError:
         return HostError(kind="invalid", message=str(exc))
     if isinstance(exc, SessionError):
         return HostError(kind=exc.kind, message=str(exc))
+    if isinstance(exc, NotFound):
+        return HostError(kind="not_found", message=str(exc))
+    if isinstance(exc, Conflict):
+        return HostError(kind="conflict", message=str(exc))
     if isinstance(exc, ChatEngineError) and getattr(exc, "retryable", False):
         return HostError(kind="unavailable", message=str(exc), retry_after=1.0)
     if isinstance(exc, ChatEngineError):

@@ -127,6 +127,7 @@ class Runtime:
             builtins=builtins, llm=rt.llm, executor=rt.executor, workflows=rt.workflows,
             approval_keys=approval_keys(settings.secret_keys), approval_ttl_s=settings.approval_ttl_s,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
+            handoffs=rt.builtin_services.handoff,
         )
         rt._install_mcp()
         if listen:

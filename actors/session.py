@@ -203,6 +203,15 @@ class ToolExecutor(Protocol):
 HandoffRecorder = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
 
 
+@runtime_checkable
+class HandoffDesk(Protocol):
+    """Moves a tenant's handoff on in the store, notifying the tenant (services.builtins.handoff.
+    HandoffService); raises NotFound for an unknown id and Conflict for a change its state refuses."""
+
+    async def claim(self, tenant_id: str, handoff_id: str, agent: str) -> Any: ...
+    async def resolve(self, tenant_id: str, handoff_id: str, return_to_bot: bool) -> Any: ...
+
+
 class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     """The ports and per-tenant data a turn runs with."""
 
@@ -218,6 +227,8 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     #: records a handoff the model asked for in its text ([[HANDOFF]]) as the escalate_to_human
     #: tool would: `await handoff(args, ctx)` (the built-in's handler); None: the session is only marked
     handoff: HandoffRecorder | None = None
+    #: claims and resolves handoffs (HandoffChange); None: this process cannot (the change is refused)
+    handoffs: HandoffDesk | None = None
 
 
 class SealedTurns:

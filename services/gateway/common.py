@@ -83,7 +83,7 @@ class GatewayDeps:
     secret_box: Any  # services.tools.crypto.SecretBox
     contract: Callable[[str], Awaitable[dict]] | None = None
     jobs: Any = None  # storage JobRepo
-    #: handoffs: list, claim, resolve (services.builtins.handoff.HandoffDesk); None: no such routes
+    #: storage HandoffRepo (list and read handoffs; their changes run in the session); None: no such routes
     handoffs: Any = None
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None

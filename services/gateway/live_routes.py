@@ -197,7 +197,7 @@ async def post_agent_message(request: web.Request) -> web.Response:
 
 
 def _desk(request: web.Request) -> Any:
-    desk = request.app[DEPS].handoffs
+    desk = request.app[DEPS].handoffs  # storage HandoffRepo
     if desk is None:
         raise NotFound("the handoff routes are not available in this process", kind="route", key=request.path)
     return desk
@@ -213,25 +213,27 @@ async def list_handoffs(request: web.Request) -> web.Response:
     return json_response({"handoffs": [msgspec.to_builtins(r) for r in rows]})
 
 
-async def claim_handoff(request: web.Request) -> web.Response:
+async def _change(request: web.Request, **change: Any) -> web.Response:
+    """Run a handoff's change in its session (the session's host moves the handoff on in the store,
+    notifying the tenant, then follows it: one writer, in turn with the contact's messages);
+    answers the handoff as it stands after."""
     deps = request.app[DEPS]
     tenant_id = request[TENANT]
-    body: ClaimHandoff = await decode_body(request, ClaimHandoff)
-    agent = _agent_name(body.agent, "$.agent")
-    handoff = await _desk(request).claim(tenant_id, request.match_info["handoff_id"], agent)
+    desk = _desk(request)
+    handoff = await desk.get(tenant_id, request.match_info["handoff_id"], last_messages=0)
     await deps.router.act(HandoffChange(tenant_id=tenant_id, session_id=handoff.session_id, handoff_id=handoff.id,
-                                        state="assigned", agent=agent))
-    return json_response(msgspec.to_builtins(handoff))
+                                        **change))
+    return json_response(msgspec.to_builtins(await desk.get(tenant_id, handoff.id)))
+
+
+async def claim_handoff(request: web.Request) -> web.Response:
+    body: ClaimHandoff = await decode_body(request, ClaimHandoff)
+    return await _change(request, state="assigned", agent=_agent_name(body.agent, "$.agent"))
 
 
 async def resolve_handoff(request: web.Request) -> web.Response:
-    deps = request.app[DEPS]
-    tenant_id = request[TENANT]
     body: ResolveHandoff = await decode_body(request, ResolveHandoff)
-    handoff = await _desk(request).resolve(tenant_id, request.match_info["handoff_id"], body.return_to_bot)
-    await deps.router.act(HandoffChange(tenant_id=tenant_id, session_id=handoff.session_id, handoff_id=handoff.id,
-                                        state="resolved", return_to_bot=body.return_to_bot))
-    return json_response(msgspec.to_builtins(handoff))
+    return await _change(request, state="resolved", return_to_bot=body.return_to_bot)
 
 
 def add_live_routes(app: web.Application) -> None:

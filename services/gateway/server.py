@@ -21,6 +21,7 @@ from services.tools.crypto import SecretBox
 from services.tools.ssrf import policy_from_entries
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from storage.repos.builtins import HandoffRepo
 from storage.repos.jobs import JobRepo
 
 log = structlog.get_logger(__name__)
@@ -165,7 +166,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
         sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
         secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
-        contract=contract, jobs=JobRepo(pool),
+        contract=contract, jobs=JobRepo(pool), handoffs=HandoffRepo(pool),
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
                               concurrency=settings.tenant_concurrency),
         webhook_policy=policy_from_entries(settings.webhook_allow),
