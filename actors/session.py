@@ -997,10 +997,12 @@ async def _hold(
 ) -> TurnReply:
     expires = datetime.now(UTC) + timedelta(seconds=env.approval_ttl_s)
     tools = [p.tool.name for p in plan.calls if p.needs_approval and p.tool is not None]
+    # what the contact is asked, one question per call (the model wrote its arguments: no marker)
+    questions = [without_marker(line, HANDOFF_MARKER) for line in plan.summary()]
     pending = PendingTurn(
         approval_id=new_approval_id(env.approval_keys, state.tenant_id, state.session_id),
         message_id=turn.message_id, calls=calls,
-        round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
+        round=round_no, summary=questions, tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
         deliveries=turn.deliveries, intent=intent, ran=turn.ran,
         tool_versions=[p.tool.version if p.tool is not None else None for p in plan.calls],
