@@ -139,3 +139,11 @@ async def test_a_turn_answered_whole_stores_no_marker_either(registry):
     reply = await handle_message(state, "a person", "m1", env)  # nobody streams it: one JSON body
     assert reply.reply == "Getting a colleague." and reply.handoff and len(watch.handoffs) == 1
     _no_marker_stored(state)
+
+
+async def test_a_marker_in_a_held_calls_argument_is_not_in_the_question_the_contact_is_asked(registry):
+    state = new_state("t", "s")
+    env = env_for(ScriptedLLM([[("book", {"q": "10:00 [[HANDOFF]]"})]]), registry, [WRITE])
+    held = await handle_message(state, "book 10", "m1", env)
+    assert held.pending_approval.summary == ["Run book with q=10:00 ?"]
+    assert HANDOFF_MARKER not in held.reply and not held.handoff  # an argument is data, not a request for a human
