@@ -10,6 +10,11 @@ happens. A round with no tool left to offer (used up, switched off, at a limit) 
 tool calls is forced to text the same way, with the history's tools defined: the Messages API
 refuses tool blocks in a request that defines no tools. The main model answers the contact's
 message; the cheaper model writes the mechanical rounds that follow a tool result.
+
+HANDOFF_MARKER in the model's text, in any round, hands the session over when the turn ends; the
+marker itself is taken out of everything the contact reads (each streamed text delta, through a
+services.llm.marker.MarkerFilter, however the deltas split it; the reply) and everything stored
+(the history the model reads back, the stored answer).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kernel.records import (
 )
 from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
+from services.llm.marker import MarkerFilter, without_marker
 from services.llm.port import (
     ChatMessage,
     ContentBlock,
@@ -171,6 +177,9 @@ class PendingTurn(msgspec.Struct, kw_only=True):
     #: calls per tool that ran in the held turn's rounds so far (`_Turn.ran`): the per-turn limits
     #: after the decision count them. None: held before these were kept; every call counts then
     ran: dict[str, int] | None = None
+    #: the model wrote HANDOFF_MARKER in a round before the hold: the turn hands the session over
+    #: when it ends (`_Turn.handoff_asked`)
+    handoff_asked: bool = False
 
 
 @runtime_checkable
@@ -521,10 +530,12 @@ class _Turn:
         self.tool_calls: list[ToolCallSummary] = []
         self.client_actions: list[dict[str, Any]] = []
         self.rounds = 0
-        self.text_parts: list[str] = []
         self.deliveries: list[dict[str, Any]] = []
         #: calls per tool this turn that ran (NOT_RUN_KINDS do not count): per-turn limits
         self.ran: dict[str, int] = {}
+        #: the model wrote HANDOFF_MARKER in one of the turn's rounds (taken out of its text): the
+        #: session is handed over when the turn ends
+        self.handoff_asked = False
 
     def reply(self, state: SessionState, text: str, pending: PendingApproval | None = None) -> TurnReply:
         return TurnReply(
@@ -661,6 +672,7 @@ async def _handle_approval(
     turn.deliveries = list(pending.deliveries)  # the final answer replaces the held one, stored
     turn.rounds = pending.round
     turn.ran = dict(pending.ran) if pending.ran is not None else _per_tool(pending.tool_calls)
+    turn.handoff_asked = pending.handoff_asked
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
     # The held batch against the catalog current now: what the approver was shown runs, or nothing.
@@ -817,8 +829,13 @@ async def _loop(
                 response = msgspec.structs.replace(response, content=_unique_call_ids(response.content))
                 calls = [b for b in response.content if isinstance(b, ToolUseBlock)]
             text = "".join(b.text for b in response.content if isinstance(b, TextBlock))
+            if HANDOFF_MARKER in text:  # the contact never reads it, nor does the stored history hold it
+                turn.handoff_asked = True
+                text = without_marker(text, HANDOFF_MARKER)
+                response = msgspec.structs.replace(response, content=_without_marker_blocks(response.content))
             if not calls or last:
-                final_text = text.strip() or (ROUND_CAP_REPLY if calls else "")
+                final_text = text.strip() or (
+                    HANDED_OFF_REPLY if turn.handoff_asked else ROUND_CAP_REPLY if calls else "")
                 # Only the text is kept: tool calls the last round was told not to make never run.
                 state.append(ChatMessage(role="assistant", content=[TextBlock(text=final_text or "…")]), turn.message_id)
                 break
@@ -831,11 +848,9 @@ async def _loop(
             if plan.needs_approval:
                 return await _hold(state, turn, env, emit, tool_calls, plan, round_no, intent)
             await _run_batch(state, turn, env, emit, plan, _context(state, env, turn.message_id))
-    if HANDOFF_MARKER in final_text:
-        final_text = final_text.replace(HANDOFF_MARKER, "").strip() or HANDED_OFF_REPLY
-        if not state.snapshot.handoff:  # not already handed over (by the tool, with its reason)
-            await _record_handoff(state, env, turn.message_id, MARKER_HANDOFF_REASON)
-            _mark_handoff(state, MARKER_HANDOFF_REASON)
+    if turn.handoff_asked and not state.snapshot.handoff:  # not already handed over (by the tool, with its reason)
+        await _record_handoff(state, env, turn.message_id, MARKER_HANDOFF_REASON)
+        _mark_handoff(state, MARKER_HANDOFF_REASON)
     return await _finish(state, turn.reply(state, final_text), emit)
 
 
@@ -848,11 +863,35 @@ async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
 
 
 async def _relay_text(events: AsyncIterator[LLMEvent], emit: Emit) -> AsyncIterator[LLMEvent]:
-    """The events as they come, each non-empty text delta emitted to the watcher on the way."""
+    """The events as they come, the text deltas emitted to the watcher on the way without
+    HANDOFF_MARKER: a delta that may be the marker's start is held back until ruled out (or the
+    model's answer ends), so a marker split across deltas (`[[HAND` + `OFF]]`) never shows."""
+    shown = MarkerFilter(HANDOFF_MARKER)
     async for event in events:
         if isinstance(event, TextDelta) and event.text:
-            await emit(StreamEvent(event="text", data={"text": event.text}))
+            await _emit_text(emit, shown.feed(event.text))
+        elif isinstance(event, LLMResponse):
+            await _emit_text(emit, shown.flush())
         yield event
+
+
+async def _emit_text(emit: Emit, text: str) -> None:
+    if text:
+        await emit(StreamEvent(event="text", data={"text": text}))
+
+
+def _without_marker_blocks(content: list[ContentBlock]) -> list[ContentBlock]:
+    """`content` with HANDOFF_MARKER taken out of its text blocks; a block left blank is dropped
+    (the Messages API refuses a blank text block sent back)."""
+    out: list[ContentBlock] = []
+    for block in content:
+        if isinstance(block, TextBlock) and HANDOFF_MARKER in block.text:
+            text = without_marker(block.text, HANDOFF_MARKER)
+            if not text.strip():
+                continue
+            block = TextBlock(text=text)
+        out.append(block)
+    return out
 
 
 def _unique_call_ids(content: list) -> list:
@@ -993,14 +1032,17 @@ async def _hold(
 ) -> TurnReply:
     expires = datetime.now(UTC) + timedelta(seconds=env.approval_ttl_s)
     tools = [p.tool.name for p in plan.calls if p.needs_approval and p.tool is not None]
+    # what the contact is asked, one question per call (the model wrote its arguments: no marker)
+    questions = [without_marker(line, HANDOFF_MARKER) for line in plan.summary()]
     pending = PendingTurn(
         approval_id=new_approval_id(env.approval_keys, state.tenant_id, state.session_id),
         message_id=turn.message_id, calls=calls,
-        round=round_no, summary=plan.summary(), tools=tools, expires_at=expires.isoformat(),
+        round=round_no, summary=questions, tools=tools, expires_at=expires.isoformat(),
         usage=turn.usage, tool_calls=turn.tool_calls, client_actions=turn.client_actions,
         deliveries=turn.deliveries, intent=intent, ran=turn.ran,
         tool_versions=[p.tool.version if p.tool is not None else None for p in plan.calls],
         tool_sensitive=[sorted(p.sensitive) for p in plan.calls],
+        handoff_asked=turn.handoff_asked,
     )
     state.snapshot.pending = msgspec.to_builtins(pending)
     state._touch()

@@ -22,6 +22,7 @@ import yarl
 
 from kernel.errors import InvalidInput
 from services.botconfig import Intent
+from services.tools.approval_prompt import MAX_TEMPLATE_CHARS, placeholders, template_problems
 from services.tools.model import (
     PROTECTED_KEYS,
     TOOL_NAME_RE,
@@ -36,6 +37,7 @@ from services.tools.model import (
     protected_forms,
     unheld_spellings,
 )
+from services.tools.redaction import secret_name
 from services.tools.ssrf import DestinationPolicy, literal_refusal
 from services.tools.templating import template_holes, unfillable_holes
 from services.tools.validation import check_any_schema, check_schema
@@ -60,6 +62,9 @@ class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     method: HttpMethod | None = None
     mutability: Mutability = "read"
     requires_approval: bool | None = None
+    #: the question a contact is asked before a held call runs: `{name}` placeholders over the
+    #: parameters (`"Book {service} on {start}?"`); null: "Run <tool name> with k=v, ...?"
+    approval_prompt: str | None = None
     intents: list[str] = []
     enabled: bool = True
     sensitive: list[str] = []
@@ -96,6 +101,7 @@ class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     method: HttpMethod | msgspec.UnsetType = UNSET
     mutability: Mutability | msgspec.UnsetType = UNSET
     requires_approval: bool | None | msgspec.UnsetType = UNSET
+    approval_prompt: str | None | msgspec.UnsetType = UNSET
     intents: list[str] | msgspec.UnsetType = UNSET
     enabled: bool | msgspec.UnsetType = UNSET
     sensitive: list[str] | msgspec.UnsetType = UNSET
@@ -235,6 +241,9 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     for name in body.sensitive:
         if name not in properties:
             raise InvalidInput(f"sensitive names '{name}', which is not a parameter - at `$.sensitive`", path="$.sensitive")
+    if body.approval_prompt is not None:
+        check_approval_prompt(body.approval_prompt, properties, sensitive=frozenset(body.sensitive),
+                              protected=PROTECTED_KEYS | frozenset(body.protected))
     for field in ("max_calls_per_turn", "max_calls_per_session", "max_parallel", "max_result_chars", "progress_after_ms"):
         value = getattr(body, field)
         if value is not None and value < 1:
@@ -251,6 +260,7 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     data = {
         "type": body.type, "name": body.name, "description": body.description, "parameters": schema,
         "mutability": body.mutability, "requires_approval": body.requires_approval,
+        "approval_prompt": body.approval_prompt,
         "intents": tuple(body.intents), "enabled": body.enabled, "sensitive": tuple(body.sensitive),
         "protected": tuple(body.protected), "timeout_ms": body.timeout_ms,
         "completes_variable": body.completes_variable, "resource": body.resource,
@@ -260,6 +270,40 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
         "retries": body.retries, "output_schema": body.output_schema, **family,
     }
     return msgspec.convert(data, ToolDefinition)
+
+
+def check_approval_prompt(template: str, properties: dict[str, Any], *, sensitive: frozenset[str],
+                          protected: frozenset[str]) -> None:
+    """Raise InvalidInput (at `$.approval_prompt`) unless `template` is one short line whose
+    `{name}` placeholders each name a parameter the contact may see: not a `sensitive`,
+    secret-looking or `protected` one (in any spelling `is_protected` accepts), whose value the
+    prompt would never show; a literal brace is written `{{` or `}}`."""
+    where = " - at `$.approval_prompt`"
+    if not template.strip():
+        raise InvalidInput("approval_prompt is blank; write the question the contact is asked, or leave it out "
+                           "(null) to ask 'Run <tool name> with ...?'" + where, path="$.approval_prompt")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise InvalidInput(f"approval_prompt is {len(template)} characters, at most {MAX_TEMPLATE_CHARS}: the contact "
+                           "reads it as one short question; shorten it" + where, path="$.approval_prompt")
+    if not template.isprintable():
+        raise InvalidInput("approval_prompt holds a line break or another control character; write it as one line of "
+                           "text" + where, path="$.approval_prompt")
+    for problem in template_problems(template):
+        what = "an empty placeholder '{}'" if problem.kind == "empty" else f"a '{problem.text}' that is part of no placeholder"
+        raise InvalidInput(f"approval_prompt has {what}; write a placeholder as {{name}} with a parameter's name, "
+                           "and a literal brace as '{{' or '}}'" + where, path="$.approval_prompt")
+    forms = protected_forms(protected)
+    for name in placeholders(template):
+        if name not in properties:
+            known = ", ".join(sorted(properties)[:10]) or "none"
+            raise InvalidInput(f"approval_prompt uses {{{name}}}, but parameters has no '{name}' (it has: {known}); "
+                               f"name one of the parameters, or take {{{name}}} out" + where, path="$.approval_prompt")
+        if name in sensitive or secret_name(name) or is_protected(name, forms):
+            why = ("`sensitive` lists it" if name in sensitive else
+                   "only the trusted context fills it" if is_protected(name, forms) else
+                   "its name looks like a credential")
+            raise InvalidInput(f"approval_prompt uses {{{name}}}, whose value is never shown to the contact ({why}); "
+                               f"take {{{name}}} out of approval_prompt" + where, path="$.approval_prompt")
 
 
 def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
@@ -486,6 +530,9 @@ def check_credential_stays(stored_url: str | None, new_url: str, *, url_field: s
 #: fields of a definition no tool body can set (the engine's own, for built-ins): a view shows
 #: them only when set. Every field a tenant can set is shown, null when unset.
 ENGINE_ONLY_FIELDS = frozenset({"idempotency_arguments"})
+#: fields a tenant can set that came after some definitions were stored: a view of one stored
+#: before shows them as they read (their default), as it shows every other unset field
+LATER_FIELDS: dict[str, Any] = {"approval_prompt": None}
 
 
 def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -493,6 +540,8 @@ def tool_view(definition: dict[str, Any], *, version: int | None = None, extra: 
     fields (ENGINE_ONLY_FIELDS), plus auth_header_set."""
     view = {k: v for k, v in definition.items()
             if k != "auth_header_enc" and not (k in ENGINE_ONLY_FIELDS and v is None)}
+    for field, default in LATER_FIELDS.items():
+        view.setdefault(field, default)
     view["auth_header_set"] = bool(definition.get("auth_header_enc"))
     if version is not None:
         view["version"] = version

@@ -18,7 +18,9 @@ the model reads of a success is the result as the tool returned it (an upstream'
 credentials the engine sent it taken out already: services.tools.webhook, services.tools.mcp_client);
 a client tool's action goes to the client app whole (`ToolOutcome.client_action`), only its record
 is redacted. An approver sees a held call's arguments redacted as its record would be
-(`PreparedCall.shown_arguments`; the call runs with them whole), and an output-contract failure
+(`PreparedCall.shown_arguments`; the call runs with them whole), the contact is asked the tool's
+`approval_prompt` filled from those (`PreparedCall.approval_prompt`: never a sensitive,
+secret-looking or protected value, never the tool's description), and an output-contract failure
 never quotes what the result holds under a sensitive or secret-looking name. A held batch prepared
 again at the decision keeps the names each call's tool declared sensitive when it was held
 (`prepare`'s `held_sensitive`): its records are redacted with those and the current definition's,
@@ -44,6 +46,7 @@ import structlog
 from kernel.records import ToolCallRecord
 from services.botconfig import BotConfig
 from services.nesting import nests_deeper_than
+from services.tools.approval_prompt import render_approval_prompt
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     MISCONFIGURED_ADVICE,
@@ -57,7 +60,7 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
-from services.tools.model import MAX_VALUE_DEPTH, is_protected, protected_forms
+from services.tools.model import MAX_VALUE_DEPTH, PROTECTED_KEYS, is_protected, protected_forms
 from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
@@ -132,6 +135,18 @@ class PreparedCall(msgspec.Struct, frozen=True, kw_only=True):
         A copy: the call itself runs with `arguments`."""
         return redact(self.arguments, self.sensitive, _sensitive_values(self))
 
+    def approval_prompt(self) -> str:
+        """The question the contact is asked before this call runs: its tool's `approval_prompt`
+        filled from the arguments as an approver sees them (`shown_arguments`), or the default
+        question from the tool's name and arguments; never a sensitive, secret-looking or
+        protected value. A call with no tool has the default question of its name."""
+        d = self.tool.definition if self.tool is not None else None
+        return render_approval_prompt(
+            d.approval_prompt if d is not None else None, tool_name=self.call.name,
+            arguments=self.shown_arguments(), sensitive=self.sensitive,
+            protected=d.protected_keys if d is not None else PROTECTED_KEYS,
+        )
+
 
 class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
     calls: list[PreparedCall]
@@ -141,16 +156,9 @@ class BatchPlan(msgspec.Struct, frozen=True, kw_only=True):
         return any(p.needs_approval for p in self.calls)
 
     def summary(self) -> list[str]:
-        """One readable line per call that will run, for the approver."""
-        lines = []
-        for p in self.calls:
-            if p.error is not None or p.tool is None:
-                continue
-            d = p.tool.definition
-            args = ", ".join(f"{k}={_short(v)}" for k, v in p.shown_arguments().items())
-            verb = "change" if d.mutability == "write" else "read"
-            lines.append(f"{d.name}({args}) - will {verb} data: {d.description[:120]}")
-        return lines
+        """The question the contact is asked for each call that will run, in order
+        (`PreparedCall.approval_prompt`)."""
+        return [p.approval_prompt() for p in self.calls if p.error is None and p.tool is not None]
 
 
 def failure_text(tool_name: str, error: ToolError, *, reason: str | None = None) -> str:

@@ -44,6 +44,10 @@ class ToolBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     parameters: dict[str, Any]  # a JSON-schema object, normalised by `normalise_parameters`
     mutability: Mutability = "read"
     requires_approval: bool | None = None  # None: approval required exactly for write tools
+    #: the question the contact is asked before a held call runs, filled from its arguments
+    #: (`"Book {service} on {start}?"`, services.tools.approval_prompt); None: one built from the
+    #: tool's name and arguments (`"Run book appointment with service=cut?"`)
+    approval_prompt: str | None = None
     intents: tuple[str, ...] = ()
     enabled: bool = True
     #: names whose values are redacted at any depth in traces and ce_tool_calls (parameters and

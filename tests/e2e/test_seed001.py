@@ -74,7 +74,7 @@ async def test_write_tool_waits_for_approval_then_runs_exactly_once(stack, clien
     status, held = await post(client, f"{gw}/v1/sessions/ap-1/messages", headers,
                               {"text": call("cancel_order", {"ref": "A1"}), "message_id": "m1"})
     assert status == 200 and held["pending_approval"]["tools"] == ["cancel_order"]
-    assert "cancel_order(ref=A1)" in held["pending_approval"]["summary"][0]
+    assert held["pending_approval"]["summary"] == ["Run cancel order with ref=A1?"]
     assert backend.to("/cancel_order") == []  # nothing irreversible before approval
     approval = held["pending_approval"]["approval_id"]
     status, done = await post(client, f"{gw}/v1/sessions/ap-1/approvals/{approval}", headers, {"approve": True})

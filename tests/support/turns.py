@@ -4,6 +4,7 @@ the tools `LOOKUP` and `WRITE` call."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,8 +21,18 @@ from tests.support.fakes import StreamScriptedLLM
 SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}}
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """A scripted step that streams its text as these deltas (the text block is them joined),
+    then makes `calls` ((name, args) pairs), if any."""
+
+    deltas: tuple[str, ...]
+    calls: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+
 class ScriptedLLM(StreamScriptedLLM):
-    """Answers each request with the next scripted step: a text or a list of (name, args) calls."""
+    """Answers each request with the next scripted step: a text (streamed as one delta), a list
+    of (name, args) calls, or a `Streamed` step."""
 
     def __init__(self, steps: list[Any]) -> None:
         self.steps = list(steps)
@@ -31,13 +42,17 @@ class ScriptedLLM(StreamScriptedLLM):
         self.requests.append(request)
         step = self.steps.pop(0) if self.steps else "fallback text"
         if isinstance(step, str):
-            yield TextDelta(text=step)
-            content = [TextBlock(text=step)]
-        else:
-            n = len(self.requests)
-            content = [ToolUseBlock(id=f"call_{n}_{i}", name=name, input=args) for i, (name, args) in enumerate(step)]
+            step = Streamed(deltas=(step,))
+        elif not isinstance(step, Streamed):
+            step = Streamed(deltas=(), calls=tuple(step))
+        for delta in step.deltas:
+            yield TextDelta(text=delta)
+        text = "".join(step.deltas)
+        n = len(self.requests)
+        content = [TextBlock(text=text)] if step.deltas else []
+        content += [ToolUseBlock(id=f"call_{n}_{i}", name=name, input=args) for i, (name, args) in enumerate(step.calls)]
         yield LLMResponse(
-            content=content, stop_reason="tool_use" if not isinstance(step, str) else "end_turn",
+            content=content, stop_reason="tool_use" if step.calls else "end_turn",
             usage=Usage(input_tokens=10, output_tokens=3), model=request.model,
         )
 

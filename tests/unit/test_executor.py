@@ -326,7 +326,7 @@ def test_deny_keeps_a_calls_own_check_failure() -> None:
     assert [o.error_kind for o in outcomes] == ["approval_denied", "unknown_tool"]
 
 
-def test_plan_summary_describes_each_runnable_call_with_sensitive_values_redacted() -> None:
+def test_plan_summary_asks_about_each_runnable_call_with_sensitive_values_redacted_and_no_description() -> None:
     executor = Executor()
     catalog = make_catalog(
         python_tool("pay", mutability="write", sensitive=("card",), description="Charge the card on file."),
@@ -334,10 +334,16 @@ def test_plan_summary_describes_each_runnable_call_with_sensitive_values_redacte
     )
     plan = plan_for(executor, catalog, call("pay", "c1", card="4111"), call("lookup", "c2", q="x"),
                            call("nope", "c3"))
-    assert plan.summary() == [
-        f"pay(card={REDACTED}) - will change data: Charge the card on file.",
-        'lookup(q=x) - will read data: lookup for tests',
-    ]
+    assert plan.summary() == [f"Run pay with card={REDACTED}?", "Run lookup with q=x?"]
+
+
+def test_plan_summary_fills_a_tools_approval_prompt_from_the_arguments_as_the_approver_sees_them() -> None:
+    catalog = make_catalog(python_tool(
+        "pay", mutability="write", sensitive=("card",), approval_prompt="Charge {amount} to card {card}? ({memo})",
+    ))
+    # the memo repeats the card number: the approver's copy scrubs it there too
+    plan = plan_for(Executor(), catalog, call("pay", amount=40, card="4111222233334444", memo="for 4111222233334444"))
+    assert plan.summary() == [f"Charge 40 to card {REDACTED}? (for {REDACTED})"]
 
 
 # -- stage 7: concurrency ------------------------------------------------------------------------
@@ -684,7 +690,7 @@ async def test_an_output_contract_problem_quoting_a_whole_list_result_leaves_its
 async def test_the_plan_summary_hides_secret_looking_arguments_too() -> None:
     catalog = make_catalog(python_tool("login", mutability="write", description="Sign in."))
     plan = plan_for(Executor(), catalog, call("login", password="hunter22", q="ana"))
-    assert plan.summary() == [f"login(password={REDACTED}, q=ana) - will change data: Sign in."]
+    assert plan.summary() == [f"Run login with password={REDACTED}, q=ana?"]
 
 
 async def test_record_fields_of_a_successful_call() -> None:

@@ -217,7 +217,8 @@ async def test_write_tool_holds_the_turn_until_approved_then_resumes(registry):
     env = make_env(llm, registry, [WRITE])
     held = await handle_message(state, "book 10", "m1", env)
     assert held.pending_approval is not None and registry.calls == []
-    assert "book(q=10:00)" in held.pending_approval.summary[0]
+    assert held.pending_approval.summary == ["Run book with q=10:00?"]
+    assert held.reply == "Before I go ahead, please confirm:\n- Run book with q=10:00?"
     # the pending approval survives a flush/activation round trip through the snapshot
     snapshot = msgspec.json.decode(msgspec.json.encode(state.snapshot), type=type(state.snapshot))
     assert snapshot.pending["approval_id"] == held.pending_approval.approval_id
