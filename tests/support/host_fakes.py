@@ -304,6 +304,19 @@ COLLECT_LEAD = PythonTool(
 )
 
 
+class FakeHandoffDesk:
+    """A HandoffDesk that records each change (the store's rules are the integration tests')."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, str, Any]] = []
+
+    async def claim(self, tenant_id: str, handoff_id: str, agent: str) -> Any:
+        self.changes.append(("claim", handoff_id, agent))
+
+    async def resolve(self, tenant_id: str, handoff_id: str, return_to_bot: bool) -> Any:
+        self.changes.append(("resolve", handoff_id, return_to_bot))
+
+
 class FakeTenants:
     """A TenantSource: every tenant gets the same env (RuleModel, lookup + collect_lead).
 
@@ -326,9 +339,10 @@ class FakeTenants:
             return {"lead": "saved"}
 
         catalog = build_catalog([], [(LOOKUP, 1), (COLLECT_LEAD, 1)], registry=registry, backend=None)
+        self.handoffs = FakeHandoffDesk()
         self.env = TurnEnv(
             llm=self.model, executor=Executor(), catalog=catalog, config=BotConfig(),
-            main_model="main", cheap_model="cheap",
+            main_model="main", cheap_model="cheap", handoffs=self.handoffs,
         )
         self.env_calls = 0
         self.env_hold: asyncio.Event | None = None  # set: env_for waits for it (a slow reload)

@@ -21,8 +21,8 @@ from actors.host import JobSource, SessionStore, TenantSource
 from actors.local import LocalRouter
 from actors.placement import Placement, ShardStore
 from actors.ray_host import ShardSource
-from actors.session import ToolExecutor
-from services.builtins.handoff import HandoffStore
+from actors.session import HandoffDesk, ToolExecutor
+from services.builtins.handoff import HandoffService, HandoffStore
 from services.gateway.common import SessionRouter
 from services.llm.anthropic_client import AnthropicLLM
 from services.llm.port import LLMClient
@@ -37,7 +37,7 @@ from storage.repos.jobs import JobRepo
 from storage.repos.mcp_servers import McpServerRepo
 from storage.repos.sessions import SessionRepo
 from tests.support.fakes import FakeClock, FakeHandler, FakeToolBackend
-from tests.support.host_fakes import FakeSessionStore, FakeTenants, RuleModel
+from tests.support.host_fakes import FakeHandoffDesk, FakeSessionStore, FakeTenants, RuleModel
 from tests.support.placement_fakes import FakeShardStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _as_their_ports(
     anthropic: AnthropicLLM, sessions: SessionRepo, jobs: JobRepo, cluster: ClusterRepo,
     placement: Placement, local: LocalRouter, webhooks: WebhookToolBackend, mcp_servers: McpServerRepo,
-    handoff_repo: HandoffRepo,
+    handoff_repo: HandoffRepo, handoff_service: HandoffService,
 ) -> None:
     """Never called: mypy reads it. Each line states that a class implements a port."""
     # the fakes the unit tests run the turn with
@@ -71,7 +71,9 @@ def _as_their_ports(
     clock = SystemClock()
     servers: McpServerStore = mcp_servers
     handoffs: HandoffStore = handoff_repo
-    del handoffs, servers, llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
+    desk: HandoffDesk = FakeHandoffDesk()
+    desk = handoff_service
+    del desk, handoffs, servers, llm, store, tenants, executor, clock, backend, handler, shard_store, shard_source, job_source, router
 
 
 @pytest.mark.parametrize(("fake", "port"), [
@@ -81,6 +83,7 @@ def _as_their_ports(
     (Executor, ToolExecutor),
     (FakeShardStore, ShardStore),
     (FakeShardStore, ShardSource),
+    (FakeHandoffDesk, HandoffDesk),
 ])
 def test_each_fake_has_every_method_of_its_port(fake: type, port: type) -> None:
     assert isinstance(fake(), port), f"{fake.__name__} lacks a method of {port.__name__}"

@@ -160,6 +160,7 @@ async def test_the_takeover_end_to_end_on_the_host(world):
 
     await asyncio.wait_for(host.act(change("resolved", return_to_bot=True)), T)
     assert store.events[KEY][-1].data == {"state": "resolved", "handoff_id": "h1", "return_to_bot": True}
+    assert world.tenants.handoffs.changes == [("claim", "h1", "Ana"), ("claim", "h1", "Ana"), ("resolve", "h1", True)]
     back = await asyncio.wait_for(host.send(turn("thanks", "m4")), T)
     assert back.reply == "echo: thanks" and not back.handoff
     seen = [b.text for m in model.requests[-1].messages for b in m.content if isinstance(b, TextBlock)]
