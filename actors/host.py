@@ -43,6 +43,7 @@ from services import heap
 from services.wire import (
     AgentMessage,
     ApprovalDecision,
+    JobFinished,
     SessionCommand,
     SessionView,
     StreamEvent,
@@ -426,6 +427,14 @@ class SessionHost:
         the session, in turn with its messages; returns once its state is durable, as `send`."""
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            if isinstance(command, JobFinished):
+                state = entry.state
+                finished: list[JobRecord] = []
+                if command.job_id in state.waiting_jobs() and self._jobs is not None:
+                    finished = await self._jobs.finished(command.tenant_id, command.session_id, [command.job_id])
+                if finished:
+                    self._admit_new_turn(entry)  # it may run the model
+                return await core.handle_job_finished(state, command, env, finished)
             if isinstance(command, AgentMessage):
                 if command.message_id:
                     await self._load_turn(entry.state, command.message_id)
@@ -480,6 +489,20 @@ class SessionHost:
             feed.watchers -= 1
             if not feed.watchers and self._feeds.get(key) is feed:
                 del self._feeds[key]
+
+    def wake(self, tenant_id: str, session_id: str, job_id: str) -> None:
+        """A job of the session finished in this process (a workflow run by the engine): run
+        its result in the session now (`act`), in the background; a failure leaves the result
+        waiting for the contact's next message."""
+        task = asyncio.create_task(self._wake(JobFinished(tenant_id=tenant_id, session_id=session_id, job_id=job_id)))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _wake(self, command: JobFinished) -> None:
+        try:
+            await self.act(command)
+        except Exception as exc:  # noqa: BLE001 - the result still reaches the next turn
+            log.info("job_wake_failed", session_id=command.session_id, error=type(exc).__name__)
 
     def _publish(self, key: Key, events: list[SessionEvent]) -> None:
         """Events of `key` just written: to its watchers on this host, if any."""

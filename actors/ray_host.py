@@ -209,6 +209,7 @@ class SessionHostActor:
                     settings=HostSettings.from_settings(self._settings),
                 )
                 await host.start()
+                self._runtime.workflows.on_finished = host.wake  # a job run here wakes its session
                 # Everything imported and built so far (Ray's and the runtime's modules: a large
                 # heap in a Ray worker) lives as long as the process: move it out of the cyclic
                 # collector's reach, so its full collections walk only what turns allocate.

@@ -79,6 +79,7 @@ from services.tracing import tracer
 from services.wire import (
     AgentMessage,
     HandoffChange,
+    JobFinished,
     PendingApproval,
     PendingCall,
     SessionView,
@@ -1158,6 +1159,46 @@ def handle_agent_message(state: SessionState, message: AgentMessage) -> TurnRepl
                       rounds=0, usage=UsageOut(), handoff=True)
     state.remember_turn(message_id, reply)
     return reply
+
+
+async def handle_job_finished(
+    state: SessionState, finished: JobFinished, env: TurnEnv, jobs: list[JobRecord],
+) -> TurnReply:
+    """A job's result arrived (`jobs`: the finished ones among it): when its tool says to notify
+    (`notify_on_result`), deliver it now and run the model, whose reply goes to the contact's
+    stream as any bot message does. Otherwise, or while the session is handed off or holds an
+    approval, nothing happens: the result waits for the contact's next message as before."""
+    message_id = f"j_{finished.job_id}"
+    if message_id in state.turns:
+        return msgspec.structs.replace(msgspec.convert(state.turns[message_id], TurnReply), replay=True)
+    idle = TurnReply(session_id=state.session_id, message_id=message_id, reply="", tool_calls=[], rounds=0,
+                     usage=UsageOut(), handoff=state.snapshot.handoff)
+    if state.snapshot.handoff or state.snapshot.pending is not None:
+        return idle
+    notify = [j for j in jobs if _notifies(env.catalog, j.tool_name)]
+    if not notify:
+        return idle
+    state.turn_message_id = message_id
+    state.taken_jobs = []
+    deliveries = _deliver_jobs(state, notify)
+    if not deliveries:
+        return idle
+    turn = _Turn(message_id)
+    turn.deliveries = deliveries
+    for delivery in deliveries:
+        state.log_event("job_result", {k: delivery[k] for k in ("job_id", "tool", "status")})
+    state.append(ChatMessage(role="user", content=[TextBlock(text=_job_notice(d)) for d in deliveries]), message_id)
+    with tracer().start_as_current_span("turn.job_result", attributes={
+        "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.message_id": message_id,
+    }) as span:
+        reply = await _loop(state, turn, env, _no_emit, first_round=1, intent=None)
+        _annotate(span, reply)
+        return reply
+
+
+def _notifies(catalog: Catalog, tool_name: str) -> bool:
+    tool = catalog.get(tool_name)
+    return tool is not None and bool(getattr(tool.definition, "notify_on_result", False))
 
 
 def handle_handoff_change(state: SessionState, change: HandoffChange) -> TurnReply:

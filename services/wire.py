@@ -169,6 +169,16 @@ class HandoffChange(msgspec.Struct, frozen=True, kw_only=True, tag_field="type",
     return_to_bot: bool | None = None
 
 
-#: what a session host runs that is not a contact's turn: a person's message, a handoff's change
-SessionCommand = AgentMessage | HandoffChange
+class JobFinished(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="job_finished"):
+    """A workflow job (or a client tool's call) of the session has its result: the session runs a
+    turn at once and pushes the reply to the contact's stream, if the tool says so."""
+
+    tenant_id: str
+    session_id: str
+    job_id: str
+
+
+#: what a session host runs that is not a contact's turn: a person's message, a handoff's change,
+#: a job's result
+SessionCommand = AgentMessage | HandoffChange | JobFinished
 

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -61,6 +62,9 @@ class WorkflowRunner:
         self._timeout = job_timeout_s
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
+        #: told (tenant_id, session_id, job_id) when a job run here has finished and its outcome is
+        #: stored: the session host wakes the session with it (SessionHost.wake)
+        self.on_finished: Callable[[str, str, str], None] | None = None
 
     async def start(
         self, tool: WorkflowTool, handler: Handler | None, args: dict[str, Any], ctx: TrustedContext
@@ -120,6 +124,8 @@ class WorkflowRunner:
         for attempt in range(8):
             try:
                 await self._jobs.finish(ctx.tenant_id, job_id, **outcome)
+                if self.on_finished is not None:
+                    self.on_finished(ctx.tenant_id, ctx.session_id, job_id)
                 return
             except (Conflict, NotFound) as exc:  # finished by someone else (the sweep), or gone
                 log.warning("workflow_result_refused", job_id=job_id, reason=str(exc)[:200])

@@ -78,6 +78,9 @@ class ToolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # python / workflow
     handler: str | None = None
     start_url: str | None = None  # workflow run by the tenant's system
+    #: workflow and client tools: the result wakes the session (a turn at once, its reply pushed);
+    #: null: true for a workflow, false for a client tool
+    notify_on_result: bool | None = None
     # limits, progress, retries, output contract
     max_calls_per_turn: int | None = None
     max_calls_per_session: int | None = None
@@ -113,6 +116,7 @@ class ToolPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     scope: list[str] | msgspec.UnsetType = UNSET
     handler: str | msgspec.UnsetType = UNSET
     start_url: str | msgspec.UnsetType = UNSET
+    notify_on_result: bool | None | msgspec.UnsetType = UNSET
     max_calls_per_turn: int | None | msgspec.UnsetType = UNSET
     max_calls_per_session: int | None | msgspec.UnsetType = UNSET
     max_parallel: int | None | msgspec.UnsetType = UNSET
@@ -211,6 +215,11 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
         if not body.handler:
             raise InvalidInput("handler is required for a python tool - at `$.handler`", path="$.handler")
         family = {"handler": body.handler}
+    if body.notify_on_result is not None:
+        if body.type not in ("workflow", "client"):
+            raise InvalidInput(f"notify_on_result does not apply to a {body.type} tool: only a workflow's or a "
+                               "client tool's result arrives later - at `$.notify_on_result`", path="$.notify_on_result")
+        family["notify_on_result"] = body.notify_on_result
     for field in ("webhook_url", "auth_header", "path", "handler", "start_url"):
         if getattr(body, field) is not None and field not in family and not (field == "auth_header" and body.type == "webhook"):
             raise InvalidInput(f"{field} does not apply to a {body.type} tool - at `$.{field}`", path=f"$.{field}")

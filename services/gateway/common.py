@@ -85,6 +85,8 @@ class GatewayDeps:
     jobs: Any = None  # storage JobRepo
     #: storage HandoffRepo (list and read handoffs; their changes run in the session); None: no such routes
     handoffs: Any = None
+    #: work a request started and did not wait for (a job's result waking its session)
+    background: set[asyncio.Task] = field(default_factory=set)
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

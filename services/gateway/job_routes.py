@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 import msgspec
+import structlog
 from aiohttp import web
 
 from kernel.errors import InvalidInput
-from services.gateway.common import DEPS, TENANT, decode_body, json_response
+from services.gateway.common import DEPS, TENANT, GatewayDeps, decode_body, json_response
+from services.wire import JobFinished
+
+log = structlog.get_logger(__name__)
 
 
 class JobResultIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,7 +39,22 @@ async def post_job_result(request: web.Request) -> web.Response:
     job = await deps.jobs.finish(request[TENANT], request.match_info["job_id"],
                                  succeeded=body.status == "succeeded", result=body.result, error=body.error,
                                  posted=True)
+    # The session runs the result now if its tool says so (SessionHost.act): in the background, so
+    # the reporting system is not held for a model call; should it fail, the result is stored and
+    # waits for the contact's next message
+    if job.session_id is not None:
+        wake = asyncio.create_task(_wake(deps, JobFinished(tenant_id=job.tenant_id, session_id=job.session_id,
+                                                           job_id=job.id)))
+        deps.background.add(wake)
+        wake.add_done_callback(deps.background.discard)
     return json_response(_job_view(job))
+
+
+async def _wake(deps: GatewayDeps, command: JobFinished) -> None:
+    try:
+        await deps.router.act(command)
+    except Exception as exc:  # noqa: BLE001 - the stored result reaches the session's next turn
+        log.info("job_wake_failed", session_id=command.session_id, error=type(exc).__name__)
 
 
 async def get_job(request: web.Request) -> web.Response:

@@ -119,10 +119,16 @@ class WorkflowTool(ToolBase, tag="workflow"):
 
     handler: str | None = None
     start_url: str | None = None
+    #: when the job's result arrives, the session runs a turn at once and the contact's stream gets
+    #: the reply; false: the result waits for the contact's next message
+    notify_on_result: bool = True
 
 
 class ClientTool(ToolBase, tag="client"):
     """Presentation: the call becomes a `client_action` event for the UI; nothing runs here."""
+
+    #: as WorkflowTool's, for the client's answer (POST /v1/jobs/{id}/result); off unless set
+    notify_on_result: bool = False
 
 
 ToolDefinition = WebhookTool | BackendBindingTool | PythonTool | WorkflowTool | ClientTool

@@ -1,7 +1,8 @@
 -- A session's event log (GET /v1/sessions/{id}/events): what a watcher of the conversation sees,
 -- numbered per session. Rows are written by the session's flush, in the transaction that writes
 -- the turn which made them, and never changed; a watcher resuming after event N reads seq > N.
--- `session_id` is the session's row key (session_uid), as in ce_messages.
+-- `session_id` is the session's row key (session_uid), as in ce_messages; the key leads with the
+-- tenant, as every tenant table's does.
 CREATE TABLE ce_session_events (
     session_id TEXT NOT NULL,
     seq        BIGINT NOT NULL,
@@ -9,5 +10,5 @@ CREATE TABLE ce_session_events (
     type       TEXT NOT NULL,
     data       JSONB NOT NULL,
     created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-    PRIMARY KEY (session_id, seq)
+    PRIMARY KEY (tenant_id, session_id, seq)
 );

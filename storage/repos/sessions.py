@@ -93,7 +93,7 @@ _INSERT_TURN = (
 )
 _INSERT_EVENT = (
     "INSERT INTO ce_session_events (tenant_id, session_id, seq, type, data) VALUES ($1, $2, $3, $4, $5) "
-    "ON CONFLICT (session_id, seq) DO NOTHING"
+    "ON CONFLICT (tenant_id, session_id, seq) DO NOTHING"
 )
 #: the most events one read of a session's log returns (a watcher far behind reads again)
 EVENTS_PAGE = 500
@@ -161,7 +161,7 @@ WITH d AS (
     SELECT e.tenant_id, e.session_id, e.seq, e.type, e.data::jsonb
     FROM unnest($40::text[], $41::text[], $42::bigint[], $43::text[], $44::text[]) AS e(tenant_id, session_id, seq, type, data)
     JOIN ok ON ok.id = e.session_id
-    ON CONFLICT (session_id, seq) DO NOTHING
+    ON CONFLICT (tenant_id, session_id, seq) DO NOTHING
 )
 SELECT id FROM ok
 """
@@ -369,7 +369,7 @@ class SessionRepo:
         """The session's written events numbered above `after`, oldest first, at most `limit`."""
         with translate("reading session events"):
             rows = await self._pool.fetch(
-                "SELECT seq, type, data FROM ce_session_events WHERE session_id = $1 AND tenant_id = $2 "
+                "SELECT seq, type, data FROM ce_session_events WHERE tenant_id = $2 AND session_id = $1 "
                 "AND seq > $3 ORDER BY seq LIMIT $4",
                 session_uid(tenant_id, session_id), tenant_id, after, min(limit, EVENTS_PAGE),
             )

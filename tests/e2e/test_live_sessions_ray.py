@@ -14,7 +14,8 @@ import pytest_asyncio
 
 from actors.placement import Placement, rendezvous_index
 from services.gateway.server import open_gateway
-from tests.support.api import read_sse
+from tests.support.api import call, post, read_sse, register
+from tests.support.backend import Backend
 
 T = 30.0
 
@@ -79,3 +80,36 @@ async def test_a_host_killed_while_its_session_is_watched_costs_the_watcher_no_e
         "SELECT max(seq) FROM ce_session_events e JOIN ce_sessions s ON s.id = e.session_id "
         "WHERE s.tenant_id = $1 AND s.session_key = $2", tenant_id, session)
     assert seen == list(range(1, stored + 1)) == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_workflow_result_posted_later_reaches_the_contacts_stream_without_a_new_message(stack, client, tenant):
+    _, _, headers = tenant
+    gw = stack.gateway.url
+    backend = await Backend().start()
+    try:
+        await register(client, gw, headers, {
+            "name": "build_quote", "type": "workflow", "description": "Prepare a price quote (takes a while).",
+            "parameters": {"item": {"type": "string"}}, "start_url": f"{backend.url}/jobs", "timeout_ms": 5000,
+        })  # notify_on_result: true, a workflow's default
+        async with client.get(f"{gw}/v1/sessions/live-wf/events", headers=headers) as stream:
+            status, started = await post(client, f"{gw}/v1/sessions/live-wf/messages", headers,
+                                         {"text": call("build_quote", {"item": "100 mugs"})})
+            assert status == 200 and started["tool_calls"][0]["success"], started
+            job_id = msgspec.json.decode(backend.requests[0]["body"])["job_id"]
+            first = await read_sse(stream, 4, T)  # contact, tool_call, tool_result, bot
+            assert [e for _, e, _ in first] == ["message", "tool_call", "tool_result", "message"]
+            await asyncio.sleep(2)  # the tenant's system takes its time
+            status, _ = await post(client, f"{gw}/v1/jobs/{job_id}/result", headers,
+                                   {"status": "succeeded", "result": {"total": 1250}})
+            assert status == 200
+            later = await read_sse(stream, 1, T)
+            while later[-1][1] != "message":  # the model may call a tool before it answers
+                later += await read_sse(stream, 1, T)
+        # the result, what the model did with it, and its reply: nobody wrote meanwhile
+        assert later[-1][2]["author"] == "bot" and all(d.get("author") != "contact" for _, _, d in later)
+        assert later[0][2] == {"seq": 5, "type": "job_result", "job_id": job_id, "tool": "build_quote",
+                               "status": "succeeded"}
+        status, reply = await post(client, f"{gw}/v1/sessions/live-wf/messages", headers, {"text": "thanks"})
+        assert status == 200 and not reply.get("deliveries")  # delivered once, by the wake
+    finally:
+        await backend.stop()

@@ -154,6 +154,7 @@ async def test_workflow_result_reaches_the_session_on_its_next_turn(stack, clien
         "name": "build_quote", "type": "workflow", "description": "Prepare a price quote (takes a while).",
         "parameters": {"item": {"type": "string", "description": "what to quote"}},
         "start_url": f"{backend.url}/jobs", "timeout_ms": 5000,
+        "notify_on_result": False,  # the result waits for the next message (test_live_sessions_ray: at once)
     })
     status, started = await post(client, f"{gw}/v1/sessions/wf-1/messages", headers, {"text": call("build_quote", {"item": "100 mugs"})})
     assert status == 200 and started["tool_calls"][0]["success"], started
