@@ -367,6 +367,9 @@ class SessionState:
                    for m, (i, o) in self._usage.items()],
             turns=self._turns,  # one turn's: its one answer (a turn ends by remembering it)
             events=self._events,
+            # while a person has the conversation (or it changes hands) its events are the agents' too
+            feed=bool(self._events) and (self.snapshot.handoff_state is not None
+                                         or any(e.type == "handoff" for e in self._events)),
         ))
         self.sealed_turns += 1
         self._messages, self._variables, self._calls, self._usage, self._turns = [], {}, [], {}, []
@@ -751,6 +754,7 @@ def _joined(deltas: list[SessionDelta], *, usage: list[UsageDelta]) -> SessionDe
         messages=[m for d in deltas for m in d.messages], variables=variables,
         tool_calls=[c for d in deltas for c in d.tool_calls], usage=usage,
         turns=_latest_answers([t for d in deltas for t in d.turns]),
+        events=[e for d in deltas for e in d.events], feed=any(d.feed for d in deltas),
     )
 
 

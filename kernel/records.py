@@ -143,6 +143,8 @@ class SessionDelta(msgspec.Struct, frozen=True, kw_only=True):
     usage: list[UsageDelta] = []
     turns: list[TurnRecord] = []
     events: list[SessionEvent] = []
+    #: its events go to the tenant's agents' feed too (the session is with a person, or changes hands)
+    feed: bool = False
 
 
 class ActivatedSession(msgspec.Struct, frozen=True, kw_only=True):

@@ -50,6 +50,21 @@ async def test_a_turn_logs_the_contacts_message_its_tool_activity_and_the_reply_
     assert len(store.events[KEY]) == 4
 
 
+async def test_turns_written_together_by_one_flush_keep_every_event_in_order(world):
+    store = world.store
+    store.hold = asyncio.Event()
+    host = await world.host(output_gate=False)  # replies before their flush: turns pile up
+    await asyncio.wait_for(host.send(turn("one", "m1")), T)
+    await asyncio.wait_for(store.flush_entered.wait(), T)
+    await asyncio.wait_for(host.send(turn("two", "m2")), T)
+    await asyncio.wait_for(host.send(turn("three", "m3")), T)
+    store.hold.set()
+    await host.flush_all()
+    assert [(e.seq, e.data["text"]) for e in store.events[KEY]] == [
+        (1, "one"), (2, "echo: one"), (3, "two"), (4, "echo: two"), (5, "three"), (6, "echo: three")]
+    assert max(store.deltas_per_flush) == 1 and len(store.deltas_per_flush) == 2  # two turns in one delta
+
+
 async def test_numbers_go_on_after_passivation_and_a_new_activation(world):
     store = world.store
     host = await world.host()
