@@ -85,6 +85,10 @@ class GatewayDeps:
     jobs: Any = None  # storage JobRepo
     #: storage HandoffRepo (list and read handoffs; their changes run in the session); None: no such routes
     handoffs: Any = None
+    #: the agents' feed (services.gateway.feed.AgentFeed); None: GET /v1/handoffs/events is 404
+    feed: Any = None
+    #: set when the gateway begins to close: live streams (watchers) end at once
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
     #: work a request started and did not wait for (a job's result waking its session)
     background: set[asyncio.Task] = field(default_factory=set)
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))

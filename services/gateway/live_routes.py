@@ -6,6 +6,7 @@
     GET  /v1/handoffs?state=                 open handoffs with their last messages
     POST /v1/handoffs/{id}/claim             {"agent"}
     POST /v1/handoffs/{id}/resolve           {"return_to_bot": true|false}
+    GET  /v1/handoffs/events                 SSE: the tenant's agents' feed (services.gateway.feed)
 
 A watcher's connection is served by asking the session's host for the events after the last one
 it has (SessionRouter.watch, a long wait on the host, over its lane or Ray): the host answers
@@ -104,6 +105,23 @@ async def follow(request: web.Request, tenant_id: str, session_id: str, after: i
 
 # -- the event stream ----------------------------------------------------------------------------
 
+async def until_closing(request: web.Request, work) -> None:
+    """Run `work` (a coroutine) until it ends or the gateway begins to close, whichever is first:
+    a watcher's stream never ends by itself, and must not hold the gateway's drain."""
+    task = asyncio.ensure_future(work)
+    closing = asyncio.ensure_future(request.app[DEPS].closing.wait())
+    try:
+        await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, closing):
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+
 async def get_events(request: web.Request) -> web.StreamResponse:
     tenant_id = request[TENANT]
     session_id = path_session_id(request)
@@ -112,10 +130,14 @@ async def get_events(request: web.Request) -> web.StreamResponse:
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
     await response.prepare(request)
-    try:
+
+    async def stream() -> None:
         await response.write(b"retry: 1000\n\n")  # a browser reconnects after a second, with Last-Event-ID
         async for events in follow(request, tenant_id, session_id, after):
             await response.write(b"".join(map(sse_frame, events)) if events else b": waiting\n\n")
+
+    try:
+        await until_closing(request, stream())
     except (ConnectionResetError, RuntimeError):
         log.info("sse_watcher_gone", session_id=session_id)
     return response
@@ -136,16 +158,20 @@ async def session_socket(request: web.Request) -> web.WebSocketResponse:
             for event in events:
                 await ws.send_str(_encoder.encode(event_data(event)).decode())
 
+    async def take() -> None:
+        async for frame in ws:
+            if frame.type == WSMsgType.TEXT:
+                answer = await _socket_message(request, tenant_id, session_id, frame.data)
+                await ws.send_str(_encoder.encode(answer).decode())
+
     pusher = asyncio.create_task(push())
     try:
-        async for frame in ws:
-            if frame.type != WSMsgType.TEXT:
-                continue
-            await ws.send_str(_encoder.encode(await _socket_message(request, tenant_id, session_id, frame.data)).decode())
+        await until_closing(request, take())
     finally:
         pusher.cancel()
         with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
             await pusher
+        await ws.close()
     return ws
 
 
@@ -196,6 +222,45 @@ async def post_agent_message(request: web.Request) -> web.Response:
     return response
 
 
+async def get_agents_feed(request: web.Request) -> web.StreamResponse:
+    """Every event of the tenant's sessions that a person has or that change hands, as they are
+    written: `event: <type>`, data as a session stream's plus `session_id`. No resume: a watcher
+    that connects, or reads `event: reset` (it missed some: the stream then ends), loads the
+    open handoffs (GET /v1/handoffs) and listens again."""
+    feed = request.app[DEPS].feed
+    if feed is None:
+        raise NotFound("the agents' feed is not available in this process", kind="route", key=request.path)
+    tenant_id = request[TENANT]
+    queue = await feed.subscribe(tenant_id)
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+    })
+
+    async def stream() -> None:
+        await response.prepare(request)
+        await response.write(b"retry: 1000\n\n")
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), WATCH_WAIT_S)
+            except TimeoutError:
+                await response.write(b": waiting\n\n")
+                continue
+            if isinstance(item, str):  # RESET
+                await response.write(b"event: reset\ndata: {}\n\n")
+                return
+            session_id, event = item
+            data = {"session_id": session_id, **event_data(event)}
+            await response.write(b"event: " + event.type.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
+
+    try:
+        await until_closing(request, stream())
+    except (ConnectionResetError, RuntimeError):
+        log.info("feed_watcher_gone")
+    finally:
+        feed.unsubscribe(tenant_id, queue)
+    return response
+
+
 def _desk(request: web.Request) -> Any:
     desk = request.app[DEPS].handoffs  # storage HandoffRepo
     if desk is None:
@@ -243,5 +308,6 @@ def add_live_routes(app: web.Application) -> None:
     r.add_get("/v1/sessions/{session_id}/ws", session_socket)
     r.add_post("/v1/sessions/{session_id}/agent-messages", post_agent_message)
     r.add_get("/v1/handoffs", list_handoffs)
+    r.add_get("/v1/handoffs/events", get_agents_feed)
     r.add_post("/v1/handoffs/{handoff_id}/claim", claim_handoff)
     r.add_post("/v1/handoffs/{handoff_id}/resolve", resolve_handoff)

@@ -67,6 +67,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("GET", "/v1/sessions/{session_id}/ws"): ("101", (*_V1, "400")),  # 400: not a WebSocket upgrade
     ("POST", "/v1/sessions/{session_id}/agent-messages"): ("200", (*_TURN, "409")),
     ("GET", "/v1/handoffs"): ("200", _V1),
+    ("GET", "/v1/handoffs/events"): ("200", _V1),
     ("POST", "/v1/handoffs/{handoff_id}/claim"): ("200", (*_TURN, "404", "409")),
     ("POST", "/v1/handoffs/{handoff_id}/resolve"): ("200", (*_TURN, "404", "409")),
     # services.gateway.dashboard

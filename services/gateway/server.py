@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kernel.errors import ConfigError
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
+from services.gateway.feed import AgentFeed
 from services.gateway.limits import TenantLimiter
 from services.settings import Settings
 from services.tools.crypto import SecretBox
@@ -140,6 +141,9 @@ class Gateway:
     async def close(self, *, hurry: asyncio.Event | None = None) -> None:
         """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most, or until
         `hurry` is set: a second Ctrl-C), close."""
+        # watchers' streams end now (they reconnect to another gateway, naming their last event)
+        # rather than hold the drain: they are never done
+        self.deps.closing.set()
         if self._in_flight is not None:
             for site in list(self._runner.sites):
                 await site.stop()  # new connections are refused from here on
@@ -151,6 +155,10 @@ class Gateway:
                             "gateway_drain_timed_out", in_flight=self._in_flight.count,
                             drain_timeout_s=self._drain_timeout_s)
         await self._runner.cleanup()
+        for task in list(self.deps.background):
+            task.cancel()
+        if self.deps.feed is not None:
+            await self.deps.feed.close()
         await self._pool.close()
 
 
@@ -167,6 +175,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
         secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
         contract=contract, jobs=JobRepo(pool), handoffs=HandoffRepo(pool),
+        feed=AgentFeed(pool, SessionRepo(pool)),
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
                               concurrency=settings.tenant_concurrency),
         webhook_policy=policy_from_entries(settings.webhook_allow),

@@ -97,6 +97,22 @@ _INSERT_EVENT = (
 )
 #: the most events one read of a session's log returns (a watcher far behind reads again)
 EVENTS_PAGE = 500
+#: the channel on which a flush says which sessions of the agents' feed have new events: a JSON
+#: FeedNotice per session, sent on commit (so only for what is written, in commit order)
+FEED_CHANNEL = "ce_session_feed"
+_NOTIFY_FEED = f"SELECT pg_notify('{FEED_CHANNEL}', p) FROM unnest($1::text[]) AS p"
+
+
+class FeedNotice(msgspec.Struct, frozen=True):
+    """Session `s` of tenant `t` has new events numbered `a`+1 to `z`, for the agents' feed."""
+
+    t: str
+    s: str
+    a: int
+    z: int
+
+
+_feed_encoder = msgspec.json.Encoder()
 
 # The whole flush as ONE statement, so one round trip and no BEGIN/COMMIT (a statement is its own
 # transaction): `ok` locks the rows of the sessions whose epoch is current, in id order (as
@@ -162,8 +178,13 @@ WITH d AS (
     FROM unnest($40::text[], $41::text[], $42::bigint[], $43::text[], $44::text[]) AS e(tenant_id, session_id, seq, type, data)
     JOIN ok ON ok.id = e.session_id
     ON CONFLICT (tenant_id, session_id, seq) DO NOTHING
+), feed AS (
+    SELECT pg_notify('{FEED_CHANNEL}', n.payload)
+    FROM unnest($45::text[], $46::text[]) AS n(session_id, payload)
+    JOIN ok ON ok.id = n.session_id
 )
-SELECT id FROM ok
+-- the feed's notifications go out when this commits, for the sessions written only
+SELECT id FROM ok WHERE (SELECT count(*) FROM feed) >= 0
 """
 
 
@@ -187,12 +208,13 @@ class _Rows(msgspec.Struct):
     usage: list[tuple]
     turns: list[tuple]
     events: list[tuple]
+    feed: list[tuple]
 
 
 def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Rows:
     """The rows of the deltas marked in `keep`. Text from contacts, the model and tools goes
     through storable_text: a NUL in one row must not fail the whole group commit."""
-    rows = _Rows(sessions=[], messages=[], variables=[], calls=[], usage=[], turns=[], events=[])
+    rows = _Rows(sessions=[], messages=[], variables=[], calls=[], usage=[], turns=[], events=[], feed=[])
     # the last delta of a session in the batch carries its newest snapshot
     sessions: dict[str, tuple] = {}
     # by (session, stored key): two keys that storable_text makes one ("k\x00", "k\ufffd") are
@@ -216,6 +238,9 @@ def _rows(deltas: list[SessionDelta], uids: list[str], keep: list[bool]) -> _Row
         ]
         rows.turns += [(d.tenant_id, uid, storable_text(t.message_id), t.response) for t in d.turns]
         rows.events += [(d.tenant_id, uid, e.seq, e.type, e.data) for e in d.events]
+        if d.feed and d.events:
+            notice = FeedNotice(t=d.tenant_id, s=d.session_id, a=d.events[0].seq - 1, z=d.events[-1].seq)
+            rows.feed.append((uid, _feed_encoder.encode(notice).decode()))
     rows.sessions, rows.variables = list(sessions.values()), list(variables.values())
     return rows
 
@@ -230,7 +255,7 @@ def _columns(rows: list[tuple], width: int, json: tuple[int, ...] = ()) -> list[
 
 
 def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
-    """The 44 column arrays of `_FLUSH`: every delta's rows (the statement does the fencing).
+    """The 46 column arrays of `_FLUSH`: every delta's rows (the statement does the fencing).
     One delta per session (`_one_statement`), so the sessions' rows and epochs line up."""
     rows = _rows(deltas, uids, [True] * len(deltas))
     return [
@@ -241,6 +266,7 @@ def _flush_args(deltas: list[SessionDelta], uids: list[str]) -> list[list[Any]]:
         *_columns(rows.usage, 6),
         *_columns(rows.turns, 4, json=(3,)),
         *_columns(rows.events, 5, json=(4,)),
+        *_columns(rows.feed, 2),
     ]
 
 
@@ -271,6 +297,8 @@ async def _flush_statement_by_statement(
     ):
         if batch:
             await conn.executemany(sql, batch)
+    if rows.feed:
+        await conn.execute(_NOTIFY_FEED, [payload for _, payload in rows.feed])
     return ok
 
 def _snapshot(raw: Any, tenant_id: str, session_id: str) -> SessionSnapshot:

@@ -20,7 +20,9 @@ from actors.local import LocalRouter
 from kernel.records import SessionDelta, SessionEvent, SessionSnapshot
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
+from services.gateway.feed import AgentFeed
 from services.tools.crypto import SecretBox, generate_key
+from services.wire import HandoffChange
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
 from tests.support.api import read_sse
@@ -84,12 +86,15 @@ async def live(pool, make_tenant):
     await host.start()
     deps = GatewayDeps(router=LocalRouter(host), tenants=TenantRepo(pool), tools=ToolRepo(pool),
                        calls=ToolCallRepo(pool), sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
-                       secret_box=SecretBox([generate_key()]), jobs=JobRepo(pool))
-    _tenant, key = await make_tenant("live")
+                       secret_box=SecretBox([generate_key()]), jobs=JobRepo(pool),
+                       feed=AgentFeed(pool, SessionRepo(pool)))
+    tenant, key = await make_tenant("live")
     try:
         async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
+            client.tenant_id = tenant.id
             yield client, host, {"Authorization": f"Bearer {key.api_key}"}
     finally:
+        await deps.feed.close()
         await asyncio.wait_for(host.stop(), T)
 
 
@@ -163,3 +168,26 @@ async def test_an_agent_message_to_a_session_not_handed_off_is_409_saying_why(li
     assert r.status == 409 and "not handed off to a person" in (await r.json())["detail"]
     r = await client.post(f"/v1/sessions/{s}/agent-messages", json={"text": "hi", "agent": " "}, headers=headers)
     assert r.status == 422 and "agent must be" in (await r.json())["detail"]
+
+
+async def test_the_agents_feed_carries_what_happens_in_sessions_a_person_has_and_nothing_else(live, make_tenant):
+    client, host, headers = live
+    tenant_id = client.tenant_id
+    bot_only, taken = sid(), sid()
+    async with client.get("/v1/handoffs/events", headers=headers) as feed:
+        assert feed.status == 200
+        assert (await asyncio.wait_for(feed.content.readline(), T)).startswith(b"retry:")
+        await client.post(f"/v1/sessions/{bot_only}/messages", json={"text": "just the bot"}, headers=headers)
+        await client.post(f"/v1/sessions/{taken}/messages", json={"text": "hello"}, headers=headers)
+        await asyncio.wait_for(host.act(HandoffChange(tenant_id=tenant_id, session_id=taken, handoff_id="h1",
+                                                      state="assigned", agent="Ana")), T)
+        r = await client.post(f"/v1/sessions/{taken}/messages", json={"text": "are you there?"}, headers=headers)
+        assert (await r.json())["reply"] == ""  # a person has it: the bot says nothing
+        r = await client.post(f"/v1/sessions/{taken}/agent-messages", json={"text": "I am", "agent": "Ana"},
+                              headers=headers)
+        assert r.status == 200
+        got = [(event, data) for _, event, data in await read_sse(feed, 3)]
+    assert [(e, d["session_id"], d.get("author"), d.get("state")) for e, d in got] == [
+        ("handoff", taken, None, "assigned"), ("message", taken, "contact", None), ("message", taken, "agent", None)]
+    assert got[2][1]["text"] == "I am" and got[2][1]["agent"] == "Ana"
+

@@ -64,6 +64,7 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
     ("GET", "/v1/leads"): V1 | {200},
     ("GET", "/v1/handoffs"): V1 | {200},
     ("GET", "/v1/sessions/{session_id}/events"): V1 | {200},
+    ("GET", "/v1/handoffs/events"): V1 | {200},
     ("GET", "/v1/sessions/{session_id}/ws"): V1 | {101, 400},
     ("POST", "/v1/sessions/{session_id}/agent-messages"): TURN | {409},
     ("POST", "/v1/handoffs/{handoff_id}/claim"): TURN | {404, 409},

@@ -111,11 +111,12 @@ def call(name: str, args: dict) -> str:
     return f"/call {name} {json.dumps(args)}"
 
 
-async def read_sse(resp, count: int, timeout: float = 10.0) -> list[tuple[int, str, dict]]:
-    """The next `count` events of a session's event stream (GET .../events): (id, event, data).
+async def read_sse(resp, count: int, timeout: float = 10.0) -> list[tuple[int | None, str, dict]]:
+    """The next `count` events of a session's event stream (GET .../events) or of the agents'
+    feed: (id, event, data); id None for a feed event, which carries none.
     Comment lines (`: waiting`) and the `retry:` field are skipped; each line is waited for at
     most `timeout` seconds."""
-    got: list[tuple[int, str, dict]] = []
+    got: list[tuple[int | None, str, dict]] = []
     fields: dict[str, str] = {}
     while len(got) < count:
         raw = await asyncio.wait_for(resp.content.readline(), timeout)
@@ -124,7 +125,7 @@ async def read_sse(resp, count: int, timeout: float = 10.0) -> list[tuple[int, s
         line = raw.decode().rstrip("\n")
         if line == "":
             if "data" in fields:
-                got.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
+                got.append((int(fields["id"]) if "id" in fields else None, fields["event"], json.loads(fields["data"])))
             fields = {}
         elif not line.startswith(":"):
             name, _, value = line.partition(": ")
