@@ -1000,6 +1000,8 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
         state.record_call(o.record)
         summary = ToolCallSummary(id=o.call_id, name=o.name, success=o.success, latency_ms=o.latency_ms, error=o.error)
         turn.tool_calls.append(summary)
+        # what a watcher of the session sees: no arguments, result or error text
+        state.log_event("tool_result", {"id": o.call_id, "name": o.name, "success": o.success})
         if o.success or o.error_kind not in NOT_RUN_KINDS:  # it ran: it counts toward the tool's limits
             counts = state.snapshot.extra.setdefault(CALLS_KEY, {})
             counts[o.name] = counts.get(o.name, 0) + 1
@@ -1020,8 +1022,6 @@ def _fold(state: SessionState, turn: _Turn, outcomes: list[ToolOutcome], message
         elif o.counts_for_breaker:
             state.snapshot.breakers[o.name] = state.snapshot.breakers.get(o.name, 0) + 1
         events.append(StreamEvent(event="tool_result", data=msgspec.to_builtins(summary)))
-        # what a watcher of the session sees: no arguments, result or error text
-        state.log_event("tool_result", {"id": o.call_id, "name": o.name, "success": o.success})
         if o.client_action is not None:
             action = {"call_id": o.call_id, **msgspec.to_builtins(o.client_action)}
             turn.client_actions.append(action)

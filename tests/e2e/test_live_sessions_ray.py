@@ -113,3 +113,47 @@ async def test_a_workflow_result_posted_later_reaches_the_contacts_stream_withou
         assert status == 200 and not reply.get("deliveries")  # delivered once, by the wake
     finally:
         await backend.stop()
+
+
+async def test_a_person_takes_over_and_gives_the_session_back_as_the_readme_shows(stack, client, tenant, db):
+    tenant_id, _, headers = tenant
+    gw = stack.gateway.url
+    async with client.get(f"{gw}/v1/sessions/live-hand/events", headers=headers) as stream:
+        status, reply = await post(client, f"{gw}/v1/sessions/live-hand/messages", headers,
+                                   {"text": "can I talk to a person?"})
+        assert status == 200 and reply["handoff"] is True, reply
+        async with client.get(f"{gw}/v1/handoffs?state=requested", headers=headers) as r:
+            handoffs = (await r.json())["handoffs"]
+        handoff = next(h for h in handoffs if h["session_id"] == "live-hand")
+        assert handoff["messages"][0] == {"role": "user", "text": "can I talk to a person?", "seq": 0}
+        status, claimed = await post(client, f"{gw}/v1/handoffs/{handoff['id']}/claim", headers, {"agent": "Ana"})
+        assert status == 200 and claimed["state"] == "assigned" and claimed["agent"] == "Ana"
+        status, other = await post(client, f"{gw}/v1/handoffs/{handoff['id']}/claim", headers, {"agent": "Bo"})
+        assert status == 409 and "already assigned to 'Ana'" in other["detail"]
+        status, sent = await post(client, f"{gw}/v1/sessions/live-hand/agent-messages", headers,
+                                  {"agent": "Ana", "text": "Hi, Ana here.", "message_id": "ana-1"})
+        assert status == 200 and sent == {"session_id": "live-hand", "message_id": "ana-1", "agent": "Ana",
+                                          "text": "Hi, Ana here."}
+        status, quiet = await post(client, f"{gw}/v1/sessions/live-hand/messages", headers, {"text": "thank you Ana"})
+        assert status == 200 and quiet["reply"] == "" and quiet["handoff"] is True
+        status, resolved = await post(client, f"{gw}/v1/handoffs/{handoff['id']}/resolve", headers,
+                                      {"return_to_bot": True})
+        assert status == 200 and resolved["state"] == "resolved" and resolved["return_to_bot"] is True
+        status, back = await post(client, f"{gw}/v1/sessions/live-hand/messages", headers, {"text": "hello again"})
+        assert status == 200 and back["handoff"] is False and back["reply"]
+        seen = await read_sse(stream, 9, T)
+    assert [(e, d.get("author") or d.get("state")) for _, e, d in seen] == [
+        ("message", "contact"), ("tool_call", None), ("tool_result", None), ("handoff", "requested"),
+        ("message", "bot"), ("handoff", "assigned"), ("message", "agent"), ("message", "contact"),
+        ("handoff", "resolved"),
+    ]
+    status, _ = await post(client, f"{gw}/v1/sessions/live-hand/agent-messages", headers,
+                           {"agent": "Ana", "text": "one more thing"})
+    assert status == 409  # back with the bot: no person writes there
+    # the model's answer came after Ana's words, which it read in the history
+    rows = await db.fetch(
+        "SELECT m.role, m.content::text AS content FROM ce_messages m JOIN ce_sessions s ON s.id = m.session_id "
+        "WHERE s.tenant_id = $1 AND s.session_key = 'live-hand' ORDER BY m.seq", tenant_id)
+    texts = [r["content"] for r in rows]
+    ana = next(i for i, t in enumerate(texts) if "[Ana, a member of the team] Hi, Ana here." in t)
+    assert ana < len(texts) - 2 and rows[-1]["role"] == "assistant"
