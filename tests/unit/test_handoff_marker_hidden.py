@@ -52,10 +52,10 @@ class Watch:
 
 def _no_marker_stored(state) -> None:
     """Neither the session's history nor what its flush would write (messages, stored answers)
-    holds the marker."""
+    holds the marker, nor the event log its watchers read."""
     assert HANDOFF_MARKER not in msgspec.json.encode(state.history).decode()
     delta = state.take_delta()
-    assert delta is not None and delta.messages and delta.turns
+    assert delta is not None and delta.messages and delta.turns and delta.events  # the log watchers read, too
     assert HANDOFF_MARKER not in msgspec.json.encode(delta).decode()
 
 
