@@ -142,6 +142,9 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
 #: the newest written events a host keeps in memory per watched session, so that a push costs its
 #: watchers no read of Postgres (one far behind reads the log from Postgres instead)
 FEED_KEPT = 256
+#: how long a host keeps what it knows of a session nobody watches any more: a watcher asks again
+#: right after each wait, and must not cost a read of Postgres each time
+FEED_IDLE_S = 60.0
 
 
 class _Feed:
@@ -149,28 +152,39 @@ class _Feed:
 
     `recent` holds events with consecutive numbers (a gap, as after the session moved away and
     back, empties it first), so any watcher whose last event is at or after the first one's
-    predecessor is served from memory. The bell is a future resolved (and replaced) at each push.
+    predecessor is served from memory. `latest` is the newest number known written (pushed, or
+    the store had nothing after it), so a watcher that has it waits without a read. Both are
+    forgotten when the session is activated again: another host may have written meanwhile. The
+    bell is a future resolved (and replaced) at each push.
     """
 
-    __slots__ = ("bell", "recent", "watchers")
+    __slots__ = ("bell", "idle_since", "latest", "recent", "watchers")
 
     def __init__(self) -> None:
         self.recent: collections.deque[SessionEvent] = collections.deque(maxlen=FEED_KEPT)
+        self.latest: int | None = None
         self.bell: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.watchers = 0
+        self.idle_since = time.monotonic()
 
     def after(self, seq: int) -> list[SessionEvent] | None:
         """The kept events after `seq`, or None when memory cannot say (ask the store)."""
-        if not self.recent or seq < self.recent[0].seq - 1:
-            return None
-        if seq >= self.recent[-1].seq:
+        if self.recent and seq >= self.recent[0].seq - 1:
+            return [] if seq >= self.recent[-1].seq else [e for e in self.recent if e.seq > seq]
+        if not self.recent and self.latest is not None and seq >= self.latest:
             return []
-        return [e for e in self.recent if e.seq > seq]
+        return None
 
     def push(self, events: list[SessionEvent]) -> None:
         if self.recent and events[0].seq != self.recent[-1].seq + 1:
             self.recent.clear()
         self.recent.extend(events)
+        self.latest = events[-1].seq
+        self.ring()
+
+    def forget(self) -> None:
+        self.recent.clear()
+        self.latest = None
         self.ring()
 
     def ring(self) -> None:
@@ -345,6 +359,8 @@ class SessionHost:
         host may activate it, and if it ever moves back it is activated again from Postgres.
         """
         released = 0
+        for key in [k for k in self._feeds if not self.owns(*k)]:
+            self._feeds.pop(key).ring()  # its watchers are told it moved, and ask its new host
         for key, entry in list(self._sessions.items()):
             if self.owns(*key):
                 continue
@@ -368,7 +384,7 @@ class SessionHost:
             "host": self.name, "live_sessions": len(self._sessions), "flushes": self.flushes,
             "flushed_sessions": self.flushed_sessions, "last_flush_ms": self.last_flush_ms,
             "dirty": len(self._dirty), "activations": self.activations,
-            "watched_sessions": len(self._feeds),
+            "watched_sessions": len(self._feeds), "watchers": self.watchers,
             "stored_turn_reads": self.stored_turn_reads,
             # run, not yet written (Postgres away): at the cap, new turns are refused
             "unwritten_turns": self._unwritten, "unwritten_turns_cap": self._unwritten_cap,
@@ -472,10 +488,14 @@ class SessionHost:
         deadline = time.monotonic() + wait_s
         try:
             while True:
+                if not self.owns(tenant_id, session_id):
+                    raise SessionMoved(session_id)
                 bell = feed.bell  # taken before reading: a push after the read rings it
                 events = feed.after(after)
                 if events is None:
                     events = await self._store.events_after(tenant_id, session_id, after)
+                    if not events and self._feeds.get(key) is feed and (feed.latest or 0) < after:
+                        feed.latest = after  # nothing after it is written: the next ask needs no read
                 if events:
                     return events
                 left = deadline - time.monotonic()
@@ -487,8 +507,8 @@ class SessionHost:
                     return []
         finally:
             feed.watchers -= 1
-            if not feed.watchers and self._feeds.get(key) is feed:
-                del self._feeds[key]
+            if not feed.watchers:
+                feed.idle_since = time.monotonic()  # kept FEED_IDLE_S for the watcher's next ask
 
     def wake(self, tenant_id: str, session_id: str, job_id: str) -> None:
         """A job of the session finished in this process (a workflow run by the engine): run
@@ -512,7 +532,20 @@ class SessionHost:
 
     @property
     def watched_sessions(self) -> int:
+        """Sessions someone watches now, or did within FEED_IDLE_S."""
         return len(self._feeds)
+
+    @property
+    def watchers(self) -> int:
+        """Watchers waiting on this host now."""
+        return sum(f.watchers for f in self._feeds.values())
+
+    def drop_idle_feeds(self, cutoff: float) -> int:
+        """Forget the sessions nobody has watched since `cutoff` (monotonic); returns how many."""
+        idle = [k for k, f in self._feeds.items() if not f.watchers and f.idle_since < cutoff]
+        for key in idle:
+            del self._feeds[key]
+        return len(idle)
 
     async def _load_turn(self, state: SessionState, message_id: str) -> None:
         """Put turn `message_id`'s stored answer in the session's cache if it may be missing there
@@ -804,6 +837,9 @@ class SessionHost:
             entry = _Entry(state)
             self._sessions[key] = entry
             self.activations += 1
+            feed = self._feeds.get(key)
+            if feed is not None:  # another host may have written its events meanwhile
+                feed.forget()
             if activated.history:
                 self.reactivation_ms.append((time.perf_counter() - started) * 1000)
             future.set_result(entry)
@@ -844,6 +880,7 @@ class SessionHost:
         while True:
             await asyncio.sleep(max(0.05, min(idle / 4, 5.0)))
             await self.sweep(time.monotonic() - idle)
+            self.drop_idle_feeds(time.monotonic() - FEED_IDLE_S)
 
     async def sweep(self, cutoff: float) -> int:
         """Passivate the sessions unused since `cutoff` (monotonic), and, while the host holds

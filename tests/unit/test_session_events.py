@@ -5,6 +5,7 @@ changes as the session runs them. No Postgres, no Ray (tests/support/host_fakes.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -83,17 +84,41 @@ async def test_a_watcher_gets_the_events_after_the_one_it_names_and_waits_for_ne
     assert await host.watch("t1", "s1", 2, 0.05) == []  # nothing new within the wait
 
     waiting = asyncio.create_task(host.watch("t1", "s1", 2, T))
-    await eventually(lambda: host.watched_sessions == 1)
+    await eventually(lambda: host.watchers == 1)
     await asyncio.wait_for(host.send(turn("again", "m2")), T)
     assert [e.seq for e in await asyncio.wait_for(waiting, T)] == [3, 4]
-    assert host.watched_sessions == 0  # no watcher left: nothing kept for the session
+    assert host.watchers == 0
     reads = store.events_reads
-    # pushed events are served from memory while someone watches
+    # pushed events are served from memory, and a watcher that has the newest waits without a read
     waiting = asyncio.create_task(host.watch("t1", "s1", 4, T))
-    await eventually(lambda: host.watched_sessions == 1)
+    await eventually(lambda: host.watchers == 1)
     await asyncio.wait_for(host.send(turn("third", "m3")), T)
     assert [e.seq for e in await asyncio.wait_for(waiting, T)] == [5, 6]
-    assert store.events_reads == reads + 1  # the one read when it began; the push cost none
+    assert await host.watch("t1", "s1", 6, 0.01) == []  # asked again after its wait: known, no read
+    assert store.events_reads == reads
+
+
+async def test_an_idle_watcher_asking_again_and_again_costs_one_read_then_none(world):
+    store = world.store
+    host = await world.host()
+    await asyncio.wait_for(host.send(turn("hello", "m1")), T)
+    for _ in range(5):
+        assert await host.watch("t1", "s1", 2, 0.01) == []
+    assert store.events_reads == 1
+    assert host.drop_idle_feeds(cutoff=time.monotonic() + 1) == 1  # nobody watched it since: forgotten
+    assert await host.watch("t1", "s1", 2, 0.01) == [] and store.events_reads == 2
+
+
+async def test_what_a_host_knows_of_a_watched_session_is_forgotten_when_it_is_activated_again(world):
+    store = world.store
+    host = await world.host()
+    await asyncio.wait_for(host.send(turn("hello", "m1")), T)
+    assert await host.watch("t1", "s1", 2, 0.01) == []
+    assert await host.passivate("t1", "s1")
+    other = await world.host("h2")  # meanwhile another host has the session and writes to it
+    await asyncio.wait_for(other.send(turn("elsewhere", "m2")), T)
+    await asyncio.wait_for(host._entry(KEY), T)  # activated here again (a turn or a view would), after h2
+    assert [e.data["text"] for e in await host.watch("t1", "s1", 2, 0)] == ["elsewhere", "echo: elsewhere"]
 
 
 async def test_an_event_reaches_a_watcher_only_once_it_is_written(world):
@@ -101,7 +126,7 @@ async def test_an_event_reaches_a_watcher_only_once_it_is_written(world):
     host = await world.host()
     await asyncio.wait_for(host.send(turn("hello", "m1")), T)
     waiting = asyncio.create_task(host.watch("t1", "s1", 2, T))
-    await eventually(lambda: host.watched_sessions == 1)
+    await eventually(lambda: host.watchers == 1)
     store.hold = asyncio.Event()
     sending = asyncio.create_task(host.send(turn("again", "m2")))
     await asyncio.wait_for(store.flush_entered.wait(), T)
@@ -123,7 +148,7 @@ async def test_stopping_the_host_sends_its_watchers_back_at_once(world):
     host = await world.host()
     await asyncio.wait_for(host.send(turn("hello", "m1")), T)
     waiting = asyncio.create_task(host.watch("t1", "s1", 2, 60))
-    await eventually(lambda: host.watched_sessions == 1)
+    await eventually(lambda: host.watchers == 1)
     await asyncio.wait_for(host.stop(), T)
     assert await asyncio.wait_for(waiting, T) == []
 
