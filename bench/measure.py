@@ -16,6 +16,10 @@ task path by turns, slice after slice, so that the machine's drift falls on all 
 reply's `Server-Timing` (in (a) the reply's own timing) gives the session host's share of a turn,
 which splits the added p50 into the hosts' own time and the hop; the machine's busy share is read
 around each way's slices. `--growth` measures live sessions 100 -> 1,000 -> 10,000 on one host set.
+Last, on the stack's gateway and sharded hosts, live sessions (bench/live.py, from a worker
+process): push latency, agent messages at --push-rate to --push-sessions handed-off sessions each
+watched by one SSE stream, from the POST to the frame read on the stream; and --idle-watchers idle
+SSE watchers held on the gateway, for the resident memory each adds to the gateway and the hosts.
 
 Processes: this one runs the stack (embedded Postgres, local Ray, session hosts, gateways); the
 local model and the demo store run in two helper processes (they stand for the model API and the
@@ -28,9 +32,11 @@ daemons, and the session-host actors that way used), sampled every 0.5 s.
 
     python -m bench.measure [--messages N] [--concurrency C] [--sessions S]
                              [--dedicated-sessions D] [--shards K] [--repeat R] [--growth]
+                             [--push-sessions N --push-rate R --push-seconds T | --no-push]
+                             [--idle-watchers N]
 
 Writes .data/bench.json in the shape docs/performance.md gives (gate on), with "gate_off", "peak",
-"half_load", "detail" and, with --growth, "growth" beside it; keeps the same document as
+"half_load", "detail", "live" and, with --growth, "growth" beside it; keeps the same document as
 bench/results/<UTC time>.json and regenerates docs/benchmarks.md from every run kept there
 (bench/report.py: the document, its printed table and that page). A program that reports
 numbers, not a test.
@@ -51,6 +57,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import sys
 import threading
@@ -61,6 +68,7 @@ from typing import Any
 
 import msgspec
 
+from bench.live import LiveSpec, per_watcher_kb, raise_open_files, worker_main
 from bench.report import (
     RESULTS_DIR,
     TABLE,
@@ -71,6 +79,7 @@ from bench.report import (
     report,
     tail_text,
 )
+from bench.stats import percentile
 from services.heap import PAUSES, tune_collector
 
 WAYS = ("inprocess", "sharded", "dedicated")
@@ -405,13 +414,6 @@ def peak_index(growths: list[float | None]) -> int:
             break
         peak = i
     return peak
-
-
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))]
 
 
 def _summary(latencies: list[float], errors: int, elapsed: float) -> dict[str, Any]:
@@ -1425,6 +1427,154 @@ class Bench:
             out[way] = {"points": points, "peak": points[peak_index(growth[way])]}
         return out
 
+    # -- live sessions --------------------------------------------------------------------------------
+
+    async def live(self) -> dict[str, Any] | None:
+        """Push latency and idle watchers (bench/live.py) on the stack's gateway and sharded hosts,
+        unless --no-push and --idle-watchers 0."""
+        a = self.args
+        out: dict[str, Any] = {}
+        if a.push:
+            out["push"] = await self.push_latency()
+        if a.idle_watchers > 0:
+            out["idle"] = await self.idle_watchers()
+        return out or None
+
+    async def push_latency(self) -> dict[str, Any]:
+        """--push-sessions sessions handed off and watched, then --push-rate agent messages a
+        second for --push-seconds, open loop: how long each took from its POST to its watcher."""
+        a = self.args
+        self.run_no += 1
+        tag = f"b{os.getpid()}-{self.run_no}-push"
+        spec = LiveSpec(mode="push", url=self.stack.gateway.url, api_key=self.key,
+                        sessions=[f"{tag}-{i}" for i in range(a.push_sessions)],
+                        rate=a.push_rate, seconds=a.push_seconds)
+        placement = self.stack.placement
+        worker = await Child.start("live", stdin_line=msgspec.json.encode(spec))
+        try:
+            ready = await worker.expect("ready")
+            watched = sum(s.get("watched_sessions", 0) for s in await placement.stats())
+            print(f"push: {ready['handed_off']} of {ready['sessions']} sessions handed off in {ready['handoff_s']:.1f}s, "
+                  f"{ready['watchers']} watchers connected in {ready['connect_s']:.1f}s "
+                  f"({watched} sessions watched at the hosts)", file=sys.stderr)
+            cpu = ProcessCpu({os.getpid(): "gateway (bench)", worker.pid: "client"})
+            busy = CpuShare().start()
+            cpu.start()
+            worker.write(b"go")
+            done = await worker.expect("done", timeout=600 + a.push_seconds)
+            cpu.stop()
+            busy.stop()
+        finally:
+            await worker.close()
+        done.pop("event", None)
+        done["watched_sessions_at_hosts"] = watched
+        done["hosts_released_s"], done["watched_after_close"] = await self._hosts_let_go()
+        done["busy_pct"], done["steal_pct"] = busy.percent()
+        done["cpu_ms_per_push_by_process"] = cpu.ms_per_message(done["pushes"])
+        print(f"  push @{a.push_rate:.0f}/s to {done['watchers']} watched sessions: {done['arrived']} of "
+              f"{done['pushes']} arrived, p50 {done['p50_ms']:.1f} ms, p99 {done['p99_ms']:.1f} ms "
+              f"(max {done['max_ms']:.1f}; the POST's own p50 {done['post_p50_ms']:.1f}, p99 {done['post_p99_ms']:.1f}); "
+              f"errors {done['errors']} (POST {done['post_errors']}, missing {done['missing']}, twice "
+              f"{done['duplicates']}, other stream {done['wrong_stream']}, streams lost {done['streams_lost']}); "
+              f"machine busy {done['busy_pct']:.0f}%", file=sys.stderr)
+        print(f"      CPU ms per push by process: {by_process_text(done['cpu_ms_per_push_by_process'])}", file=sys.stderr)
+        if done.get("error_kinds"):
+            print(f"  errors: {json.dumps(done['error_kinds'])}", file=sys.stderr)
+        return done
+
+    async def _hosts_let_go(self, limit_s: float = 60.0) -> tuple[float, int]:
+        """Wait until the hosts watch no session (a closed watcher's wait on its host ends at the
+        host's next answer: 15 s at most), `limit_s` at most; returns (seconds, sessions still
+        watched)."""
+        started = time.perf_counter()
+        while True:
+            left = sum(s.get("watched_sessions", 0) for s in await self.stack.placement.stats())
+            if not left or time.perf_counter() - started > limit_s:
+                return time.perf_counter() - started, left
+            await asyncio.sleep(0.5)
+
+    async def idle_watchers(self) -> dict[str, Any]:
+        """--idle-watchers SSE watchers of quiet sessions on the stack's gateway: connected, held
+        --idle-settle-seconds, then the resident memory they added to the gateway process (this
+        one) and the session hosts, per watcher; then closed, and the hosts seen to let go."""
+        import psutil
+
+        a = self.args
+        n = a.idle_watchers
+        self.run_no += 1
+        tag = f"b{os.getpid()}-{self.run_no}-idle"
+        placement = self.stack.placement
+        spec = LiveSpec(mode="idle", url=self.stack.gateway.url, api_key=self.key,
+                        sessions=[f"{tag}-{i}" for i in range(n)])
+        hosts = {s["pid"] for s in await placement.stats()}
+        gateway_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+        host_nofile = {}
+        for pid in hosts:
+            with contextlib.suppress(psutil.Error):
+                host_nofile[pid] = psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE)[0]
+        worker = await Child.start("live", stdin_line=msgspec.json.encode(spec))
+        try:
+            started = await worker.expect("started")
+            for who, soft in (("the client", started["nofile_soft"]), ("the gateway", gateway_nofile[0])):
+                if soft < n + 256:
+                    print(f"  note: {who}'s open-file limit is {soft}, below {n} watchers and a margin: "
+                          "expect failures (raise `ulimit -n`)", file=sys.stderr)
+            gc.collect()
+            gateway_before, hosts_before = rss_mb({os.getpid()}), rss_mb(hosts)
+            worker.write(b"go")
+            connected = await worker.expect("connected", timeout=900)
+            print(f"idle: {connected['connected']} of {n} watchers connected in {connected['connect_s']:.1f}s, "
+                  f"{connected['failed']} failed; settling {a.idle_settle_seconds:.0f}s", file=sys.stderr)
+            if connected.get("error_kinds"):
+                print(f"  errors: {json.dumps(connected['error_kinds'])}", file=sys.stderr)
+            cpu = ProcessCpu({os.getpid(): "gateway (bench)", worker.pid: "client"})
+            busy = CpuShare().start()
+            cpu.start()
+            await asyncio.sleep(a.idle_settle_seconds)
+            cpu.stop()
+            busy.stop()
+            # read before the collection below: it holds up this process (the gateway) for a
+            # moment with 10,000 connections' objects, and the waits that end meanwhile are
+            # between two calls on the host when it counts them
+            watched = sum(s.get("watched_sessions", 0) for s in await placement.stats())
+            gc.collect()
+            gateway_after, hosts_after = rss_mb({os.getpid()}), rss_mb(hosts)
+            worker.write(b"close")
+            done = await worker.expect("done", timeout=300)
+        finally:
+            await worker.close()
+        released_s, left = await self._hosts_let_go()
+        open_count = connected["connected"]
+        settle_s = max(a.idle_settle_seconds, 1e-9)
+        result = {
+            "watchers": n, "connected": open_count, "failed": connected["failed"],
+            "lost_while_idle": done["lost_while_idle"], "errors": connected["failed"] + done["lost_while_idle"],
+            "error_kinds": connected.get("error_kinds", {}), "lost_kinds": done.get("lost_kinds", []),
+            "connect_s": connected["connect_s"], "settle_s": a.idle_settle_seconds, "close_s": done["close_s"],
+            "waiting_comments": done["waiting_comments"], "watched_sessions_at_hosts": watched,
+            "hosts_released_s": round(released_s, 1), "watched_after_close": left,
+            "gateway_rss_mb": [gateway_before, gateway_after], "hosts_rss_mb": [hosts_before, hosts_after],
+            "kb_per_watcher": per_watcher_kb(gateway_before + hosts_before, gateway_after + hosts_after, open_count),
+            "gateway_kb_per_watcher": per_watcher_kb(gateway_before, gateway_after, open_count),
+            "hosts_kb_per_watcher": per_watcher_kb(hosts_before, hosts_after, open_count),
+            "busy_pct": busy.percent()[0],
+            # while they sat idle: CPU seconds per second, by process
+            "cpu_pct_by_process": {k: round(100 * v / settle_s, 1) for k, v in sorted(
+                cpu.seconds.items(), key=lambda kv: -kv[1])[:6]},
+            "nofile": {"client": started["nofile_soft"], "gateway": gateway_nofile[0],
+                       "hosts": sorted(set(host_nofile.values()))},
+        }
+        kb = result["kb_per_watcher"]
+        print(f"  {open_count} idle watchers: {'-' if kb is None else f'{kb:.1f}'} KB each "
+              f"(gateway {result['gateway_kb_per_watcher'] or 0:.1f}, hosts {result['hosts_kb_per_watcher'] or 0:.1f}); "
+              f"gateway {gateway_before:.0f} -> {gateway_after:.0f} MB, hosts {hosts_before:.0f} -> {hosts_after:.0f} MB; "
+              f"{watched} sessions watched at the hosts; {done['lost_while_idle']} lost while idle; "
+              f"machine busy {result['busy_pct']:.0f}% while idle ("
+              + ", ".join(f"{k} {v:.0f}%" for k, v in result["cpu_pct_by_process"].items())
+              + f"); closed in {done['close_s']:.1f}s, the hosts let go in {result['hosts_released_s']:.0f}s "
+              f"({left} still watched)", file=sys.stderr)
+        return result
+
     # -- growth ---------------------------------------------------------------------------------------
 
     async def growth(self) -> dict[str, Any]:
@@ -1615,9 +1765,10 @@ async def main_async(args: argparse.Namespace) -> int:
         await bench.start()
         result = await bench.compare()
         growth = await bench.growth() if args.growth else None
+        live = await bench.live()
     finally:
         await bench.stop()
-    doc = report(result, args, growth)
+    doc = report(result, args, growth, live)
     out = Path(args.data_dir).parent / "bench.json" if args.output is None else Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -1678,6 +1829,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--growth-concurrency", type=int, default=32)
     p.add_argument("--reactivate", type=int, default=500, help="sessions passivated and brought back")
     p.add_argument("--burst", type=int, default=1000, help="concurrent sessions in the growth burst")
+    p.add_argument("--no-push", dest="push", action="store_false",
+                   help="skip the push latency run (agent messages to watched sessions, through the gateway)")
+    p.add_argument("--push-sessions", type=int, default=1000,
+                   help="sessions handed off and watched (one SSE watcher each) for the push latency run")
+    p.add_argument("--push-rate", type=float, default=100.0, help="agent messages per second, open loop")
+    p.add_argument("--push-seconds", type=float, default=30.0, help="how long the agent messages are sent for")
+    p.add_argument("--idle-watchers", type=int, default=10_000,
+                   help="idle SSE watchers held open on one gateway for their memory (0: skip)")
+    p.add_argument("--idle-settle-seconds", type=float, default=20.0,
+                   help="how long the idle watchers are held before their memory is read (past the gateway's "
+                        "15 s wait on the host, so each has been through one)")
     p.add_argument("--profile", default=None,
                    help="directory: py-spy profiles (collapsed stacks) of the engine processes during each way")
     p.add_argument("--profile-seconds", type=float, default=8.0)
@@ -1702,6 +1864,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--half-load-variant takes CE_NAME=VALUE (an engine setting), got {item!r}")
         variant[name] = value
     args.half_load_variant = variant
+    if args.push and (args.push_sessions < 1 or not args.push_rate > 0 or not args.push_seconds > 0):
+        p.error("--push-sessions, --push-rate and --push-seconds take numbers above 0 (or --no-push)")
+    if args.idle_watchers < 0 or args.idle_settle_seconds < 0:
+        p.error("--idle-watchers and --idle-settle-seconds take numbers of at least 0")
     if args.half_load_slices < 1:
         p.error("--half-load-slices takes a whole number of at least 1")
     if not args.ways or any(w not in WAYS for w in args.ways):
@@ -1753,10 +1919,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = msgspec.json.decode(sys.stdin.readline().encode(), type=WorkerSpec)
         asyncio.run(_worker(spec))
         return 0
+    if argv[:1] == ["live"]:
+        worker_main()
+        return 0
     if argv[:1] == ["backend"]:
         asyncio.run(_backend(argv[1]))
         return 0
     tune_collector()  # this process runs the benchmark's gateways, as `chat-engine serve` would
+    # an SSE watcher is a socket in the gateway (this process); Postgres, Ray and the hosts started
+    # from here inherit the limit (ray.init raises its caller's to the hard limit too, up to 65,536)
+    raise_open_files()
     return asyncio.run(main_async(parse_args(argv)))
 
 

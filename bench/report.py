@@ -37,7 +37,8 @@ def machine() -> str:
             f"{mem:.0f} GiB, {platform.system()} {platform.release()}, Python {platform.python_version()}")
 
 
-def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, Any] | None) -> dict[str, Any]:
+def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, Any] | None,
+           live: dict[str, Any] | None = None) -> dict[str, Any]:
     on = result["gate_on"]
     doc: dict[str, Any] = {
         "ways": {w: {k: round(v[k], 6) for k in CONTRACT_KEYS} for w, v in on["ways"].items()},
@@ -66,6 +67,8 @@ def report(result: dict[str, Any], args: argparse.Namespace, growth: dict[str, A
     }
     if growth is not None:
         doc["growth"] = growth
+    if live is not None:
+        doc["live"] = live
     return doc
 
 
@@ -184,6 +187,69 @@ def print_table(doc: dict[str, Any]) -> None:
         r = g["reactivation"]
         print(f"  activation of a passivated session from Postgres: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms "
               f"({r['sessions']} sessions)")
+    live = doc.get("live") or {}
+    if live:
+        print("\nlive sessions (sharded, through the gateway; targets: " + TARGETS_TEXT + ")")
+    push = live.get("push")
+    if push:
+        print(f"  push {push_text(push)}: p50 {push['p50_ms']:.1f} ms, p99 {push['p99_ms']:.1f} ms "
+              f"({_verdict(push_met(push))}), max {push['max_ms']:.1f} ms; errors {push_errors_cell(push)}")
+    idle = live.get("idle")
+    if idle:
+        print(f"  idle watchers: {idle_connected_cell(idle)}; KB per watcher {idle_kb_cell(idle)} "
+              f"(of it gateway / hosts {idle_split_cell(idle)})")
+
+
+#: what live sessions should do (docs/performance.md § Live sessions), shown beside the figures
+PUSH_P99_TARGET_MS = 25.0
+IDLE_KB_TARGET = 20.0
+IDLE_WATCHERS_TARGET = 10_000
+TARGETS_TEXT = (f"push p99 ≤ {PUSH_P99_TARGET_MS:.0f} ms without error, ≤ {IDLE_KB_TARGET:.0f} KB per idle watcher, "
+                f"{IDLE_WATCHERS_TARGET:,} idle watchers without error")
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
+def push_text(push: dict[str, Any]) -> str:
+    """What a push run did: `1,000 sessions, 100/s for 30 s`."""
+    return f"{push['watchers']:,} sessions, {push['rate']:g}/s for {push['seconds']:g} s"
+
+
+def push_met(push: dict[str, Any]) -> bool:
+    """The push p99 is met only at or under its target with no push gone wrong (a missing event
+    would be slower than any that came)."""
+    return push["p99_ms"] <= PUSH_P99_TARGET_MS and push["errors"] == 0 and push["arrived"] > 0
+
+
+def push_p99_cell(push: dict[str, Any]) -> str:
+    return f"{push['p99_ms']:.1f}, {_verdict(push_met(push))}"
+
+
+def push_errors_cell(push: dict[str, Any]) -> str:
+    parts = [f"{push[k]} {label}" for k, label in (
+        ("post_errors", "refused"), ("missing", "missing"), ("duplicates", "twice"), ("wrong_stream", "on another stream"),
+        ("streams_lost", "streams lost")) if push.get(k)]
+    return f"{push['errors']} of {push['pushes']:,}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def idle_connected_cell(idle: dict[str, Any]) -> str:
+    """Idle watchers connected against the target: met only with as many as the target tried,
+    every one connected, none lost while idle."""
+    text = f"{idle['connected']:,} of {idle['watchers']:,}, {idle['errors']} errors"
+    if idle["watchers"] < IDLE_WATCHERS_TARGET:
+        return f"{text}, target not tried"
+    return f"{text}, {_verdict(idle['errors'] == 0 and idle['connected'] >= IDLE_WATCHERS_TARGET)}"
+
+
+def idle_kb_cell(idle: dict[str, Any]) -> str:
+    kb = idle.get("kb_per_watcher")
+    return "–" if kb is None else f"{kb:.1f}, {_verdict(kb <= IDLE_KB_TARGET)}"
+
+
+def idle_split_cell(idle: dict[str, Any]) -> str:
+    return f"{_figure(idle.get('gateway_kb_per_watcher'), '.1f')} / {_figure(idle.get('hosts_kb_per_watcher'), '.1f')}"
 
 
 def record_run(doc: dict[str, Any], results_dir: Path, table: Path, *, now: datetime | None = None) -> Path:
@@ -278,7 +344,39 @@ def results_table(runs: Sequence[tuple[str, dict[str, Any]]], *, source: str = "
             f"`{_cell(command)}`" if command else "–",
         ]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join([*lines, ""])
+    return "\n".join([*lines, *live_table(runs), ""])
+
+
+def live_table(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The page's live-session section: one row per run that measured push latency or idle
+    watchers, the targets beside the figures; nothing when no run did."""
+    measured = [(label, doc["live"]) for label, doc in runs if doc.get("live")]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## Live sessions",
+        "",
+        ("Sharded session hosts behind the gateway, measured from a client process (bench/live.py). Push: "
+         "agent messages (`POST .../agent-messages`) sent open loop to handed-off sessions, each watched "
+         "by one SSE stream; latency from the POST's start to the client's parse of the frame carrying its "
+         "`message_id`. Idle: SSE watchers of quiet sessions held on one gateway; the resident memory they "
+         "added to the gateway and the session hosts, per connected watcher. Targets: "
+         f"{TARGETS_TEXT}. Method: [performance.md](performance.md#live-sessions)."),
+        "",
+        (f"| run (UTC) | push | push p50 ms | push p99 ms (≤ {PUSH_P99_TARGET_MS:.0f}) | push errors "
+         f"| idle watchers ({IDLE_WATCHERS_TARGET:,}, no error) | KB per idle watcher (≤ {IDLE_KB_TARGET:.0f}) "
+         "| of it gateway / hosts KB |"),
+        "| --- | --- | ---: | ---: | --- | --- | ---: | ---: |",
+    ]
+    for label, live in measured:
+        push, idle = live.get("push"), live.get("idle")
+        row = [label]
+        row += ([push_text(push), _figure(push["p50_ms"], ".1f"), push_p99_cell(push), push_errors_cell(push)]
+                if push else ["–"] * 4)
+        row += [idle_connected_cell(idle), idle_kb_cell(idle), idle_split_cell(idle)] if idle else ["–"] * 3
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

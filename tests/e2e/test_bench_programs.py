@@ -26,7 +26,7 @@ def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProc
     return done
 
 
-def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_growth(tmp_path):
+def test_the_benchmark_reports_every_way_the_latency_split_the_peak_the_growth_and_live_sessions(tmp_path):
     out = tmp_path / "bench.json"
     # the run is kept under a results folder of the test's own, not the repository's bench/results
     results, table = tmp_path / "results", tmp_path / "benchmarks.md"
@@ -35,7 +35,9 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
                  "--messages", "40", "--concurrency", "4", "--sessions", "8", "--dedicated-sessions", "2",
                  "--warm-rounds", "1", "--peak-concurrency", "4,8", "--half-load-seconds", "1",
                  "--half-load-slices", "2", "--growth", "--growth-levels", "5,10", "--growth-messages", "20",
-                 "--growth-concurrency", "4", "--reactivate", "4", "--burst", "10"],
+                 "--growth-concurrency", "4", "--reactivate", "4", "--burst", "10",
+                 "--push-sessions", "4", "--push-rate", "20", "--push-seconds", "1",
+                 "--idle-watchers", "20", "--idle-settle-seconds", "1"],
                 tmp_path, timeout=540)
     doc = json.loads(out.read_text())
 
@@ -76,10 +78,18 @@ def test_the_benchmark_reports_every_way_the_latency_split_the_peak_and_the_grow
     assert growth["reactivation"]["sessions"] == 4 and growth["reactivation"]["errors"] == 0
     assert growth["reactivation"]["p50_ms"] > 0
 
+    push = doc["live"]["push"]  # agent messages to watched sessions: every one read on its stream, once
+    assert push["handed_off"] == push["watchers"] == 4 and push["pushes"] == push["arrived"] == 20
+    assert push["errors"] == 0 and 0 < push["p50_ms"] <= push["p99_ms"], push
+    idle = doc["live"]["idle"]  # idle watchers connected, held, measured, closed
+    assert idle["connected"] == 20 and idle["errors"] == 0 and idle["kb_per_watcher"] is not None, idle
+    assert idle["watched_after_close"] == 0
+
     assert "gate on (one tool round per message)" in done.stdout + done.stderr  # the printed table
     kept = list(results.glob("*.json"))  # the run kept as data, and the page made from every run kept
     assert len(kept) == 1 and json.loads(kept[0].read_text()) == doc
     assert kept[0].stem in table.read_text()
+    assert "## Live sessions" in table.read_text()
 
 
 def test_the_load_test_runs_every_scenario_writes_its_csvs_and_says_where_the_knee_is(tmp_path):

@@ -63,3 +63,40 @@ def test_a_run_is_kept_by_its_utc_time_and_the_page_made_from_every_run_kept(tmp
     assert json.loads(kept.read_text())["ways"]["sharded"]["msgs_per_s"] == 450.0
     assert [label for label, _ in load_runs(results)] == ["2026-12-01T100000Z", "2026-12-02T093005Z"]
     assert table.read_text() == results_table(load_runs(results), source=str(results))
+
+
+def _live(p99: float = 9.3, errors: int = 0, watchers: int = 10_000, connected: int = 10_000, kb: float | None = 14.2):
+    push = {"watchers": 1000, "rate": 100.0, "seconds": 30.0, "pushes": 3000, "arrived": 3000 - errors,
+            "p50_ms": 3.4, "p99_ms": p99, "max_ms": 40.0, "errors": errors, "post_errors": 0, "missing": errors,
+            "duplicates": 0, "wrong_stream": 0, "streams_lost": 0}
+    idle = {"watchers": watchers, "connected": connected, "errors": watchers - connected, "kb_per_watcher": kb,
+            "gateway_kb_per_watcher": None if kb is None else kb - 4, "hosts_kb_per_watcher": None if kb is None else 4.0}
+    return {"push": push, "idle": idle}
+
+
+def _live_rows(*docs: dict) -> list[list[str]]:
+    page = results_table([(f"r{i}", doc) for i, doc in enumerate(docs)])
+    section = page.split("## Live sessions", 1)[1]
+    return [line.split(" | ") for line in section.splitlines() if line.startswith("| r") and not line.startswith("| run")]
+
+
+def test_live_sessions_have_a_section_of_their_own_only_when_a_run_measured_them():
+    assert "## Live sessions" not in results_table([("r0", _run(1.0, 1.0))])
+    rows = _live_rows(_run(1.0, 1.0), _run(1.0, 1.0, live=_live()))
+    assert [row[0] for row in rows] == ["| r1"]  # the run without them has no row there
+    assert rows[0][1:5] == ["1,000 sessions, 100/s for 30 s", "3.4", "9.3, met", "0 of 3,000"]
+    assert rows[0][5:8] == ["10,000 of 10,000, 0 errors, met", "14.2, met", "10.2 / 4.0 |"]
+
+
+def test_a_target_missed_is_said_beside_its_figure():
+    slow, lossy, heavy = _live(p99=31.0), _live(errors=2), _live(kb=24.5, connected=9_990)
+    rows = _live_rows(_run(1.0, 1.0, live=slow), _run(1.0, 1.0, live=lossy), _run(1.0, 1.0, live=heavy))
+    assert rows[0][3] == "31.0, **missed**"
+    assert rows[1][3] == "9.3, **missed**"  # fast, but two events never came: not met
+    assert rows[1][4] == "2 of 3,000 (2 missing)"
+    assert rows[2][5] == "9,990 of 10,000, 10 errors, **missed**" and rows[2][6] == "24.5, **missed**"
+
+
+def test_fewer_idle_watchers_than_the_target_are_not_said_to_meet_it():
+    rows = _live_rows(_run(1.0, 1.0, live=_live(watchers=20, connected=20, kb=None)))
+    assert rows[0][5] == "20 of 20, 0 errors, target not tried" and rows[0][6] == "–"
