@@ -110,7 +110,6 @@ async def test_an_idle_watcher_asking_again_and_again_costs_one_read_then_none(w
 
 
 async def test_what_a_host_knows_of_a_watched_session_is_forgotten_when_it_is_activated_again(world):
-    store = world.store
     host = await world.host()
     await asyncio.wait_for(host.send(turn("hello", "m1")), T)
     assert await host.watch("t1", "s1", 2, 0.01) == []
