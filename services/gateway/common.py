@@ -89,6 +89,8 @@ class GatewayDeps:
     feed: Any = None
     #: set when the gateway begins to close: live streams (watchers) end at once
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the handlers of live streams (watchers), cancelled when the gateway begins to close
+    streams: set[asyncio.Task] = field(default_factory=set)
     #: work a request started and did not wait for (a job's result waking its session)
     background: set[asyncio.Task] = field(default_factory=set)
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))

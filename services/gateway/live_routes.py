@@ -105,22 +105,24 @@ async def follow(request: web.Request, tenant_id: str, session_id: str, after: i
 
 # -- the event stream ----------------------------------------------------------------------------
 
-async def until_closing(request: web.Request, work) -> None:
-    """Run `work` (a coroutine) until it ends or the gateway begins to close, whichever is first:
-    a watcher's stream never ends by itself, and must not hold the gateway's drain."""
-    task = asyncio.ensure_future(work)
-    closing = asyncio.ensure_future(request.app[DEPS].closing.wait())
+@contextlib.contextmanager
+def live(request: web.Request):
+    """A watcher's stream, which never ends by itself: its handler is cancelled when the gateway
+    begins to close (it must not hold the drain), and ends quietly then; the client reconnects
+    to another gateway naming its last event. No task of its own: a stream costs its handler's."""
+    deps = request.app[DEPS]
+    task = asyncio.current_task()
+    assert task is not None
+    deps.streams.add(task)
     try:
-        await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        yield
+    except asyncio.CancelledError:
+        if not deps.closing.is_set():
+            raise
+        task.uncancel()
     finally:
-        for t in (task, closing):
-            t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        with contextlib.suppress(asyncio.CancelledError):
-            await closing
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        raise task.exception()
+        deps.streams.discard(task)
+
 
 async def get_events(request: web.Request) -> web.StreamResponse:
     tenant_id = request[TENANT]
@@ -131,13 +133,11 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     })
     await response.prepare(request)
 
-    async def stream() -> None:
-        await response.write(b"retry: 1000\n\n")  # a browser reconnects after a second, with Last-Event-ID
-        async for events in follow(request, tenant_id, session_id, after):
-            await response.write(b"".join(map(sse_frame, events)) if events else b": waiting\n\n")
-
     try:
-        await until_closing(request, stream())
+        with live(request):
+            await response.write(b"retry: 1000\n\n")  # a browser reconnects after a second, with Last-Event-ID
+            async for events in follow(request, tenant_id, session_id, after):
+                await response.write(b"".join(map(sse_frame, events)) if events else b": waiting\n\n")
     except (ConnectionResetError, RuntimeError):
         log.info("sse_watcher_gone", session_id=session_id)
     return response
@@ -158,15 +158,13 @@ async def session_socket(request: web.Request) -> web.WebSocketResponse:
             for event in events:
                 await ws.send_str(_encoder.encode(event_data(event)).decode())
 
-    async def take() -> None:
-        async for frame in ws:
-            if frame.type == WSMsgType.TEXT:
-                answer = await _socket_message(request, tenant_id, session_id, frame.data)
-                await ws.send_str(_encoder.encode(answer).decode())
-
     pusher = asyncio.create_task(push())
     try:
-        await until_closing(request, take())
+        with live(request):
+            async for frame in ws:
+                if frame.type == WSMsgType.TEXT:
+                    answer = await _socket_message(request, tenant_id, session_id, frame.data)
+                    await ws.send_str(_encoder.encode(answer).decode())
     finally:
         pusher.cancel()
         with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
@@ -235,25 +233,22 @@ async def get_agents_feed(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
-
-    async def stream() -> None:
-        await response.prepare(request)
-        await response.write(b"retry: 1000\n\n")
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), WATCH_WAIT_S)
-            except TimeoutError:
-                await response.write(b": waiting\n\n")
-                continue
-            if isinstance(item, str):  # RESET
-                await response.write(b"event: reset\ndata: {}\n\n")
-                return
-            session_id, event = item
-            data = {"session_id": session_id, **event_data(event)}
-            await response.write(b"event: " + event.type.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
-
     try:
-        await until_closing(request, stream())
+        with live(request):
+            await response.prepare(request)
+            await response.write(b"retry: 1000\n\n")
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), WATCH_WAIT_S)
+                except TimeoutError:
+                    await response.write(b": waiting\n\n")
+                    continue
+                if isinstance(item, str):  # RESET
+                    await response.write(b"event: reset\ndata: {}\n\n")
+                    break
+                session_id, event = item
+                data = {"session_id": session_id, **event_data(event)}
+                await response.write(b"event: " + event.type.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n")
     except (ConnectionResetError, RuntimeError):
         log.info("feed_watcher_gone")
     finally:

@@ -144,6 +144,8 @@ class Gateway:
         # watchers' streams end now (they reconnect to another gateway, naming their last event)
         # rather than hold the drain: they are never done
         self.deps.closing.set()
+        for stream in list(self.deps.streams):
+            stream.cancel()
         if self._in_flight is not None:
             for site in list(self._runner.sites):
                 await site.stop()  # new connections are refused from here on

@@ -11,6 +11,7 @@ import asyncio
 import json
 import secrets
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,8 +22,11 @@ from kernel.records import SessionDelta, SessionEvent, SessionSnapshot
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.gateway.feed import AgentFeed
+from services.gateway.server import DRAIN_TIMEOUT_S, open_gateway
+from services.settings import Settings
 from services.tools.crypto import SecretBox, generate_key
 from services.wire import HandoffChange
+from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
 from tests.support.api import read_sse
@@ -191,3 +195,28 @@ async def test_the_agents_feed_carries_what_happens_in_sessions_a_person_has_and
         ("handoff", taken, None, "assigned"), ("message", taken, "contact", None), ("message", taken, "agent", None)]
     assert got[2][1]["text"] == "I am" and got[2][1]["agent"] == "Ana"
 
+
+
+async def test_a_stopping_gateway_ends_its_watchers_streams_instead_of_waiting_for_them(fresh_db):
+    url = await fresh_db()
+    pool = await create_pool(url, min_size=1, max_size=4)
+    host = SessionHost(name="h1", store=SessionRepo(pool), tenants=FakeTenants(), settings=HostSettings())
+    await host.start()
+    gateway = await open_gateway(Settings(database_url=url, host="127.0.0.1", port=0), LocalRouter(host), port=0)
+    assert DRAIN_TIMEOUT_S > 2 * T  # a drain that waited for the streams would fail the bound below
+    try:
+        _, key = await gateway.deps.tenants.create_tenant("closing")
+        headers = {"Authorization": f"Bearer {key.api_key}"}
+        async with aiohttp.ClientSession() as client:
+            streams = [await client.get(f"{gateway.url}/v1/sessions/{sid()}/events", headers=headers) for _ in range(3)]
+            feed = await client.get(f"{gateway.url}/v1/handoffs/events", headers=headers)
+            for stream in [*streams, feed]:
+                assert (await asyncio.wait_for(stream.content.readline(), T)).startswith(b"retry:")
+            await asyncio.wait_for(gateway.close(), T)
+            for stream in [*streams, feed]:
+                await asyncio.wait_for(stream.content.read(), T)  # ended: the client reconnects elsewhere
+                stream.release()
+        assert gateway.deps.streams == set()
+    finally:
+        await asyncio.wait_for(host.stop(), T)
+        await pool.close()
