@@ -432,7 +432,7 @@ async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks
     await page.locator("#try-text").fill('/call change_order {"order_id": "5"}')
     await page.locator("#try-send").click()
     approval = page.locator('#chat-log [data-event="approval_required"]')
-    await expect(approval).to_contain_text("change_order(order_id=5)")
+    await expect(approval).to_contain_text("Run change order with order_id=5?")
     await tab.shot("approval-asked")
     await approval.get_by_role("button", name="Approve").click()
     await expect(page.locator('#chat-log [data-event="tool_result"][data-tool="change_order"]')).to_contain_text("answered in")
