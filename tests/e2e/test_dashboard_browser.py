@@ -323,7 +323,7 @@ async def test_contract_report_groups_the_findings_by_tool_each_with_its_fix(tab
 
 # -- sessions: variables, breakers, handoff; approvals in the try-it box -------------------------
 
-async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks_for_approval(tab, stack, tenant, api):
+async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks_for_approval(tab, stack, tenant, api, db):
     from playwright.async_api import expect
 
     page = tab.page
@@ -362,6 +362,17 @@ async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks
     await expect(approval).to_contain_text("approved")
     await expect(page.locator("#chat-log .msg.bot").last).to_contain_text("Order 5")
     await expect(page.locator('#session-turns tr[data-tool="change_order"]')).to_contain_text('"order_id": "5"')
+    # the box follows the session's stream too: once it has read every event written, each of
+    # these turns' messages and events shows once
+    written = await db.fetchval("SELECT max(seq) FROM ce_session_events e JOIN ce_sessions s ON s.id = e.session_id "
+                                "WHERE s.tenant_id = $1 AND s.session_key = $2", tenant[0], session)
+    await page.wait_for_function("([key, n]) => JSON.parse(sessionStorage.getItem(key) || '0') >= n",
+                                 arg=[f"ce.tryit.seq.{session}", written])
+    for said in (page.locator("#chat-log .msg.user").filter(has_text="/call change_order"),
+                 page.locator("#chat-log .msg.bot").filter(has_text="Before I go ahead"),
+                 page.locator("#chat-log .msg.bot").filter(has_text="Order 5"), approval,
+                 page.locator('#chat-log [data-event="tool_result"][data-tool="change_order"]')):
+        await expect(said).to_have_count(1)
 
     # asking for a person hands the session off
     await page.locator("#try-text").fill("/handoff")
