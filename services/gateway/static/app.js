@@ -370,6 +370,7 @@ const ROUTES = [
   [/^#\/analytics$/, () => analyticsView()],
   [/^#\/sessions\/([^/]+)$/, (m) => sessionsView(decodeURIComponent(m[1]))],
   [/^#\/sessions$/, () => sessionsView(null)],
+  [/^#\/inbox$/, () => inboxView()],
 ];
 
 async function route() {
@@ -1246,7 +1247,7 @@ async function loadSessionDetail(id, box) {
 const SESSION_ID = /^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$/;
 
 /** The try-it box: a contact's view of one session. It follows the session's stream, so every
- * message shows as it is written (the bot's, an agent's, a reply to a job that
+ * message shows as it is written (the bot's, a person's from the Inbox, a reply to a job that
  * finished) without sending anything; a message sent here runs as a turn streamed over SSE. */
 function tryItBox(selected, afterTurn) {
   const sessionKey = 'ce.tryit.session';
@@ -1389,7 +1390,7 @@ function tryItBox(selected, afterTurn) {
 
   const form = h('form', { class: 'card try-it', id: 'try-it' },
     h('h2', {}, 'Try it ', live),
-    h('p', { class: 'muted small-text', text: 'Chat as a contact would. Every message of the session shows here as it is written: the bot\'s, an agent\'s. Lines like /call tool {"arg": 1} make the local model call exactly that tool; /handoff hands the session to a person.' }),
+    h('p', { class: 'muted small-text', text: 'Chat as a contact would. Every message of the session shows here as it is written: the bot\'s, a person\'s from the Inbox. Lines like /call tool {"arg": 1} make the local model call exactly that tool; /handoff hands the session to a person.' }),
     h('label', { for: 'try-session', text: 'Session' }),
     h('div', { class: 'row' }, sid,
       h('button', { type: 'button', class: 'small', text: 'New', onclick: () => { sid.value = newSessionId(); open(sid.value); } })),
@@ -1443,6 +1444,301 @@ function tryItBox(selected, afterTurn) {
   redraw();
   watch();
   return form;
+}
+
+// -- inbox: the open handoffs, live -----------------------------------------------------------
+
+const AGENT_KEY = 'ce.inbox.agent';
+const HANDOFF_RANK = { requested: 0, assigned: 1, resolved: 2 };
+
+/** The Inbox: open handoffs (requested and assigned) from GET /v1/handoffs, kept current by the
+ * agents' feed (GET /v1/handoffs/events); the selected one's conversation follows its session's
+ * stream. An agent claims it under the name entered once (kept in the tab), writes to the
+ * contact, and resolves it back to the bot or closed. */
+async function inboxView() {
+  const rows = new Map(); // handoff id -> the handoff as GET /v1/handoffs shows it, plus `heard` and `unread`
+  const gone = new Set(); // resolved while the view is open: a list read before must not bring them back
+  let selected = S.get('ce.inbox.selected');
+  let convo = null; // the selected handoff's conversation: {handoff, session_id, reason, list, seq, outcome, ...}
+
+  const agent = h('input', { id: 'agent-name', type: 'text', autocomplete: 'name', spellcheck: 'false', value: S.get(AGENT_KEY, ''),
+    placeholder: 'e.g. Ana', 'aria-describedby': 'err-agent-name' });
+  const agentErr = h('p', { class: 'field-error', id: 'err-agent-name', role: 'alert' });
+  agent.addEventListener('input', () => { S.set(AGENT_KEY, agent.value.trim()); agentErr.textContent = ''; agent.removeAttribute('aria-invalid'); });
+  const live = liveBadge('inbox-live');
+  const listErr = h('p', { class: 'field-error', id: 'err-inbox', role: 'alert' });
+  const listBox = h('div', { id: 'inbox-list' });
+  const panel = h('div', { class: 'card', id: 'inbox-conversation' });
+
+  function take(handoffs) {
+    for (const x of handoffs) {
+      if (gone.has(x.id)) continue;
+      if (x.state === 'resolved') { drop(x.id); continue; }
+      const had = rows.get(x.id);
+      if (had && HANDOFF_RANK[had.state] > HANDOFF_RANK[x.state]) continue; // read before a claim we heard of
+      rows.set(x.id, { ...x, heard: had ? had.heard : [], unread: had ? had.unread : false });
+    }
+  }
+
+  function drop(id) {
+    rows.delete(id);
+    gone.add(id);
+  }
+
+  function openRow(sessionId) {
+    return [...rows.values()].find((x) => x.session_id === sessionId);
+  }
+
+  async function reload() {
+    const lists = await Promise.all(['requested', 'assigned'].map((st) => api('GET', `/v1/handoffs?state=${st}`)));
+    rows.clear();
+    take(lists.flatMap((l) => l.handoffs));
+    listErr.textContent = '';
+    renderList();
+    updatePanel();
+  }
+
+  async function fetchState(state) {
+    try {
+      take((await api('GET', `/v1/handoffs?state=${state}`)).handoffs);
+      listErr.textContent = '';
+    } catch (e) { listErr.textContent = e.detail; }
+    renderList();
+    updatePanel();
+  }
+
+  function onFeed(type, d) {
+    if (type === 'handoff') {
+      // a new handoff's event names its session only: its row comes from the list
+      if (d.state === 'requested') { fetchState('requested'); return; }
+      const row = (d.handoff_id && rows.get(d.handoff_id)) || openRow(d.session_id);
+      if (d.state === 'resolved') {
+        if (row) drop(row.id);
+        if (d.handoff_id) gone.add(d.handoff_id);
+        if (convo && convo.handoff === (d.handoff_id || (row && row.id)) && !convo.outcome) convo.outcome = d.return_to_bot ? 'back' : 'closed';
+      } else if (d.state === 'assigned') {
+        if (!row) { fetchState('assigned'); return; }
+        row.state = 'assigned';
+        row.agent = d.agent;
+      }
+      renderList();
+      updatePanel();
+    } else if (type === 'message') {
+      const row = openRow(d.session_id);
+      if (!row) return;
+      row.heard.push({ author: d.author, agent: d.agent, text: d.text });
+      if (d.author === 'contact' && row.id !== selected) row.unread = true;
+      renderList();
+    }
+  }
+
+  function lastSaid(x) {
+    if (x.heard.length) {
+      const m = x.heard[x.heard.length - 1];
+      return `${m.author === 'contact' ? 'Contact' : m.author === 'agent' ? m.agent || 'Agent' : 'Bot'}: ${m.text}`;
+    }
+    const said = x.messages || [];
+    const m = said[said.length - 1];
+    return m ? `${m.role === 'user' ? 'Contact' : 'Team'}: ${m.text}` : '';
+  }
+
+  function stateBadge(state, agentName) {
+    if (state === 'requested') return h('span', { class: 'badge warn', 'data-field': 'state', text: 'waiting' });
+    if (state === 'assigned') return h('span', { class: 'badge ok', 'data-field': 'state', text: `with ${agentName}` });
+    return h('span', { class: 'badge off', 'data-field': 'state', text: 'resolved' });
+  }
+
+  function renderList() {
+    // waiting ones first, oldest first: a queue
+    const open = [...rows.values()].sort((a, b) => HANDOFF_RANK[a.state] - HANDOFF_RANK[b.state]
+      || (a.created_at < b.created_at ? -1 : a.created_at > b.created_at ? 1 : 0));
+    clear(listBox);
+    if (!open.length) {
+      listBox.append(h('p', { class: 'empty', text: 'No open handoffs. A conversation shows up here the moment the bot hands it to a person.' }));
+      return;
+    }
+    listBox.append(h('ul', { class: 'inbox-list' }, open.map((x) => h('li', {
+      'data-handoff': x.id, 'data-session': x.session_id, 'data-state': x.state,
+      class: `${x.id === selected ? 'selected' : ''}${x.unread ? ' unread' : ''}`,
+    }, h('button', { type: 'button', class: 'inbox-item', 'aria-current': x.id === selected ? 'true' : null, onclick: () => select(x.id) },
+      h('span', { class: 'inbox-head' }, h('strong', { text: x.session_id }), stateBadge(x.state, x.agent),
+        x.unread ? h('span', { class: 'badge bad', text: 'new' }) : null,
+        h('span', { class: 'muted small-text', title: fmt.time(x.created_at), text: fmt.ago(x.created_at) })),
+      x.reason ? h('span', { class: 'small-text muted inbox-reason', text: x.reason }) : null,
+      h('span', { class: 'inbox-last', 'data-field': 'last', text: lastSaid(x) }))))));
+  }
+
+  function select(id) {
+    const row = rows.get(id);
+    if (row) row.unread = false;
+    if (selected !== id || !convo) {
+      selected = id;
+      S.set('ce.inbox.selected', id);
+      openConversation(row);
+    }
+    renderList();
+  }
+
+  function openConversation(row) {
+    if (convo && convo.stream) convo.stream.close();
+    convo = null;
+    clear(panel);
+    if (!row) {
+      panel.append(h('h2', { text: 'Conversation' }), h('p', { class: 'muted', text: 'Pick a handoff to read the conversation, claim it and answer the contact.' }));
+      return;
+    }
+    const c = { handoff: row.id, session_id: row.session_id, list: [], seq: 0, outcome: null };
+    convo = c;
+    c.live = liveBadge('conv-live');
+    c.state = h('span', { id: 'conv-state' });
+    c.log = h('div', { class: 'chat-log agent-view', id: 'inbox-log', 'aria-live': 'polite' });
+    c.err = h('p', { class: 'field-error', id: 'err-handoff', role: 'alert' });
+    c.note = h('p', { class: 'good-box', id: 'conv-outcome', hidden: true });
+    c.claim = h('button', { type: 'button', class: 'primary', id: 'claim', text: 'Claim', onclick: claim });
+    c.back = h('button', { type: 'button', id: 'resolve-bot', text: 'Resolve: back to the bot', onclick: () => resolve(true) });
+    c.close = h('button', { type: 'button', id: 'resolve-close', text: 'Resolve: close', onclick: () => resolve(false) });
+    const draftKey = `ce.inbox.draft.${row.session_id}`;
+    c.text = h('textarea', { id: 'reply-text', rows: 3, placeholder: 'Write to the contact…', value: S.get(draftKey, ''), 'aria-describedby': 'err-reply' });
+    c.textErr = h('p', { class: 'field-error', id: 'err-reply', role: 'alert' });
+    c.send = h('button', { type: 'submit', class: 'primary', id: 'reply-send', text: 'Send reply' });
+    const form = h('form', { id: 'reply-form' }, h('label', { for: 'reply-text', text: 'Reply' }), c.text, c.textErr,
+      h('div', { class: 'actions' }, c.send));
+    c.text.addEventListener('input', () => { S.set(draftKey, c.text.value); c.textErr.textContent = ''; c.text.removeAttribute('aria-invalid'); });
+    c.text.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' && (ev.ctrlKey || ev.metaKey)) form.requestSubmit(); });
+    form.addEventListener('submit', (ev) => { ev.preventDefault(); reply(c, draftKey); });
+    panel.append(
+      h('h2', {}, `Session ${row.session_id} `, c.state, c.live),
+      row.reason ? h('p', { class: 'muted small-text', text: `Reason: ${row.reason}` }) : null,
+      h('div', { class: 'actions' }, c.claim, c.back, c.close), c.err, c.note, c.log, form);
+    c.stream = follow(`/v1/sessions/${encodeURIComponent(row.session_id)}/events`, {
+      lastId: () => c.seq,
+      onState: c.live.set,
+      onEvent: (type, d) => {
+        if (!d || typeof d !== 'object' || typeof d.seq !== 'number') return;
+        c.seq = Math.max(c.seq, d.seq);
+        // an agent reads the conversation and who has it; the bot's tool calls are left out
+        if ((type === 'message' || type === 'handoff') && mergeEvent(c.list, type, d) && c === convo) drawLog();
+      },
+    });
+    drawLog();
+    updatePanel();
+  }
+
+  function drawLog() {
+    const c = convo;
+    clear(c.log).append(...c.list.map((e) => bubble(e)));
+    scrollToEnd(c.log);
+  }
+
+  function updatePanel() {
+    const c = convo;
+    if (!c) return;
+    const row = rows.get(c.handoff);
+    const state = row ? row.state : 'resolved';
+    clear(c.state).append(stateBadge(state, row && row.agent));
+    c.claim.hidden = state !== 'requested';
+    c.back.hidden = state === 'resolved';
+    c.close.hidden = state === 'resolved';
+    c.text.disabled = state === 'resolved';
+    c.send.disabled = state === 'resolved';
+    c.note.hidden = state !== 'resolved';
+    c.note.textContent = c.outcome === 'back' ? 'Resolved: the bot answers this contact again.'
+      : c.outcome === 'closed' ? 'Resolved: the conversation is closed.' : 'Resolved.';
+  }
+
+  function needName() {
+    const name = agent.value.trim();
+    if (!name) {
+      agentErr.textContent = 'enter your name first: the contact sees it with your messages';
+      agent.setAttribute('aria-invalid', 'true');
+      agent.focus();
+    }
+    return name;
+  }
+
+  function refused(e, box, control) {
+    if (e.field === 'agent') {
+      agentErr.textContent = e.detail;
+      agent.setAttribute('aria-invalid', 'true');
+    } else {
+      box.textContent = e.detail;
+      if (control) control.setAttribute('aria-invalid', 'true');
+    }
+  }
+
+  async function claim() {
+    const c = convo;
+    c.err.textContent = '';
+    const name = needName();
+    if (!name) return;
+    c.claim.disabled = true;
+    try {
+      take([await api('POST', `/v1/handoffs/${encodeURIComponent(c.handoff)}/claim`, { agent: name })]);
+    } catch (e) { refused(e, c.err); }
+    c.claim.disabled = false;
+    renderList();
+    updatePanel();
+  }
+
+  async function resolve(back) {
+    const c = convo;
+    c.err.textContent = '';
+    c.back.disabled = true;
+    c.close.disabled = true;
+    try {
+      const x = await api('POST', `/v1/handoffs/${encodeURIComponent(c.handoff)}/resolve`, { return_to_bot: back });
+      c.outcome = back ? 'back' : 'closed';
+      take([x]);
+    } catch (e) { refused(e, c.err); }
+    c.back.disabled = false;
+    c.close.disabled = false;
+    renderList();
+    updatePanel();
+  }
+
+  async function reply(c, draftKey) {
+    c.textErr.textContent = '';
+    const text = c.text.value;
+    if (!text.trim()) { c.textErr.textContent = 'write a message first'; return; }
+    const name = needName();
+    if (!name) return;
+    const messageId = `agent-${crypto.randomUUID()}`;
+    const mine = { kind: 'agent', agent: name, text, message_id: messageId, key: `message:agent:${messageId}`, sending: true };
+    c.list.push(mine);
+    drawLog();
+    c.text.value = '';
+    S.del(draftKey);
+    c.send.disabled = true;
+    try {
+      await api('POST', `/v1/sessions/${encodeURIComponent(c.session_id)}/agent-messages`, { text, agent: name, message_id: messageId });
+      mine.sending = false;
+    } catch (e) {
+      // refused: the message goes back into the box, and why next to it
+      if (c.list.includes(mine)) c.list.splice(c.list.indexOf(mine), 1);
+      if (!c.text.value) { c.text.value = text; S.set(draftKey, text); }
+      refused(e, c.textErr, c.text);
+    }
+    c.send.disabled = false;
+    if (c === convo) { drawLog(); updatePanel(); }
+  }
+
+  await reload();
+  openConversation(rows.get(selected));
+  // the feed: on every connection the list is read again (what happened while not connected),
+  // then each event moves it on; `reset` (events were missed) ends the stream, and it reconnects
+  follow('/v1/handoffs/events', {
+    onOpen: async () => { try { await reload(); } catch (e) { listErr.textContent = e.detail; } },
+    onEvent: onFeed,
+    onState: live.set,
+  });
+  return h('section', {},
+    h('div', { class: 'head-row' }, h('h1', {}, 'Inbox ', live)),
+    h('div', { class: 'cols inbox' },
+      h('div', {},
+        h('div', { class: 'card' },
+          h('label', { for: 'agent-name', text: 'Your name (the contact sees it with your messages)' }), agent, agentErr),
+        h('div', { class: 'card' }, h('h2', { text: 'Open handoffs' }), listErr, listBox)),
+      panel));
 }
 
 window.addEventListener('hashchange', route);
