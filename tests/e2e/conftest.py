@@ -4,6 +4,7 @@ One stack per test run (Ray takes seconds to start on 2 cores): `stack` is the s
 `chat-engine run`, on a migrated test database and a free loopback port, with two sharded
 session hosts. `dedicated_gateway` serves the same database through dedicated per-session actors.
 `client` is an aiohttp client session for talking to gateways as a contact or an admin would.
+`browser` and `tab` (tests.support.browser) drive the dashboard in Debian's headless chromium.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import msgspec
 import pytest_asyncio
 
 from services.settings import Settings
+from tests.support.browser import browser, tab  # noqa: F401  (fixtures of the dashboard's browser tests)
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,87 +22,12 @@ import pytest
 import pytest_asyncio
 
 from tests.support.api import Api
+from tests.support.browser import needs_chromium, open_page
 
-CHROMIUM = Path("/usr/bin/chromium")
-#: what this machine needs: no sandbox as root, and no background traffic to a closed network
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
-TIMEOUT_MS = 20_000
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=(
-        "/usr/bin/chromium is missing: install Debian's chromium package (`make test` does: "
-        "apt-get install -y chromium) to run the dashboard browser tests")),
-]
+pytestmark = [pytest.mark.e2e, needs_chromium]
 
 
 # -- fixtures ---------------------------------------------------------------------------------
-
-@pytest_asyncio.fixture(scope="module")
-async def browser() -> AsyncIterator[Any]:
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as p:
-        b = await p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS, headless=True)
-        try:
-            yield b
-        finally:
-            await b.close()
-
-
-class Page:
-    """A fresh browser tab (its own sessionStorage) on the gateway, with screenshots and a log
-    of page errors (uncaught exceptions, CSP refusals) that the test asserts empty."""
-
-    def __init__(self, page: Any, url: str, test_name: str) -> None:
-        self.page = page
-        self.url = url
-        self.name = test_name
-        self.errors: list[str] = []
-        self._shots = 0
-        page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        # a 4xx answer to fetch() is logged by Chrome as "Failed to load resource": expected here
-        page.on("console", lambda m: self.errors.append(f"console: {m.text}")
-                if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
-
-    async def shot(self, step: str) -> None:
-        self._shots += 1
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        await self.page.screenshot(path=str(ARTIFACTS / f"{self.name}-{self._shots:02d}-{step}.png"), full_page=True)
-
-    async def sign_in(self, key: str) -> None:
-        from playwright.async_api import expect
-
-        await self.page.goto(self.url + "/")
-        await self.page.get_by_label("Tenant API key").fill(key)
-        await self.page.get_by_role("button", name="Sign in").click()
-        await expect(self.page.locator("#nav")).to_be_visible()
-
-    async def go(self, hash_: str) -> None:
-        await self.page.goto(f"{self.url}/#{hash_}")
-
-
-@pytest_asyncio.fixture
-async def tab(browser, stack, request) -> AsyncIterator[Page]:
-    from playwright.async_api import expect
-
-    expect.set_options(timeout=TIMEOUT_MS)
-    context = await browser.new_context(viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(TIMEOUT_MS)
-    page = Page(await context.new_page(), stack.gateway.url, request.node.name.removeprefix("test_")[:60])
-    try:
-        yield page
-    finally:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        try:
-            await page.page.screenshot(path=str(ARTIFACTS / f"{page.name}-last.png"), full_page=True)
-        finally:
-            await context.close()
-
 
 @pytest_asyncio.fixture
 async def api(stack, client, tenant) -> Api:
@@ -400,7 +323,7 @@ async def test_contract_report_groups_the_findings_by_tool_each_with_its_fix(tab
 
 # -- sessions: variables, breakers, handoff; approvals in the try-it box -------------------------
 
-async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks_for_approval(tab, stack, tenant, api):
+async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks_for_approval(tab, stack, tenant, api, db):
     from playwright.async_api import expect
 
     page = tab.page
@@ -432,13 +355,24 @@ async def test_session_view_shows_variables_breakers_and_handoff_and_try_it_asks
     await page.locator("#try-text").fill('/call change_order {"order_id": "5"}')
     await page.locator("#try-send").click()
     approval = page.locator('#chat-log [data-event="approval_required"]')
-    await expect(approval).to_contain_text("change_order(order_id=5)")
+    await expect(approval).to_contain_text("Run change order with order_id=5?")
     await tab.shot("approval-asked")
     await approval.get_by_role("button", name="Approve").click()
     await expect(page.locator('#chat-log [data-event="tool_result"][data-tool="change_order"]')).to_contain_text("answered in")
     await expect(approval).to_contain_text("approved")
     await expect(page.locator("#chat-log .msg.bot").last).to_contain_text("Order 5")
     await expect(page.locator('#session-turns tr[data-tool="change_order"]')).to_contain_text('"order_id": "5"')
+    # the box follows the session's stream too: once it has read every event written, each of
+    # these turns' messages and events shows once
+    written = await db.fetchval("SELECT max(seq) FROM ce_session_events e JOIN ce_sessions s ON s.id = e.session_id "
+                                "WHERE s.tenant_id = $1 AND s.session_key = $2", tenant[0], session)
+    await page.wait_for_function("([key, n]) => JSON.parse(sessionStorage.getItem(key) || '0') >= n",
+                                 arg=[f"ce.tryit.seq.{session}", written])
+    for said in (page.locator("#chat-log .msg.user").filter(has_text="/call change_order"),
+                 page.locator("#chat-log .msg.bot").filter(has_text="Before I go ahead"),
+                 page.locator("#chat-log .msg.bot").filter(has_text="Order 5"), approval,
+                 page.locator('#chat-log [data-event="tool_result"][data-tool="change_order"]')):
+        await expect(said).to_have_count(1)
 
     # asking for a person hands the session off
     await page.locator("#try-text").fill("/handoff")
@@ -458,23 +392,18 @@ async def test_daily_buckets_are_labelled_with_their_utc_date_in_a_browser_west_
 
     from playwright.async_api import expect
 
-    context = await browser.new_context(viewport={"width": 1280, "height": 900}, timezone_id="America/Los_Angeles")
-    context.set_default_timeout(TIMEOUT_MS)
-    tab = Page(await context.new_page(), stack.gateway.url, "daily_buckets_utc")
-    try:
-        await tab.sign_in(tenant[1])
-        await tab.page.evaluate("() => sessionStorage.setItem('ce.analytics.since', JSON.stringify('30d'))")
-        await tab.go("/analytics")
-        await expect(tab.page.locator("#chart-calls")).to_be_visible()
+    async with open_page(browser, stack.gateway.url, "daily_buckets_utc", timezone_id="America/Los_Angeles") as west:
+        await west.sign_in(tenant[1])
+        await west.page.evaluate("() => sessionStorage.setItem('ce.analytics.since', JSON.stringify('30d'))")
+        await west.go("/analytics")
+        await expect(west.page.locator("#chart-calls")).to_be_visible()
         status, ts = await api.call("GET", "/v1/analytics/tools/timeseries?since=30d")
         assert status == 200 and ts["bucket_seconds"] >= 86400
-        labels = await tab.page.locator('#chart-calls text.axis[text-anchor="middle"]').evaluate_all(
+        labels = await west.page.locator('#chart-calls text.axis[text-anchor="middle"]').evaluate_all(
             "els => els.map((e) => e.textContent)")
         step = max(1, -(-len(ts["buckets"]) // 6))
         days = [datetime.fromisoformat(b).astimezone(UTC) for b in ts["buckets"][::step]]
         assert labels == [f"{d.month}/{d.day}" for d in days], (labels, ts["buckets"][:2])
-        await expect(tab.page.locator("#chart-calls").locator("xpath=..").locator("figcaption")).to_have_text(
+        await expect(west.page.locator("#chart-calls").locator("xpath=..").locator("figcaption")).to_have_text(
             "Calls per day (UTC days)")
-        assert tab.errors == []
-    finally:
-        await context.close()
+        assert west.errors == []

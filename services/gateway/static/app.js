@@ -59,6 +59,13 @@ function append(el, children) {
 
 function clear(el) { while (el.firstChild) el.firstChild.remove(); return el; }
 
+/** Scroll `el` to its end, now or, while it is not on the page yet, once it is (a view is built
+ * before it is shown, and a frame may pass first). */
+function scrollToEnd(el, frames = 600) {
+  el.scrollTop = el.scrollHeight;
+  if (!el.isConnected && frames > 0) requestAnimationFrame(() => scrollToEnd(el, frames - 1));
+}
+
 function toast(text, kind = 'ok') {
   const t = document.getElementById('toast');
   t.textContent = text;
@@ -142,19 +149,21 @@ async function api(method, path, body, { key } = {}) {
   return res.json();
 }
 
-/** Read an SSE response (fetch + ReadableStream: EventSource cannot POST). Calls onEvent(name, data). */
+/** Read an SSE response (fetch + ReadableStream: EventSource can neither POST nor send the key).
+ * Calls onEvent(name, data, id) for each event; id is the last `id:` the stream gave, or null. */
 async function readSSE(res, onEvent) {
   const reader = res.body.getReader();
   const decoder = new TextDecoder();
   let buffer = '';
   let event = 'message';
   let data = [];
+  let id = null;
   const dispatch = () => {
     if (data.length) {
       const text = data.join('\n');
       let parsed = text;
       try { parsed = JSON.parse(text); } catch { /* plain text data */ }
-      onEvent(event, parsed);
+      onEvent(event, parsed, id);
     }
     event = 'message';
     data = [];
@@ -177,10 +186,175 @@ async function readSSE(res, onEvent) {
         if (val.startsWith(' ')) val = val.slice(1);
         if (field === 'event') event = val;
         else if (field === 'data') data.push(val);
+        else if (field === 'id') id = val;
       }
     }
   }
   dispatch();
+}
+
+// -- live streams -----------------------------------------------------------------------------
+
+/** The live streams of the view on screen; route() closes them when the page shows another. */
+const liveStreams = new Set();
+
+function closeLiveStreams() {
+  for (const stream of liveStreams) stream.close();
+  liveStreams.clear();
+}
+
+/**
+ * Follow a GET stream of server-sent events with fetch and a stream reader (EventSource cannot
+ * send the key). Calls onEvent(name, data) for each event. When the connection drops it connects
+ * again (backing off up to 5 s) sending `Last-Event-ID: lastId()`, so nothing is missed or given
+ * twice. `onOpen()` runs (and is awaited) on every connection before its events are read;
+ * `onState(text, live)` says whether the stream is connected. A refusal no retry changes (a 4xx
+ * other than 429) ends it, saying why. Returns {close()}; leaving the view closes it too.
+ */
+function follow(path, { onEvent, lastId = () => null, onOpen = async () => {}, onState = () => {} }) {
+  const token = renderToken;
+  let controller = null;
+  let closed = false;
+  const stream = {
+    close() { closed = true; liveStreams.delete(stream); if (controller) controller.abort(); },
+  };
+  liveStreams.add(stream);
+  const over = () => closed || token !== renderToken;
+  (async () => {
+    let pause = 250;
+    while (!over()) {
+      controller = new AbortController();
+      onState(null, false);
+      try {
+        const headers = authHeaders({ Accept: 'text/event-stream' });
+        const last = lastId();
+        if (last) headers['Last-Event-ID'] = String(last);
+        const res = await fetch(path, { headers, signal: controller.signal, cache: 'no-store' });
+        if (over()) { controller.abort(); return; }
+        if (res.status === 401) { S.del(KEY); route(); return; }
+        if (!res.ok) {
+          const problem = await problemOf(res);
+          onState(problem.detail, false);
+          if (res.status < 500 && res.status !== 429) { stream.close(); return; }
+        } else {
+          pause = 250;
+          await onOpen();
+          if (over()) { controller.abort(); return; }
+          onState('live', true);
+          await readSSE(res, (name, data) => { if (!over()) onEvent(name, data); });
+        }
+      } catch (e) {
+        if (over()) return;
+        onState(`the live stream broke off (${e.message}); connecting again`, false);
+      }
+      if (over()) return;
+      await new Promise((resolve) => { setTimeout(resolve, pause); });
+      pause = Math.min(pause * 2, 5000);
+    }
+  })();
+  return stream;
+}
+
+/** A badge saying whether a live stream is connected; `follow`'s onState keeps it current
+ * (text null: connecting; otherwise why it is not connected, shown on hover). */
+function liveBadge(id) {
+  const badge = h('span', { class: 'badge off live-state', id, text: 'connecting…' });
+  badge.set = (text, live) => {
+    badge.textContent = live ? 'live' : text === null ? 'connecting…' : 'offline';
+    badge.className = `badge ${live ? 'ok' : text === null ? 'off' : 'bad'} live-state`;
+    badge.title = live ? 'what happens shows here as it is written' : text || '';
+  };
+  return badge;
+}
+
+// -- conversations as a session's event log tells them ----------------------------------------
+//
+// A session's stream (GET /v1/sessions/{id}/events) numbers its events (`seq`). A view keeps a
+// list of entries: what the stream brought (with its seq) and what the page showed before the
+// stream brought it (its own message, a streamed turn's reply, tool calls), each with the key
+// the stream's event will carry. An event whose seq is known is skipped; one whose key matches an
+// entry still waiting for its seq completes that entry; anything else is new.
+
+/** The key an event and the entry a page made for it before it arrived share. */
+function eventKey(type, d) {
+  switch (type) {
+    case 'message': return `message:${d.author}:${d.message_id}`;
+    case 'tool_call': return `tool_call:${d.id}`;
+    case 'tool_result': return `tool_result:${d.id}`;
+    case 'approval_required': return `approval:${d.approval_id}`;
+    case 'client_action': return `client_action:${d.call_id}`;
+    case 'job_result': return `job_result:${d.job_id}`;
+    case 'handoff': return `handoff:${d.state}:${d.handoff_id || ''}`;
+    default: return `${type}:${d.seq}`;
+  }
+}
+
+const AUTHOR_KIND = { contact: 'user', bot: 'bot', agent: 'agent' };
+
+function handoffText(d) {
+  if (d.state === 'requested') return 'handed off to a human';
+  if (d.state === 'assigned') return `${d.agent || 'a person'} took the conversation`;
+  return d.return_to_bot ? 'the team gave the conversation back to the bot' : 'the team closed the conversation';
+}
+
+/** The entry that shows an event of a session's stream. */
+function entryOfEvent(type, d) {
+  const key = eventKey(type, d);
+  switch (type) {
+    case 'message':
+      return { kind: AUTHOR_KIND[d.author] || 'bot', text: d.text, agent: d.agent, message_id: d.message_id, key, final: true };
+    case 'tool_call': return { kind: 'tool_call', name: d.name, key };
+    case 'tool_result': return { kind: 'tool_result', name: d.name, success: d.success, key };
+    case 'approval_required': return { kind: 'approval', approval_id: d.approval_id, summary: d.summary, key };
+    case 'client_action': return { kind: 'client_action', text: `client action: ${JSON.stringify(d)}`, key };
+    case 'job_result': return { kind: 'job_result', text: `workflow result: ${d.tool} ${d.status}`, key };
+    case 'handoff': return { kind: 'handoff', state: d.state, text: handoffText(d), key };
+    default: return { kind: type, text: type, key };
+  }
+}
+
+/** Put event `d` of type `type` into `list`; false when the list has it already. */
+function mergeEvent(list, type, d) {
+  if (list.some((e) => e.seq === d.seq)) return false;
+  const fresh = entryOfEvent(type, d);
+  const waiting = list.find((e) => e.seq === undefined && e.key === fresh.key);
+  if (!waiting) {
+    list.push({ ...fresh, seq: d.seq });
+    return true;
+  }
+  waiting.seq = d.seq;
+  if (type === 'message') { waiting.text = d.text; waiting.final = true; }
+  for (const [k, v] of Object.entries(fresh)) if (waiting[k] === undefined) waiting[k] = v;
+  return true;
+}
+
+/** One entry of a conversation. `decide(entry, approve)` answers an approval when given. */
+function bubble(e, decide) {
+  if (e.kind === 'user') return h('div', { class: 'msg user', 'data-author': 'contact', text: e.text });
+  if (e.kind === 'bot') return h('div', { class: 'msg bot', 'data-author': 'bot', text: e.text });
+  if (e.kind === 'agent') {
+    return h('div', { class: `msg agent${e.sending ? ' sending' : ''}`, 'data-author': 'agent' },
+      h('span', { class: 'who', text: e.agent || 'agent' }), e.text);
+  }
+  if (e.kind === 'tool_call') return h('div', { class: 'event', 'data-event': 'tool_call', 'data-tool': e.name, text: `→ calling ${e.name}` });
+  if (e.kind === 'tool_result') {
+    const took = e.latency_ms === undefined ? '' : ` in ${e.latency_ms} ms`;
+    return h('div', { class: `event ${e.success ? 'ok' : 'bad'}`, 'data-event': 'tool_result', 'data-tool': e.name,
+      text: e.success ? `✓ ${e.name} answered${took}` : `✗ ${e.name} failed${e.error ? `: ${e.error}` : ''}` });
+  }
+  if (e.kind === 'approval') {
+    const box = h('div', { class: 'event approval', 'data-event': 'approval_required' },
+      h('p', { text: `Approval needed: ${(e.summary || []).join('; ')}` }));
+    if (e.decided) box.append(h('p', { class: 'muted', text: e.decided }));
+    else if (decide) {
+      box.append(h('button', { type: 'button', class: 'small primary', text: 'Approve', onclick: () => decide(e, true) }), ' ',
+        h('button', { type: 'button', class: 'small', text: 'Deny', onclick: () => decide(e, false) }));
+    }
+    return box;
+  }
+  if (e.kind === 'handoff') return h('div', { class: 'event handoff', 'data-event': 'handoff', 'data-state': e.state, text: e.text });
+  if (e.kind === 'error') return h('div', { class: 'event bad', 'data-event': 'error', text: e.text });
+  return h('div', { class: 'event', 'data-event': e.kind, text: e.text || e.kind });
 }
 
 // -- routing ----------------------------------------------------------------------------------
@@ -196,10 +370,12 @@ const ROUTES = [
   [/^#\/analytics$/, () => analyticsView()],
   [/^#\/sessions\/([^/]+)$/, (m) => sessionsView(decodeURIComponent(m[1]))],
   [/^#\/sessions$/, () => sessionsView(null)],
+  [/^#\/inbox$/, () => inboxView()],
 ];
 
 async function route() {
   const token = ++renderToken;
+  closeLiveStreams();
   const signedIn = !!S.get(KEY);
   document.getElementById('nav').hidden = !signedIn;
   document.getElementById('sign-out').hidden = !signedIn;
@@ -1068,114 +1244,161 @@ async function loadSessionDetail(id, box) {
       : h('p', { class: 'muted', text: 'No answered turns yet.' })));
 }
 
+const SESSION_ID = /^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$/;
+
+/** The try-it box: a contact's view of one session. It follows the session's stream, so every
+ * message shows as it is written (the bot's, a person's from the Inbox, a reply to a job that
+ * finished) without sending anything; a message sent here runs as a turn streamed over SSE. */
 function tryItBox(selected, afterTurn) {
   const sessionKey = 'ce.tryit.session';
   const sid = h('input', { id: 'try-session', type: 'text', autocomplete: 'off', spellcheck: 'false',
     value: selected || S.get(sessionKey) || newSessionId() });
   S.set(sessionKey, sid.value);
-  const transcriptKey = () => `ce.tryit.log.${sid.value}`;
   const log = h('div', { class: 'chat-log', id: 'chat-log', 'aria-live': 'polite' });
   const text = h('textarea', { id: 'try-text', rows: 3, placeholder: 'where is my order 12345?', value: S.get('ce.tryit.text', '') });
   const err = h('p', { class: 'field-error', id: 'err-try-text', role: 'alert' });
   const send = h('button', { type: 'submit', class: 'primary', id: 'try-send', text: 'Send' });
+  const live = liveBadge('try-live');
+  const typing = h('div', { class: 'msg bot pending', id: 'typing', text: '…' });
+  let busy = false;
 
-  function entries() { return S.get(transcriptKey(), []); }
-  function save(list) { S.set(transcriptKey(), list.slice(-100)); }
+  // the session on show: its entries and the number of the last event of its stream read
+  const load = (id) => ({ id, list: S.get(`ce.tryit.log.${id}`, []), seq: S.get(`ce.tryit.seq.${id}`, 0) });
+  let convo = load(sid.value);
+  let watching = null;
 
-  function bubble(e) {
-    if (e.kind === 'user') return h('div', { class: 'msg user', text: e.text });
-    if (e.kind === 'bot') return h('div', { class: 'msg bot', text: e.text });
-    if (e.kind === 'tool_call') return h('div', { class: 'event', 'data-event': 'tool_call', 'data-tool': e.name, text: `→ calling ${e.name}` });
-    if (e.kind === 'tool_result') {
-      return h('div', { class: `event ${e.success ? 'ok' : 'bad'}`, 'data-event': 'tool_result', 'data-tool': e.name,
-        text: e.success ? `✓ ${e.name} answered in ${e.latency_ms} ms` : `✗ ${e.name} failed: ${e.error || ''}` });
-    }
-    if (e.kind === 'approval') {
-      const box = h('div', { class: 'event approval', 'data-event': 'approval_required' },
-        h('p', { text: `Approval needed: ${(e.summary || []).join('; ')}` }));
-      if (!e.decided) {
-        box.append(h('button', { type: 'button', class: 'small primary', text: 'Approve', onclick: () => decide(e, true) }), ' ',
-          h('button', { type: 'button', class: 'small', text: 'Deny', onclick: () => decide(e, false) }));
-      } else box.append(h('p', { class: 'muted', text: e.decided }));
-      return box;
-    }
-    if (e.kind === 'error') return h('div', { class: 'event bad', 'data-event': 'error', text: e.text });
-    return h('div', { class: 'event', 'data-event': e.kind, text: e.text || e.kind });
+  function save(c) {
+    S.set(`ce.tryit.log.${c.id}`, c.list.slice(-100));
+    S.set(`ce.tryit.seq.${c.id}`, c.seq);
   }
 
   function redraw() {
-    clear(log).append(...entries().map(bubble));
-    log.scrollTop = log.scrollHeight;
-    requestAnimationFrame(() => { log.scrollTop = log.scrollHeight; }); // once it is on the page
+    clear(log).append(...convo.list.map((e) => bubble(e, decide)));
+    if (busy) log.append(typing);
+    scrollToEnd(log);
   }
 
-  /** POST `body` to `url` as SSE and append what streams to `list`; false if the API refused it. */
-  async function stream(url, body, list) {
-    const bot = { kind: 'bot', text: '' };
-    const typing = h('div', { class: 'msg bot pending', id: 'typing', text: '…' });
-    const show = () => { save(list); redraw(); log.append(typing); log.scrollTop = log.scrollHeight; };
-    const say = () => { if (!list.includes(bot)) list.push(bot); };
+  function watch() {
+    if (watching) watching.close();
+    watching = null;
+    const c = convo;
+    if (!SESSION_ID.test(c.id)) { live.set('not a session id', false); return; }
+    watching = follow(`/v1/sessions/${encodeURIComponent(c.id)}/events`, {
+      lastId: () => c.seq,
+      onState: live.set,
+      onEvent: (type, d) => {
+        if (!d || typeof d !== 'object' || typeof d.seq !== 'number') return;
+        const changed = mergeEvent(c.list, type, d);
+        c.seq = Math.max(c.seq, d.seq);
+        save(c);
+        if (changed && c === convo) redraw();
+      },
+    });
+  }
+
+  function open(id) {
+    convo = load(id);
+    S.set(sessionKey, id);
+    redraw();
+    watch();
+  }
+
+  /** POST `body` to `url` as SSE (a turn of message `messageId`, when known) and show what
+   * streams; true once it ran, or the problem when the API refused it before anything ran. */
+  async function stream(url, body, messageId) {
+    const c = convo;
+    const list = c.list;
+    const since = c.seq;
+    // the session's stream may bring an event before this turn's own stream does: shown already
+    const arrived = (key) => list.find((e) => e.key === key && e.seq > since);
+    const add = (entry) => {
+      const seen = arrived(entry.key);
+      if (!seen) { list.push(entry); return; }
+      for (const [k, v] of Object.entries(entry)) if (seen[k] === undefined) seen[k] = v;
+    };
+    const botKey = () => (messageId ? `message:bot:${messageId}` : null);
+    let bot = null;
+    const say = () => {
+      if (bot && list.includes(bot)) return;
+      bot = (messageId && arrived(botKey())) || { kind: 'bot', text: '', key: botKey(), message_id: messageId };
+      if (!list.includes(bot)) list.push(bot);
+    };
+    const show = () => { save(c); if (c === convo) redraw(); };
+    busy = true;
     show();
     let res;
     try {
       res = await fetch(url, { method: 'POST', headers: authHeaders({ 'Content-Type': 'application/json', Accept: 'text/event-stream' }), body: JSON.stringify(body) });
     } catch (e) {
+      busy = false;
       list.push({ kind: 'error', text: `the gateway did not answer (${e.message}); send again` });
-      save(list); redraw();
+      show();
       return true;
     }
     if (!res.ok) {
+      busy = false;
       const p = await problemOf(res);
-      redraw();
+      show();
       return p;
     }
     try {
       await readSSE(res, (event, data) => {
-        if (event === 'text') { say(); bot.text += data.text || ''; }
-        else if (event === 'tool_call') list.push({ kind: 'tool_call', name: data.name });
-        else if (event === 'tool_result') list.push({ kind: 'tool_result', name: data.name, success: data.success, latency_ms: data.latency_ms, error: data.error });
-        else if (event === 'approval_required') list.push({ kind: 'approval', approval_id: data.approval_id, summary: data.summary });
-        else if (event === 'client_action') list.push({ kind: 'client_action', text: `client action: ${JSON.stringify(data)}` });
-        else if (event === 'job_result') list.push({ kind: 'job_result', text: `workflow result: ${JSON.stringify(data)}` });
+        if (event === 'text') { say(); if (!bot.final) bot.text += data.text || ''; }
+        else if (event === 'tool_call' || event === 'tool_result') {
+          // text streamed before a tool round is its own bubble; the reply starts a new one
+          if (bot && !bot.final && list.includes(bot)) list.splice(list.indexOf(bot), 1, { kind: 'bot', text: bot.text });
+          bot = null;
+          if (event === 'tool_call') add({ kind: 'tool_call', name: data.name, key: `tool_call:${data.id}` });
+          else {
+            add({ kind: 'tool_result', name: data.name, success: data.success, latency_ms: data.latency_ms,
+              error: data.error, key: `tool_result:${data.id}` });
+          }
+        } else if (event === 'approval_required') {
+          add({ kind: 'approval', approval_id: data.approval_id, summary: data.summary, message_id: messageId, key: `approval:${data.approval_id}` });
+        } else if (event === 'client_action') add({ kind: 'client_action', text: `client action: ${JSON.stringify(data)}`, key: `client_action:${data.call_id}` });
+        else if (event === 'job_result') add({ kind: 'job_result', text: `workflow result: ${JSON.stringify(data)}`, key: `job_result:${data.job_id}` });
         else if (event === 'error') list.push({ kind: 'error', text: data.detail || data.message || JSON.stringify(data) });
         else if (event === 'done') {
           if (data.reply) { say(); bot.text = data.reply; }
-          if (data.handoff) list.push({ kind: 'handoff', text: 'handed off to a human' });
-        }
-        if (event === 'tool_call' || event === 'tool_result') {
-          // text streamed before a tool round is its own bubble; the reply starts a new one
-          if (list.includes(bot)) { const done = { ...bot }; list.splice(list.indexOf(bot), 1, done); bot.text = ''; }
+          if (bot && !messageId && data.message_id) {
+            // an approval shown from the stream does not say its turn: the answer does
+            messageId = data.message_id;
+            const seen = arrived(botKey());
+            if (seen && seen !== bot) list.splice(list.indexOf(bot), 1);
+            else Object.assign(bot, { key: botKey(), message_id: messageId });
+          }
         }
         show();
       });
     } catch (e) {
-      list.push({ kind: 'error', text: `the stream broke off (${e.message}); the turn still completes — refresh the session to see it` });
+      list.push({ kind: 'error', text: `the stream broke off (${e.message}); the turn still completes and shows here once written` });
     }
-    save(list); redraw();
+    busy = false;
+    show();
     return true;
   }
 
   async function decide(entry, approve) {
-    const list = entries();
-    const e = list.find((x) => x.kind === 'approval' && x.approval_id === entry.approval_id);
+    const c = convo;
+    const e = c.list.find((x) => x.kind === 'approval' && x.approval_id === entry.approval_id);
     if (e) e.decided = approve ? 'approved' : 'denied';
-    save(list); redraw();
-    const result = await stream(`/v1/sessions/${encodeURIComponent(sid.value)}/approvals/${encodeURIComponent(entry.approval_id)}`, { approve }, list);
-    if (result !== true) { list.push({ kind: 'error', text: result.detail }); save(list); redraw(); }
+    save(c); redraw();
+    const result = await stream(`/v1/sessions/${encodeURIComponent(c.id)}/approvals/${encodeURIComponent(entry.approval_id)}`, { approve }, entry.message_id);
+    if (result !== true) { c.list.push({ kind: 'error', text: result.detail }); save(c); if (c === convo) redraw(); }
     afterTurn();
   }
 
   const form = h('form', { class: 'card try-it', id: 'try-it' },
-    h('h2', { text: 'Try it' }),
-    h('p', { class: 'muted small-text', text: 'Chat as a contact would; the turn streams over SSE. Lines like /call tool {"arg": 1} make the local model call exactly that tool.' }),
+    h('h2', {}, 'Try it ', live),
+    h('p', { class: 'muted small-text', text: 'Chat as a contact would. Every message of the session shows here as it is written: the bot\'s, a person\'s from the Inbox. Lines like /call tool {"arg": 1} make the local model call exactly that tool; /handoff hands the session to a person.' }),
     h('label', { for: 'try-session', text: 'Session' }),
     h('div', { class: 'row' }, sid,
-      h('button', { type: 'button', class: 'small', text: 'New', onclick: () => { sid.value = newSessionId(); S.set(sessionKey, sid.value); redraw(); } })),
+      h('button', { type: 'button', class: 'small', text: 'New', onclick: () => { sid.value = newSessionId(); open(sid.value); } })),
     log,
     h('label', { for: 'try-text', text: 'Message' }), text, err,
     h('div', { class: 'actions' }, send,
       h('a', { href: '#', id: 'open-session', text: 'Open this session', onclick: (ev) => { ev.preventDefault(); location.hash = `#/sessions/${encodeURIComponent(sid.value)}`; } })));
-  sid.addEventListener('change', () => { S.set(sessionKey, sid.value.trim()); redraw(); });
+  sid.addEventListener('change', () => open(sid.value.trim()));
   text.addEventListener('input', () => { S.set('ce.tryit.text', text.value); err.textContent = ''; text.removeAttribute('aria-invalid'); });
   text.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' && (ev.ctrlKey || ev.metaKey)) form.requestSubmit(); });
   form.addEventListener('submit', async (ev) => {
@@ -1184,27 +1407,30 @@ function tryItBox(selected, afterTurn) {
     err.textContent = '';
     if (!message.trim()) { err.textContent = 'type a message first'; return; }
     const id = sid.value.trim();
-    if (!/^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$/.test(id)) {
+    if (!SESSION_ID.test(id)) {
       err.textContent = 'the session id must be 1-128 letters, digits or . _ : @ - and start with a letter or digit';
       return;
     }
+    if (id !== convo.id) open(id);
+    const c = convo;
     send.disabled = true;
-    const list = entries();
-    list.push({ kind: 'user', text: message });
+    const messageId = `dash-${crypto.randomUUID()}`;
+    const mine = { kind: 'user', text: message, message_id: messageId, key: `message:contact:${messageId}` };
+    c.list.push(mine);
     text.value = '';
     // cleared as the message leaves the box, not when its turn ends: whatever is typed while
     // the turn streams is the next draft and must survive a reload
     S.set('ce.tryit.text', '');
     let result;
     try {
-      result = await stream(`/v1/sessions/${encodeURIComponent(id)}/messages`, { text: message, message_id: `dash-${crypto.randomUUID()}` }, list);
+      result = await stream(`/v1/sessions/${encodeURIComponent(id)}/messages`, { text: message, message_id: messageId }, messageId);
     } finally {
       send.disabled = false;
     }
     if (result !== true) {
       // refused before anything ran: take the message back into the box, say why next to it
-      list.pop();
-      save(list); redraw();
+      if (c.list.includes(mine)) c.list.splice(c.list.indexOf(mine), 1);
+      save(c); redraw();
       if (!text.value) { text.value = message; S.set('ce.tryit.text', message); }
       err.textContent = result.detail;
       text.setAttribute('aria-invalid', 'true');
@@ -1216,7 +1442,303 @@ function tryItBox(selected, afterTurn) {
     }
   });
   redraw();
+  watch();
   return form;
+}
+
+// -- inbox: the open handoffs, live -----------------------------------------------------------
+
+const AGENT_KEY = 'ce.inbox.agent';
+const HANDOFF_RANK = { requested: 0, assigned: 1, resolved: 2 };
+
+/** The Inbox: open handoffs (requested and assigned) from GET /v1/handoffs, kept current by the
+ * agents' feed (GET /v1/handoffs/events); the selected one's conversation follows its session's
+ * stream. An agent claims it under the name entered once (kept in the tab), writes to the
+ * contact, and resolves it back to the bot or closed. */
+async function inboxView() {
+  const rows = new Map(); // handoff id -> the handoff as GET /v1/handoffs shows it, plus `heard` and `unread`
+  const gone = new Set(); // resolved while the view is open: a list read before must not bring them back
+  let selected = S.get('ce.inbox.selected');
+  let convo = null; // the selected handoff's conversation: {handoff, session_id, reason, list, seq, outcome, ...}
+
+  const agent = h('input', { id: 'agent-name', type: 'text', autocomplete: 'name', spellcheck: 'false', value: S.get(AGENT_KEY, ''),
+    placeholder: 'e.g. Ana', 'aria-describedby': 'err-agent-name' });
+  const agentErr = h('p', { class: 'field-error', id: 'err-agent-name', role: 'alert' });
+  agent.addEventListener('input', () => { S.set(AGENT_KEY, agent.value.trim()); agentErr.textContent = ''; agent.removeAttribute('aria-invalid'); });
+  const live = liveBadge('inbox-live');
+  const listErr = h('p', { class: 'field-error', id: 'err-inbox', role: 'alert' });
+  const listBox = h('div', { id: 'inbox-list' });
+  const panel = h('div', { class: 'card', id: 'inbox-conversation' });
+
+  function take(handoffs) {
+    for (const x of handoffs) {
+      if (gone.has(x.id)) continue;
+      if (x.state === 'resolved') { drop(x.id); continue; }
+      const had = rows.get(x.id);
+      if (had && HANDOFF_RANK[had.state] > HANDOFF_RANK[x.state]) continue; // read before a claim we heard of
+      rows.set(x.id, { ...x, heard: had ? had.heard : [], unread: had ? had.unread : false });
+    }
+  }
+
+  function drop(id) {
+    rows.delete(id);
+    gone.add(id);
+  }
+
+  function openRow(sessionId) {
+    return [...rows.values()].find((x) => x.session_id === sessionId);
+  }
+
+  async function reload() {
+    const lists = await Promise.all(['requested', 'assigned'].map((st) => api('GET', `/v1/handoffs?state=${st}`)));
+    rows.clear();
+    take(lists.flatMap((l) => l.handoffs));
+    listErr.textContent = '';
+    renderList();
+    updatePanel();
+  }
+
+  async function fetchState(state) {
+    try {
+      take((await api('GET', `/v1/handoffs?state=${state}`)).handoffs);
+      listErr.textContent = '';
+    } catch (e) { listErr.textContent = e.detail; }
+    renderList();
+    updatePanel();
+  }
+
+  function onFeed(type, d) {
+    if (type === 'handoff') {
+      // a new handoff's event names its session only: its row comes from the list
+      if (d.state === 'requested') { fetchState('requested'); return; }
+      const row = (d.handoff_id && rows.get(d.handoff_id)) || openRow(d.session_id);
+      if (d.state === 'resolved') {
+        if (row) drop(row.id);
+        if (d.handoff_id) gone.add(d.handoff_id);
+        if (convo && convo.handoff === (d.handoff_id || (row && row.id)) && !convo.outcome) convo.outcome = d.return_to_bot ? 'back' : 'closed';
+      } else if (d.state === 'assigned') {
+        if (!row) { fetchState('assigned'); return; }
+        row.state = 'assigned';
+        row.agent = d.agent;
+      }
+      renderList();
+      updatePanel();
+    } else if (type === 'message') {
+      const row = openRow(d.session_id);
+      if (!row) return;
+      row.heard.push({ author: d.author, agent: d.agent, text: d.text });
+      if (d.author === 'contact' && row.id !== selected) row.unread = true;
+      renderList();
+    }
+  }
+
+  function lastSaid(x) {
+    if (x.heard.length) {
+      const m = x.heard[x.heard.length - 1];
+      return `${m.author === 'contact' ? 'Contact' : m.author === 'agent' ? m.agent || 'Agent' : 'Bot'}: ${m.text}`;
+    }
+    const said = x.messages || [];
+    const m = said[said.length - 1];
+    return m ? `${m.role === 'user' ? 'Contact' : 'Team'}: ${m.text}` : '';
+  }
+
+  function stateBadge(state, agentName) {
+    if (state === 'requested') return h('span', { class: 'badge warn', 'data-field': 'state', text: 'waiting' });
+    if (state === 'assigned') return h('span', { class: 'badge ok', 'data-field': 'state', text: `with ${agentName}` });
+    return h('span', { class: 'badge off', 'data-field': 'state', text: 'resolved' });
+  }
+
+  function renderList() {
+    // waiting ones first, oldest first: a queue
+    const open = [...rows.values()].sort((a, b) => HANDOFF_RANK[a.state] - HANDOFF_RANK[b.state]
+      || (a.created_at < b.created_at ? -1 : a.created_at > b.created_at ? 1 : 0));
+    clear(listBox);
+    if (!open.length) {
+      listBox.append(h('p', { class: 'empty', text: 'No open handoffs. A conversation shows up here the moment the bot hands it to a person.' }));
+      return;
+    }
+    listBox.append(h('ul', { class: 'inbox-list' }, open.map((x) => h('li', {
+      'data-handoff': x.id, 'data-session': x.session_id, 'data-state': x.state,
+      class: `${x.id === selected ? 'selected' : ''}${x.unread ? ' unread' : ''}`,
+    }, h('button', { type: 'button', class: 'inbox-item', 'aria-current': x.id === selected ? 'true' : null, onclick: () => select(x.id) },
+      h('span', { class: 'inbox-head' }, h('strong', { text: x.session_id }), stateBadge(x.state, x.agent),
+        x.unread ? h('span', { class: 'badge bad', text: 'new' }) : null,
+        h('span', { class: 'muted small-text', title: fmt.time(x.created_at), text: fmt.ago(x.created_at) })),
+      x.reason ? h('span', { class: 'small-text muted inbox-reason', text: x.reason }) : null,
+      h('span', { class: 'inbox-last', 'data-field': 'last', text: lastSaid(x) }))))));
+  }
+
+  function select(id) {
+    const row = rows.get(id);
+    if (row) row.unread = false;
+    if (selected !== id || !convo) {
+      selected = id;
+      S.set('ce.inbox.selected', id);
+      openConversation(row);
+    }
+    renderList();
+  }
+
+  function openConversation(row) {
+    if (convo && convo.stream) convo.stream.close();
+    convo = null;
+    clear(panel);
+    if (!row) {
+      panel.append(h('h2', { text: 'Conversation' }), h('p', { class: 'muted', text: 'Pick a handoff to read the conversation, claim it and answer the contact.' }));
+      return;
+    }
+    const c = { handoff: row.id, session_id: row.session_id, list: [], seq: 0, outcome: null };
+    convo = c;
+    c.live = liveBadge('conv-live');
+    c.state = h('span', { id: 'conv-state' });
+    c.log = h('div', { class: 'chat-log agent-view', id: 'inbox-log', 'aria-live': 'polite' });
+    c.err = h('p', { class: 'field-error', id: 'err-handoff', role: 'alert' });
+    c.note = h('p', { class: 'good-box', id: 'conv-outcome', hidden: true });
+    c.claim = h('button', { type: 'button', class: 'primary', id: 'claim', text: 'Claim', onclick: claim });
+    c.back = h('button', { type: 'button', id: 'resolve-bot', text: 'Resolve: back to the bot', onclick: () => resolve(true) });
+    c.close = h('button', { type: 'button', id: 'resolve-close', text: 'Resolve: close', onclick: () => resolve(false) });
+    const draftKey = `ce.inbox.draft.${row.session_id}`;
+    c.text = h('textarea', { id: 'reply-text', rows: 3, placeholder: 'Write to the contact…', value: S.get(draftKey, ''), 'aria-describedby': 'err-reply' });
+    c.textErr = h('p', { class: 'field-error', id: 'err-reply', role: 'alert' });
+    c.send = h('button', { type: 'submit', class: 'primary', id: 'reply-send', text: 'Send reply' });
+    const form = h('form', { id: 'reply-form' }, h('label', { for: 'reply-text', text: 'Reply' }), c.text, c.textErr,
+      h('div', { class: 'actions' }, c.send));
+    c.text.addEventListener('input', () => { S.set(draftKey, c.text.value); c.textErr.textContent = ''; c.text.removeAttribute('aria-invalid'); });
+    c.text.addEventListener('keydown', (ev) => { if (ev.key === 'Enter' && (ev.ctrlKey || ev.metaKey)) form.requestSubmit(); });
+    form.addEventListener('submit', (ev) => { ev.preventDefault(); reply(c, draftKey); });
+    panel.append(
+      h('h2', {}, `Session ${row.session_id} `, c.state, c.live),
+      row.reason ? h('p', { class: 'muted small-text', text: `Reason: ${row.reason}` }) : null,
+      h('div', { class: 'actions' }, c.claim, c.back, c.close), c.err, c.note, c.log, form);
+    c.stream = follow(`/v1/sessions/${encodeURIComponent(row.session_id)}/events`, {
+      lastId: () => c.seq,
+      onState: c.live.set,
+      onEvent: (type, d) => {
+        if (!d || typeof d !== 'object' || typeof d.seq !== 'number') return;
+        c.seq = Math.max(c.seq, d.seq);
+        // an agent reads the conversation and who has it; the bot's tool calls are left out
+        if ((type === 'message' || type === 'handoff') && mergeEvent(c.list, type, d) && c === convo) drawLog();
+      },
+    });
+    drawLog();
+    updatePanel();
+  }
+
+  function drawLog() {
+    const c = convo;
+    clear(c.log).append(...c.list.map((e) => bubble(e)));
+    scrollToEnd(c.log);
+  }
+
+  function updatePanel() {
+    const c = convo;
+    if (!c) return;
+    const row = rows.get(c.handoff);
+    const state = row ? row.state : 'resolved';
+    clear(c.state).append(stateBadge(state, row && row.agent));
+    c.claim.hidden = state !== 'requested';
+    c.back.hidden = state === 'resolved';
+    c.close.hidden = state === 'resolved';
+    c.text.disabled = state === 'resolved';
+    c.send.disabled = state === 'resolved';
+    c.note.hidden = state !== 'resolved';
+    c.note.textContent = c.outcome === 'back' ? 'Resolved: the bot answers this contact again.'
+      : c.outcome === 'closed' ? 'Resolved: the conversation is closed.' : 'Resolved.';
+  }
+
+  function needName() {
+    const name = agent.value.trim();
+    if (!name) {
+      agentErr.textContent = 'enter your name first: the contact sees it with your messages';
+      agent.setAttribute('aria-invalid', 'true');
+      agent.focus();
+    }
+    return name;
+  }
+
+  function refused(e, box, control) {
+    if (e.field === 'agent') {
+      agentErr.textContent = e.detail;
+      agent.setAttribute('aria-invalid', 'true');
+    } else {
+      box.textContent = e.detail;
+      if (control) control.setAttribute('aria-invalid', 'true');
+    }
+  }
+
+  async function claim() {
+    const c = convo;
+    c.err.textContent = '';
+    const name = needName();
+    if (!name) return;
+    c.claim.disabled = true;
+    try {
+      take([await api('POST', `/v1/handoffs/${encodeURIComponent(c.handoff)}/claim`, { agent: name })]);
+    } catch (e) { refused(e, c.err); }
+    c.claim.disabled = false;
+    renderList();
+    updatePanel();
+  }
+
+  async function resolve(back) {
+    const c = convo;
+    c.err.textContent = '';
+    c.back.disabled = true;
+    c.close.disabled = true;
+    try {
+      const x = await api('POST', `/v1/handoffs/${encodeURIComponent(c.handoff)}/resolve`, { return_to_bot: back });
+      c.outcome = back ? 'back' : 'closed';
+      take([x]);
+    } catch (e) { refused(e, c.err); }
+    c.back.disabled = false;
+    c.close.disabled = false;
+    renderList();
+    updatePanel();
+  }
+
+  async function reply(c, draftKey) {
+    c.textErr.textContent = '';
+    const text = c.text.value;
+    if (!text.trim()) { c.textErr.textContent = 'write a message first'; return; }
+    const name = needName();
+    if (!name) return;
+    const messageId = `agent-${crypto.randomUUID()}`;
+    const mine = { kind: 'agent', agent: name, text, message_id: messageId, key: `message:agent:${messageId}`, sending: true };
+    c.list.push(mine);
+    drawLog();
+    c.text.value = '';
+    S.del(draftKey);
+    c.send.disabled = true;
+    try {
+      await api('POST', `/v1/sessions/${encodeURIComponent(c.session_id)}/agent-messages`, { text, agent: name, message_id: messageId });
+      mine.sending = false;
+    } catch (e) {
+      // refused: the message goes back into the box, and why next to it
+      if (c.list.includes(mine)) c.list.splice(c.list.indexOf(mine), 1);
+      if (!c.text.value) { c.text.value = text; S.set(draftKey, text); }
+      refused(e, c.textErr, c.text);
+    }
+    c.send.disabled = false;
+    if (c === convo) { drawLog(); updatePanel(); }
+  }
+
+  await reload();
+  openConversation(rows.get(selected));
+  // the feed: on every connection the list is read again (what happened while not connected),
+  // then each event moves it on; `reset` (events were missed) ends the stream, and it reconnects
+  follow('/v1/handoffs/events', {
+    onOpen: async () => { try { await reload(); } catch (e) { listErr.textContent = e.detail; } },
+    onEvent: onFeed,
+    onState: live.set,
+  });
+  return h('section', {},
+    h('div', { class: 'head-row' }, h('h1', {}, 'Inbox ', live)),
+    h('div', { class: 'cols inbox' },
+      h('div', {},
+        h('div', { class: 'card' },
+          h('label', { for: 'agent-name', text: 'Your name (the contact sees it with your messages)' }), agent, agentErr),
+        h('div', { class: 'card' }, h('h2', { text: 'Open handoffs' }), listErr, listBox)),
+      panel));
 }
 
 window.addEventListener('hashchange', route);
