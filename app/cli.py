@@ -1,6 +1,6 @@
 """`chat-engine`: run | serve | scale N | restart-hosts | migrate | tenant ... | chat | contract.
 
-`tenant` is create NAME | keys NAME | add-key NAME | revoke-key NAME KEY_ID: API keys are shown
+`tenant` is create NAME | keys NAME | add-key NAME [--kind admin|chat] | revoke-key NAME KEY_ID: API keys are shown
 once, when made; afterwards only by id and dates.
 
 The entrypoint reads Settings from the environment once and configures logging once. Bad
@@ -27,6 +27,7 @@ import msgspec
 
 from app.chat_client import chat, print_contract
 from kernel.errors import ChatEngineError, Conflict, NotFound
+from kernel.records import KEY_KINDS, KeyKind
 from services.gateway.common import KEY_CACHE_TTL_S
 from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     p_keys.add_argument("name", help="the tenant's name")
     p_add_key = tsub.add_parser("add-key", help="make another API key for a tenant and print it once")
     p_add_key.add_argument("name", help="the tenant's name")
+    p_add_key.add_argument("--kind", choices=KEY_KINDS, default="admin",
+                           help="admin: every route (default); chat: only what a contact's web page needs "
+                                "(messages, approvals, the session's view and events), safe to embed")
     p_revoke = tsub.add_parser("revoke-key", help="revoke one of a tenant's API keys (ids: 'tenant keys NAME')")
     p_revoke.add_argument("name", help="the tenant's name")
     p_revoke.add_argument("key_id", help="the key's id, as 'chat-engine tenant keys NAME' lists it")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             elif args.tenant_command == "keys":
                 asyncio.run(_tenant_keys(settings, args.name))
             elif args.tenant_command == "add-key":
-                asyncio.run(_tenant_add_key(settings, args.name))
+                asyncio.run(_tenant_add_key(settings, args.name, args.kind))
             elif args.tenant_command == "revoke-key":
                 asyncio.run(_tenant_revoke_key(settings, args.name, args.key_id))
         elif args.command == "chat":
@@ -301,23 +305,23 @@ async def _tenant_keys(settings: Settings, name: str) -> None:
         tenant = await _tenant_named(tenants, name)
         keys = await tenants.list_keys(tenant.id)
     width = max([len("key_id"), *(len(k.key_id) for k in keys)]) + 2
-    lines = [f"{'key_id':<{width}}{'created_at':<22}revoked_at"]
+    lines = [f"{'key_id':<{width}}{'kind':<7}{'created_at':<22}revoked_at"]
     for k in keys:
         revoked = "active" if k.revoked_at is None else _stamp(k.revoked_at)
-        lines.append(f"{k.key_id:<{width}}{_stamp(k.created_at):<22}{revoked}")
+        lines.append(f"{k.key_id:<{width}}{k.kind:<7}{_stamp(k.created_at):<22}{revoked}")
     print("\n".join(lines))
     if all(k.revoked_at is not None for k in keys):
         print(f"tenant {tenant.name!r} has no active key: make one with 'chat-engine tenant add-key {tenant.name}'",
               file=sys.stderr)
 
 
-async def _tenant_add_key(settings: Settings, name: str) -> None:
-    """Make another key for the tenant (its other keys stay valid) and print it once."""
+async def _tenant_add_key(settings: Settings, name: str, kind: KeyKind = "admin") -> None:
+    """Make another key of `kind` for the tenant (its other keys stay valid) and print it once."""
     async with _tenant_repo(settings) as tenants:
         tenant = await _tenant_named(tenants, name)
-        key = await tenants.issue_key(tenant.id)
+        key = await tenants.issue_key(tenant.id, kind)
         print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "key_id": key.key_id,
-                                   "api_key": key.api_key}).decode())
+                                   "api_key": key.api_key, "kind": key.kind}).decode())
         print("keep the api_key: it is shown only this once. Once every client uses it, revoke the old key "
               f"with 'chat-engine tenant revoke-key {tenant.name} KEY_ID' (ids: 'chat-engine tenant keys "
               f"{tenant.name}')", file=sys.stderr)

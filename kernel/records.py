@@ -27,12 +27,25 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     created_at: datetime
 
 
+#: what an API key may do: `admin` every route, `chat` only what a contact's page needs
+KeyKind = Literal["admin", "chat"]
+KEY_KINDS: tuple[str, ...] = ("admin", "chat")
+
+
 class IssuedKey(msgspec.Struct, frozen=True, kw_only=True):
     """A freshly created API key: the only time its plaintext exists outside the caller."""
 
     tenant_id: str
     key_id: str
     api_key: str
+    kind: KeyKind = "admin"
+
+
+class KeyHolder(msgspec.Struct, frozen=True, kw_only=True):
+    """Who a presented API key speaks for: its tenant, and what the key may do."""
+
+    tenant: Tenant
+    kind: KeyKind
 
 
 class ToolVersion(msgspec.Struct, frozen=True, kw_only=True):

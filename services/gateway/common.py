@@ -96,7 +96,7 @@ class GatewayDeps:
     limiter: TenantLimiter = field(default_factory=lambda: TenantLimiter(rate=0, burst=1, concurrency=0))
     ready: Callable[[], Awaitable[bool]] | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    #: sha256(key) -> tenant id, for keys found in Postgres
+    #: sha256(key) -> (tenant id, key kind), for keys found in Postgres
     #: (an entry lives its TTL from when it was put, however often it is read; least recently used out)
     key_cache: TTLCache = field(default_factory=lambda: TTLCache(maxsize=KEY_CACHE_MAX, ttl=KEY_CACHE_TTL_S))
     #: sha256(key) of keys Postgres did not know (apart from key_cache: bogus keys cannot push out good ones)
@@ -110,6 +110,16 @@ class GatewayDeps:
 
 DEPS = web.AppKey("deps", GatewayDeps)
 TENANT = web.RequestKey("ce_tenant_id", str)
+KEY_KIND = web.RequestKey("ce_key_kind", str)  # "admin" or "chat" (kernel.records.KeyKind)
+
+#: all a `chat` key may do, as (method, route): what a contact's page needs, nothing else
+CHAT_ROUTES = frozenset({
+    ("POST", "/v1/sessions/{session_id}/messages"),
+    ("POST", "/v1/sessions/{session_id}/approvals/{approval_id}"),
+    ("GET", "/v1/sessions/{session_id}"),
+    ("GET", "/v1/sessions/{session_id}/events"),
+    ("GET", "/v1/sessions/{session_id}/ws"),
+})
 REQUEST_ID = web.RequestKey("ce_request_id", str)
 MESSAGE_ID = web.RequestKey("ce_message_id", str)  # the turn's message id, the client's or made up here
 

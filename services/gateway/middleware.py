@@ -13,7 +13,9 @@ import structlog
 from aiohttp import web
 
 from services.gateway.common import (
+    CHAT_ROUTES,
     DEPS,
+    KEY_KIND,
     MESSAGE_ID,
     REQUEST_ID,
     TENANT,
@@ -82,29 +84,41 @@ async def auth_middleware(request: web.Request, handler):
     # keys are printable ASCII: anything else cannot match (nor be hashed or sent to Postgres as is)
     printable = key.isascii() and key.isprintable()
     digest = hashlib.sha256(key.encode()).hexdigest() if printable else ""  # no raw key kept in memory
-    tenant_id = deps.key_cache.get(digest) if printable else None
-    if tenant_id is None:
-        tenant = None
+    known = deps.key_cache.get(digest) if printable else None
+    if known is None:
+        holder = None
         if printable and not deps.unknown_keys.get(digest):
-            tenant = await _key_lookup(deps, digest, key)
-            if tenant is None:  # only a definite "unknown": a failed lookup raised and is not cached
+            holder = await _key_lookup(deps, digest, key)
+            if holder is None:  # only a definite "unknown": a failed lookup raised and is not cached
                 deps.unknown_keys[digest] = True
-        if tenant is None:
+        if holder is None:
             return problem(401, "Unauthorized", "this API key is unknown or revoked; ask the tenant's operator "
                            "for a key ('chat-engine tenant add-key NAME')", headers={"WWW-Authenticate": "Bearer"})
-        tenant_id = tenant.id
-        deps.key_cache[digest] = tenant_id
+        known = (holder.tenant.id, holder.kind)
+        deps.key_cache[digest] = known
+    tenant_id, kind = known
     request[TENANT] = tenant_id
+    request[KEY_KIND] = kind
     structlog.contextvars.bind_contextvars(tenant_id=tenant_id)
+    if kind != "admin" and (request.method, _route_of(request)) not in CHAT_ROUTES:
+        return problem(403, "Forbidden", f"this is a {kind} key: it may only send messages and approvals to a "
+                       f"session, read the session and watch its events; {request.method} {request.path} needs "
+                       "an admin key ('chat-engine tenant add-key NAME --kind admin')")
     return await handler(request)
 
 
+def _route_of(request: web.Request) -> str | None:
+    """The route `request` matched, as registered (`/v1/sessions/{session_id}`), or None."""
+    resource = request.match_info.route.resource
+    return None if resource is None else resource.canonical
+
+
 async def _key_lookup(deps: GatewayDeps, digest: str, key: str) -> Any:
-    """The tenant of `key` from Postgres, one lookup for every request that asks for the same key
+    """The tenant of `key`, and its kind, from Postgres, one lookup for every request that asks for the same key
     at once (a client's burst, or a flood of one bogus key before it is cached as unknown)."""
     pending = deps.key_lookups.get(digest)
     if pending is None:
-        pending = asyncio.ensure_future(deps.tenants.tenant_for_key(key))
+        pending = asyncio.ensure_future(deps.tenants.key_holder(key))
         deps.key_lookups[digest] = pending
 
         def forget(done: asyncio.Future) -> None:

@@ -14,12 +14,14 @@ from typing import Any
 import msgspec
 
 from services.gateway.bodies import BotConfigIn, ToolCreate, ToolPatch
+from services.gateway.common import CHAT_ROUTES
 from services.wire import DecideApproval, SendMessage, SessionView, TurnReply
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
 #: every /v1 route: no or an unknown key (401); a NUL in the URL (422, also on routes without a
-#: parameter); Postgres unreachable while the key or anything else is looked up (503, Retry-After)
+#: parameter); Postgres unreachable while the key or anything else is looked up (503, Retry-After);
+#: and every one but CHAT_ROUTES: a chat key (403, added by _responses)
 _V1 = ("401", "422", "503")
 #: a route that decodes a JSON body: not JSON or cut short (400), over MAX_BODY (413), not its shape (422)
 _BODY = ("400", "413", "422")
@@ -117,6 +119,8 @@ def _problem(status: str) -> dict[str, Any]:
 def _responses(method: str, path: str, ok_schema: dict | None = None) -> dict[str, Any]:
     """The responses of `method path` as ANSWERS has them; a 204 carries no body."""
     status, errors = ANSWERS.get((method.upper(), path), _DEFAULT)
+    if path.startswith("/v1/") and (method.upper(), path) not in CHAT_ROUTES:
+        errors = (*errors, "403")  # a chat key on a route it may not use
     responses: dict[str, Any] = {
         status: {"description": "deleted"} if status == "204" else
         {"description": "ok", "content": {"application/json": {"schema": ok_schema or {"type": "object"}}}}}

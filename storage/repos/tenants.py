@@ -19,7 +19,7 @@ import asyncpg
 import msgspec
 
 from kernel.errors import InvalidInput, NotFound
-from kernel.records import IssuedKey, Tenant
+from kernel.records import KEY_KINDS, IssuedKey, KeyHolder, KeyKind, Tenant
 from storage.errors import translate
 
 KEY_PREFIX = "ce_"
@@ -42,6 +42,7 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     tenant_id: str
     created_at: datetime
     revoked_at: datetime | None = None  # None: the key is live
+    kind: KeyKind = "admin"
 
 
 def _tenant(row: asyncpg.Record) -> Tenant:
@@ -50,7 +51,7 @@ def _tenant(row: asyncpg.Record) -> Tenant:
 
 def _key(row: asyncpg.Record) -> ApiKeyRecord:
     return ApiKeyRecord(key_id=row["id"], tenant_id=row["tenant_id"], created_at=row["created_at"],
-                        revoked_at=row["revoked_at"])
+                        revoked_at=row["revoked_at"], kind=row["kind"])
 
 
 class TenantRepo:
@@ -80,8 +81,11 @@ class TenantRepo:
                 key = await self._insert_key(conn, tenant_id)
         return _tenant(row), key
 
-    async def issue_key(self, tenant_id: str) -> IssuedKey:
-        """A new API key for the tenant (older keys stay valid). Raises NotFound for no tenant."""
+    async def issue_key(self, tenant_id: str, kind: KeyKind = "admin") -> IssuedKey:
+        """A new API key of `kind` for the tenant (older keys stay valid). Raises NotFound for no
+        tenant, InvalidInput for a kind that is not admin or chat."""
+        if kind not in KEY_KINDS:
+            raise InvalidInput(f"a key's kind is admin or chat, got {str(kind)[:20]!r}", path="kind")
         with translate("issuing an api key"):
             async with self._pool.acquire() as conn, conn.transaction():
                 exists = await conn.fetchval(
@@ -89,7 +93,7 @@ class TenantRepo:
                 )
                 if not exists:
                     raise NotFound(f"tenant {tenant_id!r} does not exist", kind="tenant", key=tenant_id)
-                return await self._insert_key(conn, tenant_id)
+                return await self._insert_key(conn, tenant_id, kind)
 
     async def revoke_key(self, tenant_id: str, key_id: str) -> datetime:
         """Revoke one of the tenant's keys; returns when. Gateways that cached the key accept it
@@ -112,7 +116,7 @@ class TenantRepo:
         """Every key of the tenant, live and revoked, oldest first. Raises NotFound for no tenant."""
         with translate("listing api keys"):
             rows = await self._pool.fetch(
-                "SELECT k.id, t.id AS tenant_id, k.created_at, k.revoked_at FROM ce_tenants t "
+                "SELECT k.id, t.id AS tenant_id, k.created_at, k.revoked_at, k.kind FROM ce_tenants t "
                 "LEFT JOIN ce_api_keys k ON k.tenant_id = t.id WHERE t.id = $1 "
                 "ORDER BY k.created_at, k.id",
                 tenant_id,
@@ -126,22 +130,27 @@ class TenantRepo:
         may see every tenant: unlike the methods above it is not scoped by a tenant id."""
         with translate("reading an api key"):
             row = await self._pool.fetchrow(
-                "SELECT id, tenant_id, created_at, revoked_at FROM ce_api_keys WHERE id = $1", key_id
+                "SELECT id, tenant_id, created_at, revoked_at, kind FROM ce_api_keys WHERE id = $1", key_id
             )
         return None if row is None else _key(row)
 
     async def tenant_for_key(self, api_key: str) -> Tenant | None:
         """The tenant owning this (unrevoked) key, or None."""
+        holder = await self.key_holder(api_key)
+        return None if holder is None else holder.tenant
+
+    async def key_holder(self, api_key: str) -> KeyHolder | None:
+        """The tenant owning this (unrevoked) key and the key's kind, or None."""
         if not api_key.startswith(KEY_PREFIX):
             return None
         with translate("looking up an api key"):
             row = await self._pool.fetchrow(
-                "SELECT t.id, t.name, t.created_at FROM ce_api_keys k "
+                "SELECT t.id, t.name, t.created_at, k.kind FROM ce_api_keys k "
                 "JOIN ce_tenants t ON t.id = k.tenant_id "
                 "WHERE k.key_hash = $1 AND k.revoked_at IS NULL",
                 hash_api_key(api_key),
             )
-        return None if row is None else _tenant(row)
+        return None if row is None else KeyHolder(tenant=_tenant(row), kind=row["kind"])
 
     async def get_by_name(self, name: str) -> Tenant | None:
         """The tenant called `name`, or None."""
@@ -162,11 +171,11 @@ class TenantRepo:
         return _tenant(row)
 
     @staticmethod
-    async def _insert_key(conn: asyncpg.Connection, tenant_id: str) -> IssuedKey:
+    async def _insert_key(conn: asyncpg.Connection, tenant_id: str, kind: KeyKind = "admin") -> IssuedKey:
         key_id = "key_" + secrets.token_hex(8)
         api_key = new_api_key()
         await conn.execute(
-            "INSERT INTO ce_api_keys (id, tenant_id, key_hash) VALUES ($1, $2, $3)",
-            key_id, tenant_id, hash_api_key(api_key),
+            "INSERT INTO ce_api_keys (id, tenant_id, key_hash, kind) VALUES ($1, $2, $3, $4)",
+            key_id, tenant_id, hash_api_key(api_key), kind,
         )
-        return IssuedKey(tenant_id=tenant_id, key_id=key_id, api_key=api_key)
+        return IssuedKey(tenant_id=tenant_id, key_id=key_id, api_key=api_key, kind=kind)

@@ -40,12 +40,14 @@ async def created(url: str, name: str) -> dict:
 
 
 def key_rows(stdout: str) -> dict[str, tuple[str, str]]:
-    """`tenant keys` output as {key_id: (created, revoked-or-active)}; checks the header."""
+    """`tenant keys` output as {key_id: (created, revoked-or-active)}; checks the header and
+    that each key's kind is shown."""
     lines = stdout.splitlines()
-    assert lines[0].split() == ["key_id", "created_at", "revoked_at"], stdout
+    assert lines[0].split() == ["key_id", "kind", "created_at", "revoked_at"], stdout
     rows = {}
     for line in lines[1:]:
-        key_id, created_at, status = line.split()
+        key_id, kind, created_at, status = line.split()
+        assert kind in ("admin", "chat"), line
         assert re.fullmatch(STAMP, created_at) and (
             status == "active" or re.fullmatch(STAMP, status)
         ), line
@@ -59,7 +61,7 @@ async def test_add_key_prints_a_second_working_key_once_and_keys_lists_both_with
     result = await cli(url, "add-key", "rotating")
     assert result.returncode == 0, result.stderr
     second = json.loads(result.stdout)
-    assert set(second) == {"tenant_id", "name", "key_id", "api_key"}
+    assert set(second) == {"tenant_id", "name", "key_id", "api_key", "kind"} and second["kind"] == "admin"
     assert second["tenant_id"] == first["tenant_id"] and second["name"] == "rotating"
     assert second["api_key"].startswith("ce_") and second["api_key"] != first["api_key"]
     assert "shown only this once" in result.stderr
@@ -196,3 +198,24 @@ async def test_keys_of_a_tenant_with_no_key_rows_prints_the_header_and_says_what
     assert listed.returncode == 0, listed.stderr
     assert key_rows(listed.stdout) == {}
     assert "has no active key: make one with 'chat-engine tenant add-key keyless'" in listed.stderr
+
+
+async def test_add_key_kind_chat_makes_a_chat_key_and_keys_shows_each_keys_kind(db):
+    url, repo = db
+    first = await created(url, "with-chat")
+    result = await cli(url, "add-key", "with-chat", "--kind", "chat")
+    assert result.returncode == 0, result.stderr
+    chat = json.loads(result.stdout)
+    assert chat["kind"] == "chat" and chat["tenant_id"] == first["tenant_id"]
+    holder = await repo.key_holder(chat["api_key"])
+    assert holder is not None and holder.kind == "chat" and holder.tenant.id == first["tenant_id"]
+    assert (await repo.key_holder(first["api_key"])).kind == "admin"  # the first key, as every older one
+    listed = await cli(url, "keys", "with-chat")
+    kinds = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
+    assert kinds == {first_key_id(listed.stdout, chat["key_id"]): "admin", chat["key_id"]: "chat"}
+    bad = await cli(url, "add-key", "with-chat", "--kind", "owner")
+    assert bad.returncode == 2 and "invalid choice: 'owner'" in bad.stderr
+
+
+def first_key_id(stdout: str, other: str) -> str:
+    return next(line.split()[0] for line in stdout.splitlines()[1:] if line.split()[0] != other)

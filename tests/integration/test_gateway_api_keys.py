@@ -29,9 +29,9 @@ class CountingTenants:
         self._repo = repo
         self.lookups = 0
 
-    async def tenant_for_key(self, api_key: str) -> Any:
+    async def key_holder(self, api_key: str) -> Any:
         self.lookups += 1
-        return await self._repo.tenant_for_key(api_key)
+        return await self._repo.key_holder(api_key)
 
 
 class Gateway:
@@ -134,13 +134,13 @@ async def test_requests_with_the_same_key_at_once_share_one_postgres_lookup(gate
     # cached: before, each request looked the key up itself
     _tenant, key = await make_tenant("burst-key")
     bogus = "ce_" + "z" * 43
-    real_lookup = gateway.tenants.tenant_for_key
+    real_lookup = gateway.tenants.key_holder
 
     async def slow_lookup(api_key: str) -> Any:
         await asyncio.sleep(0.2)
         return await real_lookup(api_key)
 
-    gateway.tenants.tenant_for_key = slow_lookup
+    gateway.tenants.key_holder = slow_lookup
     statuses = await asyncio.gather(*(gateway.status(k) for k in [bogus] * 10 + [key.api_key] * 10))
     assert statuses == [401] * 10 + [200] * 10
     assert gateway.tenants.lookups == 2 and gateway.deps.key_lookups == {}

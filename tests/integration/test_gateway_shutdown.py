@@ -95,14 +95,14 @@ async def test_a_request_still_in_its_auth_lookup_when_the_gateway_stops_gets_it
     gateway = await open_gateway(settings, FakeRouter(), port=0)
     _, key = await gateway.deps.tenants.create_tenant("drain-auth")
     looking_up = asyncio.Event()
-    real_lookup = gateway.deps.tenants.tenant_for_key
+    real_lookup = gateway.deps.tenants.key_holder
 
     async def slow_lookup(api_key):
         looking_up.set()
         await asyncio.sleep(lookup_s)
         return await real_lookup(api_key)
 
-    gateway.deps.tenants.tenant_for_key = slow_lookup
+    gateway.deps.tenants.key_holder = slow_lookup
     async with aiohttp.ClientSession() as http:
         turn = asyncio.create_task(http.post(f"{gateway.url}/v1/sessions/s1/messages", json={"text": "hi"},
                                              headers={"Authorization": f"Bearer {key.api_key}"}))

@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from services.gateway.common import CHAT_ROUTES
 from services.gateway.limits import TenantLimiter
 from tests.support import gateways
 from tests.support.gateways import DocumentedGateway
@@ -80,6 +81,9 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
     ("PATCH", "/v1/mcp-servers/{name}"): V1 | BODY | {200, 404},
     ("DELETE", "/v1/mcp-servers/{name}"): V1 | {204, 404},
 }
+#: a chat key on any /v1 route but the few it may use: 403
+EXPECTED.update({route: statuses | {403} for route, statuses in EXPECTED.items()
+                 if route[1].startswith("/v1/") and route not in CHAT_ROUTES})
 #: served but not part of the API the document describes: the dashboard page, its files, the document
 NOT_DOCUMENTED = {("GET", "/"), ("GET", "/static/{file}"), ("GET", "/openapi.json")}
 DELETES = [path for (method, path), statuses in EXPECTED.items() if method == "DELETE"]

@@ -79,7 +79,7 @@ async def test_list_keys_shows_every_key_of_the_tenant_oldest_first_without_its_
     assert keys[1].revoked_at is None
     assert keys[0].created_at <= keys[1].created_at
     # the record has no field that could carry the key or its hash
-    assert set(type(keys[0]).__struct_fields__) == {"key_id", "tenant_id", "created_at", "revoked_at"}
+    assert set(type(keys[0]).__struct_fields__) == {"key_id", "tenant_id", "created_at", "revoked_at", "kind"}
     assert other_key.key_id not in {k.key_id for k in keys}
 
 

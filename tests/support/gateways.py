@@ -13,6 +13,7 @@ with the session router faked or a real SessionHost over the unit fakes (no Ray)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -70,6 +71,15 @@ class FakeRouter:
 
     async def view(self, tenant_id, session_id):
         return None
+
+    async def act(self, command) -> TurnReply:  # pragma: no cover - not used here
+        raise AssertionError("not called")
+
+    async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list:
+        """A session where nothing happens: waits, then has nothing new."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), wait_s)
+        return []
 
     async def stats(self) -> list[dict[str, Any]]:
         return []
