@@ -66,11 +66,13 @@ class TenantCatalogs:
         approval_keys: tuple[bytes, ...] = (),
         approval_ttl_s: float = 900.0,
         handoffs: Any = None,  # actors.session.HandoffDesk: the built-in handoff service
+        contacts_for: Callable[[BotConfig], Any] | None = None,  # the tenant's ContactVerifier
     ) -> None:
         self._workflows = workflows
         self._approval_keys = approval_keys
         self._approval_ttl_s = approval_ttl_s
         self._handoffs = handoffs
+        self._contacts_for = contacts_for
         self._tools = tools
         self._configs = configs
         self._registry = registry
@@ -215,4 +217,5 @@ class TenantCatalogs:
             approval_keys=self._approval_keys, approval_ttl_s=approval_ttl(config, self._approval_ttl_s),
             handoff=self._registry.get(HANDOFF_HANDLER) if self._registry is not None else None,
             handoffs=self._handoffs,
+            contacts=self._contacts_for(config) if self._contacts_for is not None else None,
         )

@@ -409,6 +409,7 @@ class SessionHost:
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             state = entry.state
+            state.identify(env.contacts, turn.contact_token)  # before even a stored answer is given
             if message_id and not new_id:
                 await self._load_turn(state, message_id)
             if state.answered(message_id):  # a retry answered from what is held: nothing runs
@@ -428,6 +429,7 @@ class SessionHost:
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
             state = entry.state
+            state.identify(env.contacts, decision.contact_token)
             decided = state.decided_turn(decision.approval_id)
             if decided is not None:  # asked again: its answer is replayed, from Postgres if need be
                 await self._load_turn(state, decided)

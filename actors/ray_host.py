@@ -31,7 +31,7 @@ from actors.lane import STREAM, LaneAddress, LaneServer
 from actors.runtime import Runtime
 from actors.session import SessionError
 from actors.sharding import owns, parse_host_name
-from kernel.errors import ChatEngineError, Conflict, NotFound, Overloaded
+from kernel.errors import ChatEngineError, Conflict, Forbidden, NotFound, Overloaded, Unauthorized
 from kernel.records import SessionEvent
 from services.heap import tune_collector
 from services.logging import configure_logging
@@ -133,6 +133,10 @@ def to_host_error(exc: BaseException) -> HostError:
         return HostError(kind=exc.kind, message=str(exc))
     if isinstance(exc, NotFound):
         return HostError(kind="not_found", message=str(exc))
+    if isinstance(exc, Unauthorized):
+        return HostError(kind="unauthorized", message=str(exc))
+    if isinstance(exc, Forbidden):
+        return HostError(kind="forbidden", message=str(exc))
     if isinstance(exc, Conflict):
         return HostError(kind="conflict", message=str(exc))
     if isinstance(exc, ChatEngineError) and getattr(exc, "retryable", False):

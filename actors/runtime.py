@@ -19,6 +19,7 @@ from services.approvals import approval_keys
 from services.botconfig import BotConfig
 from services.builtins import install as install_builtins
 from services.catalog_sync import CatalogSync
+from services.contacts import ContactVerifier
 from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.settings import Settings
@@ -124,6 +125,7 @@ class Runtime:
         builtins = rt._install_builtins()
         rt.tenants = TenantCatalogs(
             tools=rt.tools, configs=rt.configs, registry=rt.registry, backend_for=rt._backend_for,
+            contacts_for=rt._contacts_for,
             builtins=builtins, llm=rt.llm, executor=rt.executor, workflows=rt.workflows,
             approval_keys=approval_keys(settings.secret_keys), approval_ttl_s=settings.approval_ttl_s,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
@@ -181,6 +183,21 @@ class Runtime:
             return backend
         log.warning("backend_auth_header_undecryptable", keys_set=self.secret_box is not None)
         return _BindingsWithoutCredentials(backend, unopened)
+
+    def _contacts_for(self, config: BotConfig) -> ContactVerifier | None:
+        """The tenant's Contact-Token verifier, or None when it verifies no contact. Never raises
+        (called while the catalog loads): an HS256 secret the keys cannot open is left out, so
+        HS256 tokens are refused ("key") and the other algorithms still work."""
+        settings = config.contact_verification
+        if settings is None:
+            return None
+        secret = None
+        if settings.hs256_secret_enc and self.secret_box is not None:
+            try:
+                secret = self.secret_box.decrypt(settings.hs256_secret_enc)
+            except SecretDecryptError:
+                log.warning("contact_secret_undecryptable")
+        return ContactVerifier(settings, hs256_secret=secret)
 
     async def contract_report(self, tenant_id: str) -> dict:
         """The tool-contract report against this process's running catalog."""

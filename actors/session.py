@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import structlog
 
+from kernel.errors import Forbidden, Unauthorized
 from kernel.records import (
     ActivatedSession,
     JobRecord,
@@ -41,6 +42,7 @@ from kernel.records import (
 )
 from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
+from services.contacts import Contact, ContactVerifier
 from services.llm.marker import MarkerFilter, without_marker
 from services.llm.port import (
     ChatMessage,
@@ -239,6 +241,8 @@ class TurnEnv(msgspec.Struct, frozen=True, kw_only=True):
     handoff: HandoffRecorder | None = None
     #: claims and resolves handoffs (HandoffChange); None: this process cannot (the change is refused)
     handoffs: HandoffDesk | None = None
+    #: checks Contact-Tokens with the tenant's settings; None: the tenant verifies no contact
+    contacts: ContactVerifier | None = None
 
 
 class SealedTurns:
@@ -497,10 +501,38 @@ class SessionState:
 
     def view(self) -> SessionView:
         """The session as GET /v1/sessions/{id} shows it."""
+        sub = self.snapshot.contact_sub
         return SessionView(
             session_id=self.session_id, variables=dict(self.variables), open_breakers=self.open_breakers(),
             handoff=self.snapshot.handoff, messages=self.snapshot.message_count,
+            contact=None if sub is None else {"sub": sub, "verified": True},
         )
+
+    def identify(self, verifier: ContactVerifier | None, token: str | None) -> Contact | None:
+        """Who is writing, checked before anything of the turn runs or is replayed: the contact a
+        Contact-Token names (verified with the tenant's settings), bound to the session the first
+        time one writes. Raises Unauthorized (a token refused; none where the tenant requires one
+        or the session belongs to a contact) or Forbidden (another contact's session)."""
+        if token is not None:
+            if verifier is None:
+                raise Unauthorized("this tenant does not verify contacts, so a Contact-Token cannot be checked; "
+                                   "send the message without it, or configure contact_verification")
+            contact = verifier.verify(token)
+            bound = self.snapshot.contact_sub
+            if bound is None:
+                self.snapshot.contact_sub = contact.sub
+                self._touch()
+            elif not secrets.compare_digest(bound.encode(), contact.sub.encode()):
+                raise Forbidden(f"session {self.session_id!r} belongs to another contact; start a new session "
+                                "for this one")
+            return contact
+        if self.snapshot.contact_sub is not None:
+            raise Unauthorized(f"session {self.session_id!r} belongs to a verified contact; send their "
+                               "Contact-Token with the message")
+        if verifier is not None and verifier.required:
+            raise Unauthorized("this tenant requires verified contacts; send the contact's JWT in the "
+                               "Contact-Token header")
+        return None
 
     def answered(self, message_id: str | None) -> bool:
         """An answer for `message_id` is in the turn cache: sent again, it is replayed, nothing runs."""

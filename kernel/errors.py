@@ -50,6 +50,14 @@ class InvalidInput(ChatEngineError):
         self.path = path
 
 
+class Unauthorized(ChatEngineError):
+    """The caller did not prove who it is (a contact's token missing or refused): 401."""
+
+
+class Forbidden(ChatEngineError):
+    """The caller is known and may not do this (another contact's session): 403."""
+
+
 class Overloaded(ChatEngineError):
     """Admission refused; retry after `retry_after` seconds.
 

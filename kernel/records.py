@@ -130,6 +130,8 @@ class SessionSnapshot(msgspec.Struct, kw_only=True):
     #: "resolved" (closed: the bot does not come back); None: not handed off, or given back
     handoff_state: str | None = None
     handoff_agent: str | None = None
+    #: the verified contact (a Contact-Token's `sub`) the session belongs to, once one wrote
+    contact_sub: str | None = None
 
 
 class SessionEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +199,7 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     open_breakers: list[str]
     handoff: bool
     messages: int
+    contact: dict[str, Any] | None = None
 
 
 class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):

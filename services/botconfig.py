@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from kernel.errors import InvalidInput
+from services.contacts import ContactVerification
 
 
 class Intent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,6 +49,8 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     #: tenant can trust it (its contacts signed in with that address, say). Off: this session only.
     recall_across_sessions: bool = False
     approval_ttl_s: float | None = None  # None: the engine's CE_APPROVAL_TTL_S
+    #: verified contacts: how a Contact-Token is checked (services.contacts); None: none accepted
+    contact_verification: ContactVerification | None = None
 
 
 #: a tenant's approval TTL: a second at least, 30 days at most (an expiry time must be a date)

@@ -104,6 +104,8 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     open_breakers: list[str]
     handoff: bool
     messages: int
+    #: the verified contact the session belongs to ({"sub", "verified": true}), or None
+    contact: dict[str, Any] | None = None
 
 
 class StreamEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,6 +132,8 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="tur
     session_id: str
     text: str
     message_id: str | None = None
+    #: the contact's JWT (the Contact-Token header), verified by the session's host
+    contact_token: str | None = None
 
 
 class ApprovalDecision(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="approval"):
@@ -141,6 +145,7 @@ class ApprovalDecision(msgspec.Struct, frozen=True, kw_only=True, tag_field="typ
     approve: bool
     #: the approver's edits of the held calls' arguments (call id -> arguments), or None
     edited: dict[str, dict[str, Any]] | None = None
+    contact_token: str | None = None
 
 
 #: what a session host runs as one turn: a message, or the decision that resumes a held one

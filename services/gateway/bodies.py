@@ -138,6 +138,20 @@ class BackendIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     auth_header_set: bool | None = None
 
 
+class ContactVerificationIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`contact_verification` as PUT /v1/bot-config takes it: the HS256 secret write-only
+    (`"[set]"`, as GET shows it, or left out keeps the stored one; null removes it)."""
+
+    required: bool = False
+    algorithms: list[str] = []
+    keys: list[dict[str, Any]] = []
+    hs256_secret: str | None | msgspec.UnsetType = msgspec.UNSET
+    issuer: str = ""
+    audience: str = ""
+    max_lifetime_s: int = 3600
+    scope_claims: dict[str, str] = {}
+
+
 class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """PUT /v1/bot-config: BotConfig with its credentials write-only. It takes back what GET
     shows: a credential left out, or sent back as the view shows it (`notification_secret:
@@ -159,6 +173,7 @@ class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     recall_across_sessions: bool = False
     #: the session variable that names the contact (collect_lead sets it; recall reads by it)
     contact_id_variable: str = "contact_id"
+    contact_verification: ContactVerificationIn | None = None
 
 
 class Encryptor:

@@ -23,10 +23,12 @@ from cachetools import TTLCache
 from kernel.errors import (
     ChatEngineError,
     Conflict,
+    Forbidden,
     InvalidInput,
     LimitReached,
     NotFound,
     Overloaded,
+    Unauthorized,
 )
 from kernel.records import SessionEvent
 from services.gateway.limits import TenantLimiter
@@ -162,6 +164,10 @@ def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, 
         return 409, "Limit reached", str(exc), None
     if isinstance(exc, Conflict):
         return 409, "Conflict", str(exc), None
+    if isinstance(exc, Unauthorized):
+        return 401, "Unauthorized", str(exc), None
+    if isinstance(exc, Forbidden):
+        return 403, "Forbidden", str(exc), None
     if isinstance(exc, Overloaded):
         return exc.status, "Too many requests" if exc.status == 429 else "Overloaded", str(exc), exc.retry_after
     if isinstance(exc, ChatEngineError):
@@ -172,6 +178,10 @@ def failure(exc: Exception, request_id: str, path: str) -> tuple[int, str, str, 
             return 404, "Not found", str(exc), None
         if kind == "conflict":
             return 409, "Conflict", str(exc), None
+        if kind == "unauthorized":
+            return 401, "Unauthorized", str(exc), None
+        if kind == "forbidden":
+            return 403, "Forbidden", str(exc), None
         if kind == "internal":
             # the host failed on its side (it logged why); not the caller's fault, so not a 4xx
             return 500, "Internal error", str(exc), None

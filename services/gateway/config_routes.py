@@ -11,9 +11,11 @@ from aiohttp import web
 from kernel.errors import InvalidInput
 from services.botconfig import Backend, BotConfig, check_approval_ttl
 from services.builtins.notify import InvalidSecret, secret_key
+from services.contacts import ContactVerification, check_verification
 from services.gateway.bodies import (
     MAX_VARIABLE_NAME,
     BotConfigIn,
+    ContactVerificationIn,
     check_credential_stays,
     check_url,
 )
@@ -32,6 +34,11 @@ def _config_view(config: dict[str, Any]) -> dict[str, Any]:
         view["backend"] = backend
     if view.pop("notification_secret_enc", None) or view.get("notification_secret"):
         view["notification_secret"] = SECRET_SET
+    verification = view.get("contact_verification")
+    if verification:
+        verification = dict(verification)
+        verification["hs256_secret"] = SECRET_SET if verification.pop("hs256_secret_enc", None) else None
+        view["contact_verification"] = verification
     return view
 
 
@@ -68,7 +75,10 @@ async def put_bot_config(request: web.Request) -> web.Response:
         check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
     previous = await deps.configs.get(request[TENANT]) or {}
     data = {k: v for k, v in msgspec.to_builtins(body).items()
-            if v is not None and k not in ("backend", "notification_secret")}
+            if v is not None and k not in ("backend", "notification_secret", "contact_verification")}
+    if body.contact_verification is not None:
+        data["contact_verification"] = _verification(deps, body.contact_verification,
+                                                     previous.get("contact_verification") or {})
     if body.allowlist is not None:
         data["allowlist"] = body.allowlist
     if body.backend is not None:
@@ -104,6 +114,36 @@ async def put_bot_config(request: web.Request) -> web.Response:
     stored = msgspec.to_builtins(config)
     await deps.configs.put(request[TENANT], stored)
     return json_response(_config_view(stored))
+
+
+MIN_HS256_SECRET = 32
+
+
+def _verification(deps: Any, body: ContactVerificationIn, previous: dict[str, Any]) -> dict[str, Any]:
+    """The stored contact_verification: the HS256 secret encrypted, or kept as stored when left
+    out (or sent back as `"[set]"`); checked so that a token could pass it."""
+    at = "$.contact_verification.hs256_secret"
+    secret = body.hs256_secret
+    kept = previous.get("hs256_secret_enc")
+    if secret is msgspec.UNSET or secret == SECRET_SET:
+        if secret == SECRET_SET and not kept:
+            raise InvalidInput(f"hs256_secret is {SECRET_SET!r} but none is stored to keep; send the secret "
+                               f"itself or null - at `{at}`", path=at)
+        secret_enc = kept
+    elif secret is None:
+        secret_enc = None
+    else:
+        if len(secret) < MIN_HS256_SECRET:  # never echoed, not even a bad one
+            raise InvalidInput(f"hs256_secret must be at least {MIN_HS256_SECRET} characters of random data - "
+                               f"at `{at}`", path=at)
+        secret_enc = encrypter(deps)(secret)
+    settings = ContactVerification(
+        required=body.required, algorithms=tuple(body.algorithms), keys=tuple(body.keys),
+        hs256_secret_enc=secret_enc, issuer=body.issuer, audience=body.audience,
+        max_lifetime_s=body.max_lifetime_s, scope_claims=body.scope_claims,
+    )
+    check_verification(settings, has_secret=secret_enc is not None)
+    return msgspec.to_builtins(settings)
 
 
 def add_config_routes(app: web.Application) -> None:

@@ -38,7 +38,12 @@ from services.gateway.common import (
     path_session_id,
     whole_number,
 )
-from services.gateway.session_routes import check_message_id, contact_turn, reply_body
+from services.gateway.session_routes import (
+    check_message_id,
+    contact_token,
+    contact_turn,
+    reply_body,
+)
 from services.wire import (
     AgentMessage,
     ClaimHandoff,
@@ -177,7 +182,7 @@ async def _socket_message(request: web.Request, tenant_id: str, session_id: str,
     deps = request.app[DEPS]
     try:
         body = _message_decoder.decode(raw)
-        turn, new_id = contact_turn(body, tenant_id, session_id)
+        turn, new_id = contact_turn(body, tenant_id, session_id, contact_token(request))
         with deps.limiter.admit(tenant_id):
             reply = await deps.router.send(turn, new_id=new_id)
     except Exception as exc:  # noqa: BLE001 - answered in-band, as a problem's fields; the socket stays

@@ -12,7 +12,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from kernel.errors import InvalidInput
+from kernel.errors import InvalidInput, Unauthorized
 from services.gateway.common import (
     DEPS,
     MAX_TEXT,
@@ -36,6 +36,9 @@ from services.wire import (
 )
 
 log = structlog.get_logger(__name__)
+
+#: the longest Contact-Token read (a JWT with a few claims is well under 2 KB)
+MAX_CONTACT_TOKEN = 8192
 
 _encoder = msgspec.json.Encoder()
 
@@ -69,7 +72,19 @@ def reply_response(reply: TurnReply, gateway_s: float) -> web.Response:
     return response
 
 
-def contact_turn(body: SendMessage, tenant_id: str, session_id: str) -> tuple[Turn, bool]:
+def contact_token(request: web.Request) -> str | None:
+    """The contact's JWT from the `Contact-Token` header, or None (checked by the session's host)."""
+    token = request.headers.get("Contact-Token", "").strip()
+    if not token:
+        return None
+    if len(token) > MAX_CONTACT_TOKEN:
+        raise Unauthorized(f"the Contact-Token is longer than {MAX_CONTACT_TOKEN} characters; send the token the "
+                           "sign-in service issued")
+    return token
+
+
+def contact_turn(body: SendMessage, tenant_id: str, session_id: str,
+                 token: str | None = None) -> tuple[Turn, bool]:
     """A contact's message as the turn it runs (POST .../messages, or a frame on the session's
     WebSocket), and whether its message id was made up here (`new_id`). Raises InvalidInput
     naming the field that is wrong and what to send instead."""
@@ -82,7 +97,8 @@ def contact_turn(body: SendMessage, tenant_id: str, session_id: str) -> tuple[Tu
     # mid-turn) re-runs it under the same id: same stored answer, same Idempotency-Key for writes.
     # An id made here is new: the host need not look for a stored answer to it (`new_id`).
     message_id = body.message_id or f"m_{uuid.uuid4().hex[:16]}"
-    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id)
+    turn = Turn(tenant_id=tenant_id, session_id=session_id, text=body.text, message_id=message_id,
+                contact_token=token)
     return turn, body.message_id is None
 
 
@@ -108,7 +124,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     session_id = path_session_id(request)
     body: SendMessage = await decode_body(request, SendMessage)
     structlog.contextvars.bind_contextvars(session_id=session_id)
-    turn, new_id = contact_turn(body, tenant_id, session_id)
+    turn, new_id = contact_turn(body, tenant_id, session_id, contact_token(request))
     assert turn.message_id is not None
     if turn.message_id.isascii() and turn.message_id.isprintable():  # a header carries no control character
         request[MESSAGE_ID] = turn.message_id
@@ -130,7 +146,7 @@ async def post_approval(request: web.Request) -> web.StreamResponse:
     approval_id = request.match_info["approval_id"]
     body: DecideApproval = await decode_body(request, DecideApproval)
     decision = ApprovalDecision(tenant_id=tenant_id, session_id=session_id, approval_id=approval_id,
-                                approve=body.approve, edited=body.arguments)
+                                approve=body.approve, edited=body.arguments, contact_token=contact_token(request))
     started = time.perf_counter()
     with deps.limiter.admit(tenant_id):
         if _wants_stream(request):

@@ -454,6 +454,7 @@ class SessionRepo:
             open_breakers=sorted(n for n, fails in snap.breakers.items() if fails >= breaker_threshold),
             handoff=row["handoff"],
             messages=row["message_count"],
+            contact=None if snap.contact_sub is None else {"sub": snap.contact_sub, "verified": True},
         )
 
     async def list_sessions(self, tenant_id: str, limit: int = 50) -> list[SessionSummary]:
