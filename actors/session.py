@@ -519,12 +519,13 @@ class SessionState:
                                    "send the message without it, or configure contact_verification")
             contact = verifier.verify(token)
             bound = self.snapshot.contact_sub
-            if bound is None:
-                self.snapshot.contact_sub = contact.sub
-                self._touch()
-            elif not secrets.compare_digest(bound.encode(), contact.sub.encode()):
+            if bound is not None and not secrets.compare_digest(bound.encode(), contact.sub.encode()):
                 raise Forbidden(f"session {self.session_id!r} belongs to another contact; start a new session "
                                 "for this one")
+            if bound is None or self.snapshot.contact_scope != contact.scope:
+                self.snapshot.contact_sub = contact.sub
+                self.snapshot.contact_scope = dict(contact.scope)
+                self._touch()
             return contact
         if self.snapshot.contact_sub is not None:
             raise Unauthorized(f"session {self.session_id!r} belongs to a verified contact; send their "
@@ -982,8 +983,13 @@ def _progress(emit: Emit):
 
 
 def _scope(state: SessionState, env: TurnEnv) -> dict[str, Any]:
+    """The trusted scope of the session's calls: the tenant; for a verified contact, what the
+    tenant maps from its token's claims (`stay_id` from `stay`), which no argument of the model
+    can replace. An anonymous session's `account_id` is still the tenant id, as before."""
     scope = {"tenant_id": state.tenant_id, "tenantId": state.tenant_id,
              "account_id": state.tenant_id, "accountId": state.tenant_id}
+    if state.snapshot.contact_sub is not None:
+        scope.update(state.snapshot.contact_scope)
     scope.update(env.scope)
     return scope
 

@@ -132,6 +132,8 @@ class SessionSnapshot(msgspec.Struct, kw_only=True):
     handoff_agent: str | None = None
     #: the verified contact (a Contact-Token's `sub`) the session belongs to, once one wrote
     contact_sub: str | None = None
+    #: the trusted scope the newest verified token gave (the tenant's scope_claims mapped)
+    contact_scope: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class SessionEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -189,7 +189,8 @@ def binding_arguments(
         if trusted_scope.get(key) is None:
             raise PolicyDenied(
                 f"trusted scope has no `{key}` for this tool",
-                advice="Tell the customer you cannot complete this right now.",
+                advice="Ask the customer to sign in (their verified identity supplies it), then try again; "
+                       "never ask them for it.",
             )
         mapped[key] = trusted_scope[key]
     return mapped
