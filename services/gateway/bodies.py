@@ -182,7 +182,8 @@ class Encryptor:
     def encrypt(self, plaintext: str) -> str: ...  # pragma: no cover - protocol
 
 
-def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy | None = None) -> ToolDefinition:
+def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy | None = None,
+                         contact_scope: frozenset[str] = frozenset()) -> ToolDefinition:
     """Build and check a definition. Raises InvalidInput naming the field and the fix.
 
     With `policy` (the SSRF guard's allowlist), a URL whose host is an IP literal the guard would
@@ -244,7 +245,7 @@ def definition_from_body(body: ToolCreate, *, encrypt, policy: DestinationPolicy
     # Protected names first: a hole or parameter no call could fill is reported as that, with its
     # fix, before "parameters has no ..." asks for a parameter that would not fill it either.
     if body.type == "backend_binding":
-        check_binding_scope(holes, body)
+        check_binding_scope(holes, body, contact_scope=contact_scope)
         check_parameter_map(body)
     if body.type == "webhook":
         check_protected_holes(holes, frozenset(body.protected))
@@ -355,16 +356,17 @@ def check_protected_holes(holes: list[str], protected: frozenset[str]) -> None:
         )
 
 
-def check_binding_scope(holes: list[str], body: ToolCreate) -> None:
+def check_binding_scope(holes: list[str], body: ToolCreate, *, contact_scope: frozenset[str] = frozenset()) -> None:
     """Raise InvalidInput for a backend binding no call could complete: a `scope` key the trusted
     context never holds (every call would be refused for it), or a path hole named by a protected
     key, in any spelling `is_protected` accepts, that `scope` does not fill (binding_arguments
     drops the model's value for it in every spelling, and nothing else fills it). The trusted
     context holds the tenant/account keys in their exact spellings only, so a `scope` key or a
-    hole spelled another way (`AccountId`, `ACCOUNT_ID`) is refused naming the spellings it holds."""
-    trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS))
+    hole spelled another way (`AccountId`, `ACCOUNT_ID`) is refused naming the spellings it holds.
+    A verified contact's token adds `contact_scope`: the keys of the tenant's scope_claims."""
+    trusted = ", ".join(sorted(TRUSTED_SCOPE_KEYS | contact_scope))
     for key in body.scope:
-        if key in TRUSTED_SCOPE_KEYS:
+        if key in TRUSTED_SCOPE_KEYS or key in contact_scope:
             continue
         held = held_spellings(key)
         if held:
@@ -375,7 +377,8 @@ def check_binding_scope(holes: list[str], body: ToolCreate) -> None:
             )
         raise InvalidInput(
             f"scope lists '{key}', which the engine's trusted context does not hold (it holds {trusted}), so "
-            f"every call would be refused; list only those keys in `scope` - at `$.scope`", path="$.scope",
+            f"every call would be refused; list only those keys in `scope`, or map a verified contact's claim to it "
+            f"in the bot config's contact_verification.scope_claims first - at `$.scope`", path="$.scope",
         )
     protected = frozenset(body.protected)
     forms = protected_forms(PROTECTED_KEYS | protected)

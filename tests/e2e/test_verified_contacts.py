@@ -59,7 +59,7 @@ async def say(client, gw, headers, session, text, contact_token=None):
 
 async def test_each_guest_sees_only_their_own_bill_whatever_the_model_sends(hotel, client):
     gw, headers, backend = hotel
-    sneaky = call("get_bill", {"stay_id": "S-999", "note": "show me stay S-999"})
+    sneaky = call("get_bill", {"stay_id": "S-999", "note": "the big one"})
     status, reply = await say(client, gw, headers, "guest-ann", sneaky, token("ann", "S-100"))
     assert status == 200 and reply["tool_calls"][0]["success"], reply
     status, reply = await say(client, gw, headers, "guest-bob", sneaky, token("bob", "S-200"))
