@@ -43,6 +43,7 @@ from services import heap
 from services.wire import (
     AgentMessage,
     ApprovalDecision,
+    CheckContact,
     JobFinished,
     SessionCommand,
     SessionView,
@@ -51,6 +52,7 @@ from services.wire import (
     TurnCommand,
     TurnReply,
     TurnTiming,
+    UsageOut,
 )
 
 log = structlog.get_logger(__name__)
@@ -445,6 +447,10 @@ class SessionHost:
         the session, in turn with its messages; returns once its state is durable, as `send`."""
 
         async def run(entry: _Entry, env: TurnEnv) -> TurnReply:
+            if isinstance(command, CheckContact):
+                entry.state.identify(env.contacts, command.contact_token, bind=False)
+                return TurnReply(session_id=command.session_id, message_id="", reply="", tool_calls=[], rounds=0,
+                                 usage=UsageOut())
             if isinstance(command, JobFinished):
                 state = entry.state
                 finished: list[JobRecord] = []

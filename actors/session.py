@@ -508,11 +508,12 @@ class SessionState:
             contact=None if sub is None else {"sub": sub, "verified": True},
         )
 
-    def identify(self, verifier: ContactVerifier | None, token: str | None) -> Contact | None:
+    def identify(self, verifier: ContactVerifier | None, token: str | None, *, bind: bool = True) -> Contact | None:
         """Who is writing, checked before anything of the turn runs or is replayed: the contact a
         Contact-Token names (verified with the tenant's settings), bound to the session the first
-        time one writes. Raises Unauthorized (a token refused; none where the tenant requires one
-        or the session belongs to a contact) or Forbidden (another contact's session)."""
+        time one writes (`bind`; a reader binds nothing). Raises Unauthorized (a token refused;
+        none where the tenant requires one or the session belongs to a contact) or Forbidden
+        (another contact's session)."""
         if token is not None:
             if verifier is None:
                 raise Unauthorized("this tenant does not verify contacts, so a Contact-Token cannot be checked; "
@@ -522,7 +523,7 @@ class SessionState:
             if bound is not None and not secrets.compare_digest(bound.encode(), contact.sub.encode()):
                 raise Forbidden(f"session {self.session_id!r} belongs to another contact; start a new session "
                                 "for this one")
-            if bound is None or self.snapshot.contact_scope != contact.scope:
+            if bind and (bound is None or self.snapshot.contact_scope != contact.scope):
                 self.snapshot.contact_sub = contact.sub
                 self.snapshot.contact_scope = dict(contact.scope)
                 self._touch()

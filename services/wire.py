@@ -183,7 +183,15 @@ class JobFinished(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", t
     job_id: str
 
 
+class CheckContact(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="check_contact"):
+    """May this contact read the session (a chat key's view or watch)? Changes nothing."""
+
+    tenant_id: str
+    session_id: str
+    contact_token: str | None = None
+
+
 #: what a session host runs that is not a contact's turn: a person's message, a handoff's change,
-#: a job's result
-SessionCommand = AgentMessage | HandoffChange | JobFinished
+#: a job's result, a reader's check
+SessionCommand = AgentMessage | HandoffChange | JobFinished | CheckContact
 

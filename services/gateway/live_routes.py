@@ -40,6 +40,7 @@ from services.gateway.common import (
 )
 from services.gateway.session_routes import (
     check_message_id,
+    check_reader,
     contact_token,
     contact_turn,
     reply_body,
@@ -133,6 +134,7 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     tenant_id = request[TENANT]
     session_id = path_session_id(request)
     after = resume_point(request)
+    await check_reader(request, tenant_id, session_id)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
@@ -155,6 +157,7 @@ async def session_socket(request: web.Request) -> web.WebSocketResponse:
     tenant_id = request[TENANT]
     session_id = path_session_id(request)
     after = resume_point(request)
+    await check_reader(request, tenant_id, session_id)
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=64 * 1024)
     await ws.prepare(request)
 

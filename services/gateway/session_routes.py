@@ -15,6 +15,7 @@ from aiohttp import web
 from kernel.errors import InvalidInput, Unauthorized
 from services.gateway.common import (
     DEPS,
+    KEY_KIND,
     MAX_TEXT,
     MESSAGE_ID,
     REQUEST_ID,
@@ -27,6 +28,7 @@ from services.gateway.common import (
 )
 from services.wire import (
     ApprovalDecision,
+    CheckContact,
     DecideApproval,
     SendMessage,
     StreamEvent,
@@ -210,10 +212,20 @@ async def _write_event(response: web.StreamResponse, event: str, data: Any) -> b
     return True
 
 
+async def check_reader(request: web.Request, tenant_id: str, session_id: str) -> None:
+    """A chat key reads a session only as its contact: the session's host checks the
+    Contact-Token against the contact the session belongs to (401/403 otherwise). An admin key
+    reads any session of its tenant."""
+    if request[KEY_KIND] != "admin":
+        await request.app[DEPS].router.act(
+            CheckContact(tenant_id=tenant_id, session_id=session_id, contact_token=contact_token(request)))
+
+
 async def get_session(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     tenant_id = request[TENANT]
     session_id = path_session_id(request)
+    await check_reader(request, tenant_id, session_id)
     view = await deps.router.view(tenant_id, session_id)
     if view is None:
         view = await deps.sessions.get_session_view(tenant_id, session_id)

@@ -10,15 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 
 import aiohttp
+import jwt
+import msgspec
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from actors.host import HostSettings, SessionHost
 from actors.local import LocalRouter
 from kernel.records import SessionDelta, SessionEvent, SessionSnapshot
+from services.contacts import ContactVerification, ContactVerifier
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
 from services.gateway.feed import AgentFeed
@@ -220,3 +225,31 @@ async def test_a_stopping_gateway_ends_its_watchers_streams_instead_of_waiting_f
     finally:
         await asyncio.wait_for(host.stop(), T)
         await pool.close()
+
+
+async def test_a_chat_key_reads_and_watches_a_bound_session_only_with_its_contacts_token(live, pool):
+    client, host, headers = live
+    key = ed25519.Ed25519PrivateKey.generate()
+    settings = ContactVerification(
+        algorithms=("EdDSA",), keys=({**json.loads(jwt.algorithms.OKPAlgorithm.to_jwk(key.public_key())), "kid": "k"},),
+        issuer="https://login.example", audience="shop")
+    host._tenants.env = msgspec.structs.replace(host._tenants.env, contacts=ContactVerifier(settings, hs256_secret=None))
+    now = int(time.time())
+
+    def token(sub: str) -> str:
+        return jwt.encode({"sub": sub, "iss": settings.issuer, "aud": settings.audience, "iat": now, "exp": now + 300},
+                          key, algorithm="EdDSA", headers={"kid": "k"})
+
+    chat = await TenantRepo(pool).issue_key(client.tenant_id, "chat")
+    as_chat = {"Authorization": f"Bearer {chat.api_key}"}
+    s = sid()
+    r = await client.post(f"/v1/sessions/{s}/messages", json={"text": "hi"}, headers={**as_chat, "Contact-Token": token("ann")})
+    assert r.status == 200
+    r = await client.get(f"/v1/sessions/{s}", headers={**as_chat, "Contact-Token": token("ann")})
+    assert r.status == 200 and (await r.json())["contact"] == {"sub": "ann", "verified": True}
+    r = await client.get(f"/v1/sessions/{s}", headers={**as_chat, "Contact-Token": token("bob")})
+    assert r.status == 403
+    r = await client.get(f"/v1/sessions/{s}/events", headers=as_chat)
+    assert r.status == 401 and "Contact-Token" in (await r.json())["detail"]
+    r = await client.get(f"/v1/sessions/{s}", headers=headers)  # an admin key reads any session
+    assert r.status == 200

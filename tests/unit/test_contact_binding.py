@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from kernel.errors import Forbidden, Unauthorized
 from services.contacts import ContactVerification, ContactVerifier
-from services.wire import Turn
+from services.wire import CheckContact, Turn
 from tests.support import host_world
 from tests.support.host_world import KEY, T
 
@@ -93,3 +93,16 @@ async def test_a_refused_token_runs_nothing(world):
         await asyncio.wait_for(host.send(Turn(tenant_id="t1", session_id="s1", text="hi", message_id="m1",
                                               contact_token=forged)), T)
     assert world.model.requests == [] and world.store.events[KEY] == []
+
+
+async def test_a_reader_is_checked_as_a_writer_is_but_binds_nothing(world):
+    verify_with(world, SETTINGS)
+    host = await world.host()
+    await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1", contact_token=token("ann"))), T)
+    assert world.store.snapshots.get(KEY) is None or world.store.snapshots[KEY].contact_sub is None
+    await asyncio.wait_for(host.send(turn("hello", "m1", "ann")), T)
+    await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1", contact_token=token("ann"))), T)
+    with pytest.raises(Forbidden):
+        await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1", contact_token=token("bob"))), T)
+    with pytest.raises(Unauthorized):
+        await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1")), T)
