@@ -71,6 +71,7 @@ def add_dashboard_routes(app: web.Application) -> None:
     r.add_get("/", index)
     r.add_get("/static/{file}", static_file)
     r.add_get("/v1/sessions", list_sessions)
+    r.add_get("/v1/keys", list_keys)
     r.add_get("/v1/sessions/{session_id}/calls", session_calls)
     r.add_get("/v1/analytics/tools/timeseries", tool_timeseries)
 
@@ -136,11 +137,23 @@ def redact(value: Any, sensitive: frozenset[str]) -> Any:
 
 async def list_sessions(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
-    rows = await deps.sessions.list_sessions(request[TENANT], limit=_limit(request, 50))
+    contact = request.query.get("contact")
+    if contact is not None and not 0 < len(contact) <= 256:
+        raise InvalidInput("contact must be a verified contact's sub (1-256 characters) - at ?contact")
+    rows = await deps.sessions.list_sessions(request[TENANT], limit=_limit(request, 50), contact=contact)
     return json_response({"sessions": [
         {"session_id": s.session_id, "messages": s.message_count, "handoff": s.handoff,
          "created_at": s.created_at, "updated_at": s.updated_at}
         for s in rows
+    ]})
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    """The tenant's API keys, live and revoked, with their kind: ids and dates, never a key."""
+    deps = request.app[DEPS]
+    keys = await deps.tenants.list_keys(request[TENANT])
+    return json_response({"keys": [
+        {"key_id": k.key_id, "kind": k.kind, "created_at": k.created_at, "revoked_at": k.revoked_at} for k in keys
     ]})
 
 

@@ -74,6 +74,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("POST", "/v1/handoffs/{handoff_id}/resolve"): ("200", (*_TURN, "404", "409")),
     # services.gateway.dashboard
     ("GET", "/v1/sessions"): ("200", _V1),
+    ("GET", "/v1/keys"): ("200", _V1),
     ("GET", "/v1/sessions/{session_id}/calls"): ("200", (*_V1, "404")),
     ("GET", "/v1/analytics/tools/timeseries"): ("200", _V1),
     # services.gateway.mcp_routes

@@ -457,14 +457,22 @@ class SessionRepo:
             contact=None if snap.contact_sub is None else {"sub": snap.contact_sub, "verified": True},
         )
 
-    async def list_sessions(self, tenant_id: str, limit: int = 50) -> list[SessionSummary]:
-        """The tenant's sessions, most recently updated first."""
+    async def list_sessions(self, tenant_id: str, limit: int = 50, *, contact: str | None = None) -> list[SessionSummary]:
+        """The tenant's sessions (of one verified `contact` when given), most recently updated first."""
         with translate("listing sessions"):
-            rows = await self._pool.fetch(
-                "SELECT session_key, message_count, handoff, epoch, created_at, updated_at "
-                "FROM ce_sessions WHERE tenant_id = $1 ORDER BY updated_at DESC, session_key LIMIT $2",
-                tenant_id, limit,
-            )
+            if contact is None:
+                rows = await self._pool.fetch(
+                    "SELECT session_key, message_count, handoff, epoch, created_at, updated_at "
+                    "FROM ce_sessions WHERE tenant_id = $1 ORDER BY updated_at DESC, session_key LIMIT $2",
+                    tenant_id, limit,
+                )
+            else:
+                rows = await self._pool.fetch(
+                    "SELECT session_key, message_count, handoff, epoch, created_at, updated_at FROM ce_sessions "
+                    "WHERE tenant_id = $1 AND snapshot ? 'contact_sub' AND snapshot->>'contact_sub' = $3 "
+                    "ORDER BY updated_at DESC, session_key LIMIT $2",
+                    tenant_id, limit, contact,
+                )
         return [
             SessionSummary(
                 session_id=r["session_key"], message_count=r["message_count"], handoff=r["handoff"],

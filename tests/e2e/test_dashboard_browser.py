@@ -407,3 +407,21 @@ async def test_daily_buckets_are_labelled_with_their_utc_date_in_a_browser_west_
         await expect(west.page.locator("#chart-calls").locator("xpath=..").locator("figcaption")).to_have_text(
             "Calls per day (UTC days)")
         assert west.errors == []
+
+
+# -- API keys: each with its kind ---------------------------------------------------------------
+
+async def test_the_keys_tab_lists_each_key_with_its_kind_and_never_a_key(tab, stack, tenant, api):
+    from playwright.async_api import expect
+
+    tenant_id, admin_key, _ = tenant
+    chat = await stack.gateway.deps.tenants.issue_key(tenant_id, "chat")
+    page = tab.page
+    await tab.sign_in(admin_key)
+    await page.get_by_role("link", name="Keys").click()
+    await expect(page.locator(f'#keys tr[data-key="{chat.key_id}"] td.kind')).to_have_text("chat")
+    await expect(page.locator("#keys tbody tr td.kind", has_text="admin")).to_have_count(1)
+    html = await page.content()
+    assert chat.api_key not in html and admin_key not in html
+    await tab.shot("keys")
+    assert tab.errors == []

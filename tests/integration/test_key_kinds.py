@@ -70,3 +70,12 @@ async def test_a_key_made_before_kinds_existed_is_an_admin_key(pool, make_tenant
     assert (await TenantRepo(pool).key_holder(key.api_key)).kind == "admin"
     with pytest.raises(Exception, match="admin or chat"):
         await asyncio.wait_for(TenantRepo(pool).issue_key(tenant.id, "owner"), 5)  # type: ignore[arg-type]
+
+
+async def test_the_keys_route_lists_kinds_without_a_key_and_is_an_admin_route(keys, pool):
+    client, admin, chat = keys
+    r = await client.get("/v1/keys", headers=admin)
+    listed = (await r.json())["keys"]
+    assert sorted(k["kind"] for k in listed) == ["admin", "chat"]
+    assert all(set(k) == {"key_id", "kind", "created_at", "revoked_at"} for k in listed)
+    assert (await client.get("/v1/keys", headers=chat)).status == 403

@@ -253,3 +253,17 @@ async def test_a_chat_key_reads_and_watches_a_bound_session_only_with_its_contac
     assert r.status == 401 and "Contact-Token" in (await r.json())["detail"]
     r = await client.get(f"/v1/sessions/{s}", headers=headers)  # an admin key reads any session
     assert r.status == 200
+
+
+async def test_an_admin_lists_a_verified_contacts_sessions(pool, make_tenant):
+    sessions = SessionRepo(pool)
+    tenant, _ = await make_tenant("by-contact")
+    for s, sub in (("a1", "ann"), ("a2", "ann"), ("b1", "bob"), ("x1", None)):
+        activated = await sessions.activate(tenant.id, s, "h1")
+        await sessions.flush([SessionDelta(tenant_id=tenant.id, session_id=s, epoch=activated.epoch,
+                                           snapshot=SessionSnapshot(contact_sub=sub))])
+    assert sorted(x.session_id for x in await sessions.list_sessions(tenant.id, contact="ann")) == ["a1", "a2"]
+    assert [x.session_id for x in await sessions.list_sessions(tenant.id, contact="bob")] == ["b1"]
+    assert len(await sessions.list_sessions(tenant.id)) == 4
+    other, _ = await make_tenant("by-contact-other")
+    assert await sessions.list_sessions(other.id, contact="ann") == []

@@ -73,6 +73,7 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
     ("GET", "/v1/notifications"): V1 | {200},
     ("POST", "/v1/notifications/{id}/retry"): V1 | {200, 404},
     ("GET", "/v1/sessions"): V1 | {200},
+    ("GET", "/v1/keys"): V1 | {200},
     ("GET", "/v1/sessions/{session_id}/calls"): V1 | {200, 404},
     ("GET", "/v1/analytics/tools/timeseries"): V1 | {200},
     ("POST", "/v1/mcp-servers"): V1 | BODY | {201, 409},

@@ -72,8 +72,10 @@ class FakeRouter:
     async def view(self, tenant_id, session_id):
         return None
 
-    async def act(self, command) -> TurnReply:  # pragma: no cover - not used here
-        raise AssertionError("not called")
+    async def act(self, command) -> TurnReply:
+        """Every command done (a chat key's check of a session nobody is bound to passes)."""
+        return TurnReply(session_id=command.session_id, message_id="", reply="", tool_calls=[], rounds=0,
+                         usage=UsageOut())
 
     async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> list:
         """A session where nothing happens: waits, then has nothing new."""

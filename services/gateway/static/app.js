@@ -371,6 +371,7 @@ const ROUTES = [
   [/^#\/sessions\/([^/]+)$/, (m) => sessionsView(decodeURIComponent(m[1]))],
   [/^#\/sessions$/, () => sessionsView(null)],
   [/^#\/inbox$/, () => inboxView()],
+  [/^#\/keys$/, () => keysView()],
 ];
 
 async function route() {
@@ -1129,6 +1130,25 @@ function barChart({ id, title, rows, value, max, label, color, second }) {
   });
   if (!rows.length) svg.append(s('text', { x: L, y: T + row / 2 + 4, class: 'axis', text: 'no calls in this range' }));
   return h('figure', { class: 'card chart-card' }, h('figcaption', { text: title }), svg);
+}
+
+// -- API keys ---------------------------------------------------------------------------------
+
+/** The tenant's API keys with their kind (admin: every route; chat: what a contact's page needs),
+ * ids and dates only: a key is shown once, when the CLI makes it. */
+async function keysView() {
+  const { keys } = await api('GET', '/v1/keys');
+  return h('section', {},
+    h('div', { class: 'head-row' }, h('h1', { text: 'API keys' }),
+      h('button', { type: 'button', onclick: rerender, text: 'Refresh' })),
+    h('p', { class: 'muted', text: 'admin keys may use every route; chat keys only talk to sessions (messages, ' +
+      'approvals, a session and its events), for a contact\'s web page. Make one with ' +
+      '`chat-engine tenant add-key NAME --kind chat`.' }),
+    h('table', { id: 'keys' },
+      h('thead', {}, h('tr', {}, ['key id', 'kind', 'created', 'revoked'].map((t) => h('th', { text: t })))),
+      h('tbody', {}, keys.map((k) => h('tr', { 'data-key': k.key_id },
+        h('td', {}, h('code', { text: k.key_id })), h('td', { class: 'kind', text: k.kind }),
+        h('td', { text: k.created_at }), h('td', { text: k.revoked_at || 'active' }))))));
 }
 
 async function analyticsView() {
