@@ -188,7 +188,7 @@ class LaneServer:
     """
 
     def __init__(self, dispatch: Dispatch, methods: frozenset[str], *, stream: StreamDispatch | None = None,
-                 streams: frozenset[str] = frozenset()) -> None:
+                 streams: frozenset[str] = frozenset(), counted: frozenset[str] | None = None) -> None:
         self._dispatch = dispatch
         self._stream = stream
         self._streams = streams if stream is not None else frozenset()
@@ -199,7 +199,8 @@ class LaneServer:
         self._running: set[asyncio.Task] = set()
         self._awaiting_hello = 0  # connections that have not presented the token yet
         self._turned_away = False  # a connection was closed for MAX_PENDING_HELLOS (logged once per flood)
-        self.calls = 0  # calls run (for the host's stats)
+        self.calls = 0  # calls run of the `counted` methods (every method when None), for the host's stats
+        self._counted = counted
 
     async def start(self, host: str, features: tuple[str, ...] = ()) -> LaneAddress:
         self._server = await asyncio.start_server(self._serve, host=host, port=0)
@@ -274,7 +275,8 @@ class LaneServer:
         elif call.method in self._streams:
             reply = await self._run_stream(call, writer)
         else:
-            self.calls += 1
+            if self._counted is None or call.method in self._counted:
+                self.calls += 1
             try:
                 reply = _Reply(id=call.id, body=await self._dispatch(call.method, call.args))
             except Exception as exc:
@@ -291,7 +293,8 @@ class LaneServer:
         """Write each event of a streamed call as it comes; the reply that ends the stream is returned.
         A gateway that went away does not stop the call: the turn runs on and is stored."""
         assert self._stream is not None
-        self.calls += 1
+        if self._counted is None or call.method in self._counted:
+            self.calls += 1
         too_large = None  # an event past the frame limit ends the stream in an error; the turn runs on
         try:
             async for body in self._stream(call.method, call.args):

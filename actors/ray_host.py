@@ -227,7 +227,7 @@ class SessionHostActor:
                 self._host = host
                 if not self._dedicated and self._settings.host_lane:
                     self._lane = LaneServer(self._lane_dispatch, LANE_METHODS, stream=self._lane_stream,
-                                            streams=LANE_STREAMS)
+                                            streams=LANE_STREAMS, counted=TURN_METHODS | LANE_STREAMS)
                     self._lane_address = await self._lane.start(ray.util.get_node_ip_address(), LANE_FEATURES)
                 if self._dedicated:
                     self._watchdog = asyncio.create_task(self._exit_when_idle())
@@ -317,19 +317,20 @@ class SessionHostActor:
         return msgspec.json.encode(self._settings)
 
     @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """Count a turn (send, decide, stream) while it runs: the idle watchdog and stats read it."""
+    def _turn(self, *, counted: bool = True) -> Iterator[None]:
+        """Count a turn (send, decide, stream; an `act`, not `counted` in the turn calls) while it
+        runs: the idle watchdog and stats read it."""
         self._turns += 1
-        self._turn_calls += 1
+        self._turn_calls += counted
         self._last_call = time.monotonic()
         try:
             yield
         finally:
             self._turns -= 1
 
-    async def _reply(self, turn: Callable[[SessionHost], Awaitable[TurnReply]]) -> bytes:
+    async def _reply(self, turn: Callable[[SessionHost], Awaitable[TurnReply]], *, counted: bool = True) -> bytes:
         """Run one turn (send or decide) on this host; its reply, or its error, as bytes."""
-        with self._turn():
+        with self._turn(counted=counted):
             try:
                 reply = await turn(await self._ensure())
                 return result_encoder.encode(HostResult(reply=reply))
@@ -346,7 +347,7 @@ class SessionHostActor:
 
     async def act(self, command: bytes) -> bytes:
         """Run an encoded AgentMessage or HandoffChange (`encode_command`); its encoded HostResult."""
-        return await self._reply(lambda host: host.act(session_command_decoder.decode(command)))
+        return await self._reply(lambda host: host.act(session_command_decoder.decode(command)), counted=False)
 
     async def watch(self, tenant_id: str, session_id: str, after: int, wait_s: float) -> bytes:
         """The session's written events after `after` (SessionHost.watch), as an encoded WatchResult."""

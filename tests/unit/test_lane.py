@@ -1117,3 +1117,18 @@ async def test_a_turn_the_hosts_lane_failed_to_run_is_a_500_that_says_so_not_an_
     assert fake.ray_turns == []  # not run again through Ray: it may have run
     p.close_lanes()
     await server.close()
+
+
+async def test_the_hosts_count_of_lane_calls_counts_only_the_methods_it_is_told_to():
+    # the host reports turns over its lane; a watcher's long wait (`watch`) is not one
+    host = Host()
+    server = LaneServer(host.dispatch, frozenset({"send", "watch"}), counted=frozenset({"send"}))
+    client = LaneClient(await server.start("127.0.0.1"))
+    try:
+        await client.call("watch", "t1", "s1", 0, 0.0)
+        await client.call("send", "t1", "s1", "hello", None)
+        await client.call("watch", "t1", "s1", 2, 0.0)
+        assert server.calls == 1 and [m for m, _ in host.calls] == ["watch", "send", "watch"]
+    finally:
+        client.close()
+        await server.close()
