@@ -12,7 +12,7 @@ Safety: requests go only to the gateway on loopback. Fuzzed admin routes may reg
 a bot config pointing anywhere, so they run under one tenant that never chats (nothing of it is
 ever called), and the chat routes under another that registers nothing (only built-in tools,
 which stay inside Postgres). MCP server routes are not fuzzed: a tenant's catalog connects to its
-MCP servers when it loads. Examples are bounded per operation and derandomized, so a CI run is
+MCP servers when it loads; nor are the live streams (`STREAMS`), which never end. Examples are bounded per operation and derandomized, so a CI run is
 repeatable and takes well under a minute.
 """
 
@@ -44,6 +44,10 @@ BODY_EXAMPLES = 50
 OTHER_EXAMPLES = 12
 NOT_FUZZED = ("/v1/mcp-servers",)  # a tenant's catalog connects to its MCP servers: not with fuzzed URLs
 UNAUTHENTICATED = ("/healthz", "/readyz", "/metrics")
+#: streams that never end by themselves (a watcher's): a request/response fuzzer would wait on each
+#: for ever; their input (the resume point, the session id, the key) is tested in
+#: tests/integration/test_live_sessions.py and tests/integration/test_key_kinds.py
+STREAMS = ("/v1/sessions/{session_id}/events", "/v1/sessions/{session_id}/ws", "/v1/handoffs/events")
 
 
 def _own_checks(response, keys: tuple[str, ...]) -> list[str]:
@@ -99,7 +103,7 @@ def _fuzz(document: dict[str, Any], base_url: str, admin_key: str, chat_key: str
     for result in schema.get_all_operations():
         operation = result.ok()
         path = operation.path
-        if path.startswith(NOT_FUZZED):
+        if path.startswith(NOT_FUZZED) or path in STREAMS:
             continue
         key = chat_key if path.startswith("/v1/sessions") else admin_key
         headers = {} if path in UNAUTHENTICATED else {"Authorization": f"Bearer {key}"}
