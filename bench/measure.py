@@ -1483,12 +1483,12 @@ class Bench:
         return done
 
     async def _hosts_let_go(self, limit_s: float = 60.0) -> tuple[float, int]:
-        """Wait until the hosts watch no session (a closed watcher's wait on its host ends at the
-        host's next answer: 15 s at most), `limit_s` at most; returns (seconds, sessions still
-        watched)."""
+        """Wait until no watcher waits on the hosts (a closed watcher's wait on its host ends at
+        the host's next answer: 15 s at most), `limit_s` at most; returns (seconds, watchers still
+        waiting). What a host knows of a session it served stays a minute more (FEED_IDLE_S)."""
         started = time.perf_counter()
         while True:
-            left = sum(s.get("watched_sessions", 0) for s in await self.stack.placement.stats())
+            left = sum(s.get("watchers", 0) for s in await self.stack.placement.stats())
             if not left or time.perf_counter() - started > limit_s:
                 return time.perf_counter() - started, left
             await asyncio.sleep(0.5)
