@@ -182,23 +182,19 @@ def _refused(check: str) -> TokenRefused:
     return TokenRefused(check, _ADVICE[check])
 
 
+#: PyJWT's refusals, most specific first, as the check they name (anything else: "malformed")
+_CHECKS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
+    (jwt.ExpiredSignatureError, "expired"),
+    (jwt.ImmatureSignatureError, "not yet valid"),
+    (jwt.InvalidAudienceError, "audience"),
+    (jwt.InvalidIssuerError, "issuer"),
+    (jwt.MissingRequiredClaimError, "claims"),
+    (jwt.InvalidAlgorithmError, "algorithm"),
+    (jwt.InvalidSignatureError, "signature"),
+    (jwt.exceptions.InvalidSubjectError, "sub"),
+    (jwt.InvalidIssuedAtError, "claims"),
+)
+
+
 def _check_of(exc: jwt.PyJWTError) -> str:
-    if isinstance(exc, jwt.ExpiredSignatureError):
-        return "expired"
-    if isinstance(exc, jwt.ImmatureSignatureError):
-        return "not yet valid"
-    if isinstance(exc, jwt.InvalidAudienceError):
-        return "audience"
-    if isinstance(exc, jwt.InvalidIssuerError):
-        return "issuer"
-    if isinstance(exc, jwt.MissingRequiredClaimError):
-        return "claims"
-    if isinstance(exc, jwt.InvalidAlgorithmError):
-        return "algorithm"
-    if isinstance(exc, jwt.InvalidSignatureError):
-        return "signature"
-    if isinstance(exc, jwt.exceptions.InvalidSubjectError):
-        return "sub"
-    if isinstance(exc, jwt.InvalidIssuedAtError):
-        return "claims"
-    return "malformed"
+    return next((check for kind, check in _CHECKS if isinstance(exc, kind)), "malformed")
