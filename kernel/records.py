@@ -193,7 +193,7 @@ class ToolStats(msgspec.Struct, frozen=True, kw_only=True):
     p95_ms: float
 
 
-class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+class SessionView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What GET /v1/sessions/{id} shows of a stored session (same fields as services.wire)."""
 
     session_id: str

@@ -98,13 +98,14 @@ class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     timing: TurnTiming | None = None
 
 
-class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+class SessionView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     session_id: str
     variables: dict[str, str]
     open_breakers: list[str]
     handoff: bool
     messages: int
-    #: the verified contact the session belongs to ({"sub", "verified": true}), or None
+    #: the verified contact the session belongs to ({"sub", "verified": true}); left out while
+    #: the session is anonymous
     contact: dict[str, Any] | None = None
 
 
