@@ -66,7 +66,7 @@ class TenantCatalogs:
         approval_keys: tuple[bytes, ...] = (),
         approval_ttl_s: float = 900.0,
         handoffs: Any = None,  # actors.session.HandoffDesk: the built-in handoff service
-        contacts_for: Callable[[BotConfig], Any] | None = None,  # the tenant's ContactVerifier
+        contacts_for: Callable[[str, BotConfig], Any] | None = None,  # the tenant's ContactVerifier
     ) -> None:
         self._workflows = workflows
         self._approval_keys = approval_keys
@@ -217,5 +217,5 @@ class TenantCatalogs:
             approval_keys=self._approval_keys, approval_ttl_s=approval_ttl(config, self._approval_ttl_s),
             handoff=self._registry.get(HANDOFF_HANDLER) if self._registry is not None else None,
             handoffs=self._handoffs,
-            contacts=self._contacts_for(config) if self._contacts_for is not None else None,
+            contacts=self._contacts_for(tenant_id, config) if self._contacts_for is not None else None,
         )

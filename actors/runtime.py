@@ -19,7 +19,7 @@ from services.approvals import approval_keys
 from services.botconfig import BotConfig
 from services.builtins import install as install_builtins
 from services.catalog_sync import CatalogSync
-from services.contacts import ContactVerifier
+from services.contacts import ContactVerifier, keys_for_test_contacts
 from services.contract import OUTPUT_CONTRACT_FRAGMENT, build_report
 from services.llm.anthropic_client import AnthropicLLM, make_anthropic_client
 from services.settings import Settings
@@ -184,10 +184,11 @@ class Runtime:
         log.warning("backend_auth_header_undecryptable", keys_set=self.secret_box is not None)
         return _BindingsWithoutCredentials(backend, unopened)
 
-    def _contacts_for(self, config: BotConfig) -> ContactVerifier | None:
-        """The tenant's Contact-Token verifier, or None when it verifies no contact. Never raises
-        (called while the catalog loads): an HS256 secret the keys cannot open is left out, so
-        HS256 tokens are refused ("key") and the other algorithms still work."""
+    def _contacts_for(self, tenant_id: str, config: BotConfig) -> ContactVerifier | None:
+        """The tenant's Contact-Token verifier (with its test-contact keys), or None when it
+        verifies no contact. Never raises (called while the catalog loads): an HS256 secret the
+        keys cannot open is left out, so HS256 tokens are refused ("key") and the other
+        algorithms still work."""
         settings = config.contact_verification
         if settings is None:
             return None
@@ -197,7 +198,8 @@ class Runtime:
                 secret = self.secret_box.decrypt(settings.hs256_secret_enc)
             except SecretDecryptError:
                 log.warning("contact_secret_undecryptable")
-        return ContactVerifier(settings, hs256_secret=secret)
+        return ContactVerifier(settings, hs256_secret=secret,
+                               test_keys=keys_for_test_contacts(self.settings.secret_keys, tenant_id))
 
     async def contract_report(self, tenant_id: str) -> dict:
         """The tool-contract report against this process's running catalog."""

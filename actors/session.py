@@ -984,21 +984,24 @@ def _progress(emit: Emit):
 
 
 def _scope(state: SessionState, env: TurnEnv) -> dict[str, Any]:
-    """The trusted scope of the session's calls: the tenant; for a verified contact, what the
-    tenant maps from its token's claims (`stay_id` from `stay`), which no argument of the model
-    can replace. An anonymous session's `account_id` is still the tenant id, as before."""
-    scope = {"tenant_id": state.tenant_id, "tenantId": state.tenant_id,
-             "account_id": state.tenant_id, "accountId": state.tenant_id}
+    """The trusted scope of the session's calls, which no argument of the model can replace: the
+    tenant's id; for a verified contact, what the tenant maps from its token's claims (`stay_id`
+    from `stay`, `account_id` from `sub`). An anonymous session has no `account_id`: a tool that
+    needs one fails in-band, asking the customer to sign in."""
+    scope: dict[str, Any] = {}
     if state.snapshot.contact_sub is not None:
         scope.update(state.snapshot.contact_scope)
     scope.update(env.scope)
+    scope.update(tenant_id=state.tenant_id, tenantId=state.tenant_id)  # never from a token
     return scope
 
 
 def _context(state: SessionState, env: TurnEnv, message_id: str) -> TrustedContext:
     return TrustedContext(
         tenant_id=state.tenant_id, session_id=state.session_id, message_id=message_id,
-        contact_id=state.variables.get(env.config.contact_id_variable) or state.session_id,
+        contact_id=(state.snapshot.contact_sub or state.variables.get(env.config.contact_id_variable)
+                    or state.session_id),
+        contact_sub=state.snapshot.contact_sub,
         scope=_scope(state, env), variables=dict(state.variables), idempotency_key=message_id,
         language=env.config.language,
     )

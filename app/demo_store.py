@@ -30,7 +30,7 @@ OPENAPI = {
         "/example/catalog": {"get": {"parameters": [
             {"name": "q", "in": "query", "required": True, "schema": {"type": "string"}},
             {"name": "per_page", "in": "query", "required": False, "schema": {"type": "integer"}},
-            {"name": "account_id", "in": "query", "required": True, "schema": {"type": "string"}}]}},
+            {"name": "tenant_id", "in": "query", "required": True, "schema": {"type": "string"}}]}},
     },
 }
 
@@ -56,7 +56,7 @@ async def catalog(request: web.Request) -> web.Response:
     q = request.query.get("q", "").lower()
     per_page = int(request.query.get("per_page", "10") or 10)
     hits = [p for p in PRODUCTS if q and q in p["name"].lower()] if q else []
-    return web.json_response({"query": q, "account_id": request.query.get("account_id"), "results": hits[:per_page]})
+    return web.json_response({"query": q, "tenant_id": request.query.get("tenant_id"), "results": hits[:per_page]})
 
 
 async def openapi(request: web.Request) -> web.Response:

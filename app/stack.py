@@ -180,7 +180,9 @@ async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: 
         parameters={"search": {"type": "string", "description": "what to look for", "required": True},
                     "limit": {"type": "integer", "description": "how many results", "minimum": 1, "maximum": 20}},
         method="GET", path="/example/catalog", parameter_map={"search": "q", "limit": "per_page"},
-        scope=["account_id"], intents=["shopping"],
+        # the shop's catalog: the tenant's, for every contact (an `account_id` would be a signed-in
+        # customer's, which an anonymous demo session does not have)
+        scope=["tenant_id"], intents=["shopping"],
     ), encrypt=box.encrypt)
     # Seeded once: what the tenant changed since (a persona set with PUT /v1/bot-config or the
     # dashboard, a tool edited or a form changed) is theirs and survives a restart. The demo

@@ -43,10 +43,9 @@ class BotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     notification_secret_enc: str | None = None  # the secret, encrypted with CE_SECRET_KEY
     backend: Backend | None = None
     contact_id_variable: str = "contact_id"
-    #: recall_memory also searches the contact's earlier sessions: those whose contact variable
-    #: holds this session's. collect_lead sets it to the email the contact typed, unverified, so
-    #: anyone typing a contact's email would be read what that contact shared: on only where the
-    #: tenant can trust it (its contacts signed in with that address, say). Off: this session only.
+    #: recall_memory also searches the other sessions bound to this session's verified contact
+    #: (the same Contact-Token `sub`); PUT /v1/bot-config accepts it only with contact_verification.
+    #: Off, or in an anonymous session: this session only. Nothing typed (an email) ever counts.
     recall_across_sessions: bool = False
     approval_ttl_s: float | None = None  # None: the engine's CE_APPROVAL_TTL_S
     #: verified contacts: how a Contact-Token is checked (services.contacts); None: none accepted

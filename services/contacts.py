@@ -7,10 +7,20 @@ alone, so a public key can never serve as an HMAC secret), `exp`, `nbf` and `iat
 leeway, the longest lifetime the tenant accepts, issuer and audience. What passes is the contact
 (`sub`) and the trusted scope the tenant maps from its claims (`scope_claims`). Every refusal
 names the check that failed and what to do, and never repeats the token.
+
+Test contacts: an admin may have the engine mint a token for a made-up customer (the dashboard's
+"Try it" signs in as one) with the tenant's test key, an HMAC key derived from the engine's
+secret key and the tenant's id (`keys_for_test_contacts`), which no one outside the engine holds. Such a token
+(`kid` "chat-engine-test") passes only that key, and its `sub` always starts with `test:`, so a
+test contact can never be, or read the sessions of, a real customer.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import jwt
@@ -27,6 +37,11 @@ LEEWAY_S = 30
 MAX_LIFETIME_S = 7 * 86400
 MAX_SUB = 256
 MAX_KEYS = 20
+#: what marks a token the engine minted for a test contact, and what every test contact's sub starts with
+TEST_KID, TEST_ISSUER, TEST_PREFIX = "chat-engine-test", "chat-engine test contacts", "test:"
+TEST_TTL_S = 900
+MAX_SCOPE_CLAIMS = 16
+MAX_CLAIM = 64
 #: private members of a JWK: a tenant must never send its signing key
 _PRIVATE_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "k"})
 
@@ -102,12 +117,46 @@ def check_verification(settings: ContactVerification, *, has_secret: bool) -> No
                            f"`{at}.max_lifetime_s`", path=f"{at}.max_lifetime_s")
 
 
-class ContactVerifier:
-    """Verifies tokens against one tenant's settings (keys parsed once)."""
+def keys_for_test_contacts(secret_keys: Sequence[str], tenant_id: str) -> tuple[bytes, ...]:
+    """The tenant's test-contact keys, one per configured secret key (the first signs, every one
+    verifies: rotation), domain-separated from the engine's other uses of them."""
+    message = b"chat-engine test contacts v1\x00" + tenant_id.encode()
+    return tuple(hmac.new(k.encode(), message, hashlib.sha256).digest() for k in secret_keys)
 
-    def __init__(self, settings: ContactVerification, *, hs256_secret: str | None) -> None:
+
+def mint_test_token(key: bytes, settings: ContactVerification, sub: str, claims: dict[str, str | int],
+                    *, ttl_s: int = TEST_TTL_S, now: float | None = None) -> tuple[str, str, int]:
+    """A test contact's token for the tenant whose settings these are: (token, sub, exp). The sub
+    gets `test:` in front; `claims` (the ones `scope_claims` reads: `stay`) go in beside the
+    registered ones, which they cannot replace. Raises InvalidInput naming the field."""
+    if not isinstance(sub, str) or not 0 < len(sub) <= MAX_SUB - len(TEST_PREFIX):
+        raise InvalidInput(f"sub must be 1-{MAX_SUB - len(TEST_PREFIX)} characters - at `$.sub`", path="$.sub")
+    if len(claims) > MAX_SCOPE_CLAIMS:
+        raise InvalidInput(f"at most {MAX_SCOPE_CLAIMS} claims - at `$.claims`", path="$.claims")
+    for name in claims:
+        if name in _REGISTERED or not 0 < len(name) <= MAX_CLAIM:
+            raise InvalidInput(f"claim {name[:70]!r} is not one a test contact may carry (1-{MAX_CLAIM} characters; "
+                               f"never {', '.join(sorted(_REGISTERED))}) - at `$.claims`", path="$.claims")
+    issued = int(time.time() if now is None else now)
+    expires = issued + max(60, min(ttl_s, settings.max_lifetime_s))
+    full = TEST_PREFIX + sub
+    payload = {**claims, "sub": full, "iss": TEST_ISSUER, "aud": settings.audience, "iat": issued, "exp": expires}
+    return jwt.encode(payload, key, algorithm="HS256", headers={"kid": TEST_KID}), full, expires
+
+
+#: the claims a test token's own fields hold
+_REGISTERED = frozenset({"sub", "iss", "aud", "iat", "exp", "nbf", "jti"})
+
+
+class ContactVerifier:
+    """Verifies tokens against one tenant's settings (keys parsed once), and test contacts'
+    tokens against the tenant's test keys."""
+
+    def __init__(self, settings: ContactVerification, *, hs256_secret: str | None,
+                 test_keys: Sequence[bytes] = ()) -> None:
         self.settings = settings
         self._secret = hs256_secret
+        self._test_keys = tuple(test_keys)
         self._keys: list[tuple[str | None, jwt.PyJWK]] = []
         for key in settings.keys:
             try:
@@ -126,17 +175,37 @@ class ContactVerifier:
         except jwt.PyJWTError:
             raise _refused("malformed") from None
         alg = header.get("alg")
+        if header.get("kid") == TEST_KID:
+            return self._verify_test(token, alg)
         if alg not in self.settings.algorithms or alg not in ALGORITHMS:
             raise _refused("algorithm")
         keys = self._keys_for(alg, header.get("kid"))
         if not keys:
             raise _refused("key")
+        claims = self._decode(token, keys, alg, self.settings.issuer)
+        contact = self._contact(claims)
+        if contact.sub.startswith(TEST_PREFIX):
+            raise _refused("test sub")  # the engine's own test contacts' only
+        return contact
+
+    def _verify_test(self, token: str, alg: Any) -> Contact:
+        """A test contact's token: HS256 with one of the tenant's test keys, nothing else."""
+        if alg != "HS256":
+            raise _refused("algorithm")
+        if not self._test_keys:
+            raise _refused("key")
+        contact = self._contact(self._decode(token, self._test_keys, "HS256", TEST_ISSUER))
+        if not contact.sub.startswith(TEST_PREFIX):
+            raise _refused("sub")
+        return contact
+
+    def _decode(self, token: str, keys: Sequence[Any], alg: str, issuer: str) -> dict[str, Any]:
         claims: dict[str, Any] | None = None
         failure: str = "signature"
         for key in keys:
             try:
                 claims = jwt.decode(
-                    token, key, algorithms=[alg], audience=self.settings.audience, issuer=self.settings.issuer,
+                    token, key, algorithms=[alg], audience=self.settings.audience, issuer=issuer,
                     leeway=LEEWAY_S, options={"require": ["exp", "iat", "iss", "aud"]},
                 )
                 break
@@ -149,18 +218,30 @@ class ContactVerifier:
             raise _refused(failure)
         if claims["exp"] - claims["iat"] > self.settings.max_lifetime_s:
             raise _refused("lifetime")
+        return claims
+
+    def _contact(self, claims: dict[str, Any]) -> Contact:
         sub = claims.get("sub")
         if not isinstance(sub, str) or not 0 < len(sub) <= MAX_SUB:
             raise _refused("sub")
         scope = {name: str(claims[claim]) for name, claim in self.settings.scope_claims.items()
                  if isinstance(claims.get(claim), str | int) and not isinstance(claims.get(claim), bool)}
-        return Contact(sub=sub, scope=scope)
+        return Contact(sub=sub, scope=_both_account_spellings(scope))
 
     def _keys_for(self, alg: str, kid: Any) -> list[Any]:
         if alg == "HS256":
             return [self._secret] if self._secret else []
         kty = _KEY_TYPES[alg]
         return [key.key for k, key in self._keys if key.key_type == kty and (kid is None or k == kid)]
+
+
+def _both_account_spellings(scope: dict[str, str]) -> dict[str, str]:
+    """The account under both names tools may give it (`account_id`, `accountId`), whichever one
+    the tenant mapped, as the tenant's id is held under both of its names."""
+    for name, other in (("account_id", "accountId"), ("accountId", "account_id")):
+        if name in scope and other not in scope:
+            scope = {**scope, other: scope[name]}
+    return scope
 
 
 _ADVICE = {
@@ -175,6 +256,7 @@ _ADVICE = {
     "claims": "it lacks `exp`, `iat`, `iss` or `aud`; issue tokens with all four",
     "lifetime": "it lives longer than this tenant accepts (max_lifetime_s); issue shorter-lived tokens",
     "sub": "it names no contact (`sub`, a string of 1-256 characters)",
+    "test sub": "its `sub` starts with `test:`, which names the engine's test contacts only; give the customer another",
 }
 
 

@@ -25,6 +25,7 @@ import msgspec
 
 from services.botconfig import BotConfig
 from services.tools.model import (
+    TENANT_KEYS,
     TRUSTED_SCOPE_KEYS,
     BackendBindingTool,
     ToolDefinition,
@@ -63,6 +64,17 @@ class FieldMapping(msgspec.Struct, frozen=True, kw_only=True):
     required_by_backend: bool = False
 
 
+class ScopeNeed(msgspec.Struct, frozen=True, kw_only=True):
+    """A trusted scope key a tool sends, and what fills it: `tenant` (the engine, in every
+    session: the tenant's id, as today's tenant/account keys), `claim` (only in a session of a
+    verified contact, from the token's `claim`, as the tenant's `scope_claims` maps it; elsewhere a
+    call fails in-band asking the customer to sign in) or `none` (nothing: every call fails)."""
+
+    key: str
+    provided_by: Literal["tenant", "claim", "none"]
+    claim: str | None = None
+
+
 class ToolContract(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     type: str
@@ -73,6 +85,8 @@ class ToolContract(msgspec.Struct, frozen=True, kw_only=True):
     offered: bool  # could the model ever be offered it (enabled, allowlisted, loaded)
     fields: list[FieldMapping]
     findings: list[Finding]
+    #: the trusted scope keys it sends, each with what fills it
+    scope: list[ScopeNeed] = []
 
 
 class ContractReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,6 +181,8 @@ def _tool(
             fix="add it to `allowlist` in PUT /v1/bot-config, or delete the tool",
         ))
     fields = _fields(definition)
+    scope = _scope_needs(fields, config)
+    findings += _scope_findings(scope)
     findings += _spelling_findings(definition)
     if isinstance(definition, WebhookTool):
         findings += _webhook_findings(definition)
@@ -175,8 +191,39 @@ def _tool(
     offered = compiled is not None and compiled.origin == origin and definition.enabled and allowlisted
     return ToolContract(
         name=name, type=_type(definition), version=version, origin=origin, runs=runs,
-        enabled=definition.enabled, offered=offered, fields=fields, findings=findings,
+        enabled=definition.enabled, offered=offered, fields=fields, findings=findings, scope=scope,
     )
+
+
+def _scope_needs(fields: list[FieldMapping], config: BotConfig) -> list[ScopeNeed]:
+    """What fills each trusted scope key the tool sends (actors.session._scope): the tenant's id
+    under its keys, always; any other key (`account_id` too) only from a claim the tenant maps,
+    for a verified contact."""
+    claims = dict(config.contact_verification.scope_claims) if config.contact_verification is not None else {}
+    for name, other in (("account_id", "accountId"), ("accountId", "account_id")):  # held under both
+        if name in claims and other not in claims:
+            claims[other] = claims[name]
+    needs: list[ScopeNeed] = []
+    for f in fields:
+        key = f.backend_name
+        if f.source != "trusted_scope" or key is None or any(n.key == key for n in needs):
+            continue
+        if key in claims:
+            needs.append(ScopeNeed(key=key, provided_by="claim", claim=claims[key]))
+        else:
+            needs.append(ScopeNeed(key=key, provided_by="tenant" if key in TENANT_KEYS else "none"))
+    return needs
+
+
+def _scope_findings(needs: list[ScopeNeed]) -> list[Finding]:
+    return [Finding(
+        kind="missing_required_parameter", severity="error",
+        message=f"the tool sends '{n.key}' from the trusted scope, which nothing fills: no claim of a verified "
+                "contact's token is mapped to it, so every call fails in-band (the model is told to ask the customer "
+                "to sign in)",
+        fix=f"map a claim of your contacts' tokens to '{n.key}' in contact_verification.scope_claims "
+            "(PUT /v1/bot-config), or take it out of the tool's `scope` with PATCH /v1/tools/{name}",
+    ) for n in needs if n.provided_by == "none"]
 
 
 def _mcp_tools(catalog: Catalog, config: BotConfig, openapi: dict | None, seen: set[str]) -> list[ToolContract]:

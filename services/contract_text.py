@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+_FILLED_BY = {
+    "tenant": "the tenant's id, in every session",
+    "claim": "the token's '{claim}' claim, for a verified contact only",
+    "none": "nothing (every call fails)",
+}
+
 
 def format_report(report: dict[str, Any]) -> str:
     if "tools" not in report:
@@ -20,6 +26,8 @@ def format_report(report: dict[str, Any]) -> str:
             backend = f["backend_name"] or "-"
             req = " (required)" if f.get("required_by_model") or f.get("required_by_backend") else ""
             lines.append(f"    {model:>16} -> {backend:<16} from {f['source']}{req}")
+        for need in tool.get("scope") or []:
+            lines.append(f"  scope {need['key']}: {_FILLED_BY[need['provided_by']].format(claim=need.get('claim'))}")
         for finding in tool["findings"]:
             mark = "ERROR" if finding["severity"] == "error" else "warn "
             lines.append(f"  {mark} {finding['kind']}: {finding['message']}")

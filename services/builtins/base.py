@@ -23,8 +23,10 @@ class TenantConfigs(Protocol):
 
 
 def known_contact(ctx: TrustedContext) -> str | None:
-    """The contact this session belongs to, or None when only the session itself is known (the
-    engine falls back to the session id as `contact_id` when the contact variable is unset)."""
+    """Who the contact says or is shown to be (the verified `sub`, else the contact variable), or
+    None when only the session itself is known (the engine falls back to the session id as
+    `contact_id`). A label for people (a handoff's notification), never a key to data: that is
+    `ctx.contact_sub` alone."""
     contact = ctx.contact_id
     if not contact or contact == ctx.session_id:
         return None

@@ -154,7 +154,7 @@ class LeadService:
         }))
         lead, created = await self._store.create(
             ctx.tenant_id, ctx.session_id, name=name, email=email, phone=phone, notes=notes,
-            fact=fact, contact_id=email, language=language, announce=announce,
+            fact=fact, contact_id=ctx.contact_sub, language=language, announce=announce,
         )
         announce.done()
         if not created and (lead.email or "").lower() != email:

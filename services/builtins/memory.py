@@ -2,13 +2,12 @@
 
 Two sources, ranked together by ts_rank (storage.repos.builtins.MemoryRepo):
 - facts (ce_memories): written by the tools as things happen — a lead's details, a booking, a
-  form submission — tagged with the session and, once known, the contact;
-- messages (ce_messages): the text of this session's conversation and, where the tenant turned
-  on `recall_across_sessions` (bot config), of every earlier session of the same contact (sessions
-  whose contact variable, `contact_id` by default, holds the same value; collect_lead sets it to
-  the email the contact typed, which nobody verified: off by default, so that typing someone's
-  address does not read out their lead, bookings and conversations). Off, facts are this
-  session's only.
+  form submission — tagged with the session and, for a verified contact, its `sub`;
+- messages (ce_messages): the text of this session's conversation.
+Where the tenant turned on `recall_across_sessions` (bot config, which requires contact
+verification), both also come from every other session bound to the same verified contact (the
+`sub` of its Contact-Token). Nothing the contact types — an email given to collect_lead, a
+session variable — reaches another session's memory: an anonymous session recalls itself only.
 Searched with the tenant's `language` (a Postgres text search configuration; unknown names fall
 back to 'simple'). A question that matches nothing gets the contact's latest facts instead.
 """
@@ -19,7 +18,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from services.builtins.base import TenantConfigs, clip, known_contact
+from services.builtins.base import TenantConfigs, clip
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments
 from services.tools.model import PythonTool
@@ -59,10 +58,10 @@ DEFINITION = PythonTool(
 class MemoryStore(Protocol):
     async def add_fact(self, tenant_id: str, *, session_id: str | None, contact_id: str | None,
                        content: str, language: str) -> str: ...
-    async def search(self, tenant_id: str, *, session_id: str, contact_id: str | None,
-                     contact_variable: str, query: str, language: str, limit: int = 8) -> list[Any]: ...
-    async def recent_facts(self, tenant_id: str, *, session_id: str, contact_id: str | None,
-                           contact_variable: str, limit: int = 5) -> list[Any]: ...
+    async def search(self, tenant_id: str, *, session_id: str, contact_sub: str | None,
+                     query: str, language: str, limit: int = 8) -> list[Any]: ...
+    async def recent_facts(self, tenant_id: str, *, session_id: str, contact_sub: str | None,
+                           limit: int = 5) -> list[Any]: ...
 
 
 class MemoryService:
@@ -70,10 +69,10 @@ class MemoryService:
         self._store = store
         self._configs = configs
 
-    async def remember(self, ctx: TrustedContext, content: str, *, contact_id: str | None = None) -> str:
-        """Write a fact for this session (and its contact, when known); returns its id."""
+    async def remember(self, ctx: TrustedContext, content: str) -> str:
+        """Write a fact for this session (tagged with its verified contact, if any); returns its id."""
         return await self._store.add_fact(
-            ctx.tenant_id, session_id=ctx.session_id, contact_id=contact_id or known_contact(ctx),
+            ctx.tenant_id, session_id=ctx.session_id, contact_id=ctx.contact_sub,
             content=clip(content, 2000), language=ctx.language,
         )
 
@@ -93,10 +92,10 @@ class MemoryService:
                 "'query' is empty", advice="Call recall_memory again with a few words to look for."
             )
         config = await self._configs.config_for(ctx.tenant_id)
-        # Earlier sessions only where the tenant trusts the contact variable (BotConfig): as
-        # collect_lead sets it, it is whatever email the contact typed.
-        contact = known_contact(ctx) if config.recall_across_sessions else None
-        scope = {"session_id": ctx.session_id, "contact_id": contact, "contact_variable": config.contact_id_variable}
+        # Other sessions only of the verified contact this one is bound to, where the tenant asks
+        # for them: never by anything typed (an email, a variable), which nobody vouched for.
+        contact = ctx.contact_sub if config.recall_across_sessions else None
+        scope = {"session_id": ctx.session_id, "contact_sub": contact}
         hits = await self._store.search(ctx.tenant_id, query=query[:MAX_QUERY], language=ctx.language,
                                         limit=MAX_HITS, **scope)
         matched = bool(hits)

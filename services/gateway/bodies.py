@@ -170,8 +170,9 @@ class BotConfigIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     notification_secret: str | None | msgspec.UnsetType = msgspec.UNSET
     backend: BackendIn | None = None
     approval_ttl_s: float | None = None
+    #: recall_memory also reads the verified contact's other sessions (needs contact_verification)
     recall_across_sessions: bool = False
-    #: the session variable that names the contact (collect_lead sets it; recall reads by it)
+    #: the session variable collect_lead sets to the email it was given: a label, never a key
     contact_id_variable: str = "contact_id"
     contact_verification: ContactVerificationIn | None = None
 

@@ -83,6 +83,8 @@ class GatewayDeps:
     sessions: Any  # storage SessionRepo
     configs: Any  # storage BotConfigRepo
     secret_box: Any  # services.tools.crypto.SecretBox
+    #: CE_SECRET_KEY's keys, from which each tenant's test-contact key is derived (services.contacts)
+    secret_keys: tuple[str, ...] = ()
     contract: Callable[[str], Awaitable[dict]] | None = None
     jobs: Any = None  # storage JobRepo
     #: storage HandoffRepo (list and read handoffs; their changes run in the session); None: no such routes

@@ -1,17 +1,29 @@
 """The bot config routes: GET shows the tenant's config with its credentials as set or not; PUT
-replaces it, credentials write-only and encrypted at rest (services/gateway/bodies.py BotConfigIn)."""
+replaces it, credentials write-only and encrypted at rest (services/gateway/bodies.py BotConfigIn).
+POST /v1/contact-tokens mints a test contact's token (services.contacts) for trying a verified
+session out, the dashboard's "Try it" among others."""
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from kernel.errors import InvalidInput
+from kernel.errors import Conflict, InvalidInput
 from services.botconfig import Backend, BotConfig, check_approval_ttl
 from services.builtins.notify import InvalidSecret, secret_key
-from services.contacts import ContactVerification, check_verification
+from services.contacts import (
+    MAX_CLAIM,
+    MAX_SCOPE_CLAIMS,
+    TEST_TTL_S,
+    ContactVerification,
+    check_verification,
+    keys_for_test_contacts,
+    mint_test_token,
+)
 from services.gateway.bodies import (
     MAX_VARIABLE_NAME,
     BotConfigIn,
@@ -20,7 +32,10 @@ from services.gateway.bodies import (
     check_url,
 )
 from services.gateway.common import DEPS, TENANT, decode_body, encrypter, json_response
+from services.tools.model import ACCOUNT_KEYS, held_spellings
 
+#: a scope key is a parameter name (a binding's `scope` entry, a URL hole)
+_SCOPE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 #: what a view shows for a stored notification secret; sent back in a PUT it keeps the secret
 SECRET_SET = "[set]"
 
@@ -55,6 +70,13 @@ def check_bot_config(body: BotConfigIn) -> None:
     if not 0 < len(body.contact_id_variable) <= MAX_VARIABLE_NAME:
         raise InvalidInput(f"contact_id_variable must be a session variable's name of 1-{MAX_VARIABLE_NAME} "
                            "characters - at `$.contact_id_variable`", path="$.contact_id_variable")
+    if body.recall_across_sessions and body.contact_verification is None:
+        # an earlier session is recalled only as the same verified contact's: without tokens there
+        # is no contact to follow, and a typed email must never stand in for one
+        raise InvalidInput("recall_across_sessions needs contact_verification: recall follows a contact only across "
+                           "sessions bound to the same verified Contact-Token `sub`; configure contact_verification "
+                           "in the same PUT, or set recall_across_sessions to false - at `$.recall_across_sessions`",
+                           path="$.recall_across_sessions")
     if body.notification_secret and body.notification_secret != SECRET_SET:
         try:
             secret_key(body.notification_secret)  # how the notifier reads it to sign each notification
@@ -143,7 +165,63 @@ def _verification(deps: Any, body: ContactVerificationIn, previous: dict[str, An
         max_lifetime_s=body.max_lifetime_s, scope_claims=body.scope_claims,
     )
     check_verification(settings, has_secret=secret_enc is not None)
+    check_scope_claims(settings.scope_claims)
     return msgspec.to_builtins(settings)
+
+
+class TestContactIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/contact-tokens: a made-up customer to chat as; their `sub` gets `test:` in front."""
+
+    sub: str
+    #: the claims the tenant's scope_claims read (`{"stay": "S-100"}`)
+    claims: dict[str, str | int] = {}
+    ttl_s: int = TEST_TTL_S
+
+
+async def post_contact_token(request: web.Request) -> web.Response:
+    """A test contact's Contact-Token, signed with this tenant's test key (admin keys only, as
+    every route but a chat key's few): it passes this tenant's verification and no other's, and
+    names a `test:` contact, never a real customer."""
+    deps = request.app[DEPS]
+    tenant_id = request[TENANT]
+    body: TestContactIn = await decode_body(request, TestContactIn)
+    stored = await deps.configs.get(tenant_id) or {}
+    settings = msgspec.convert(stored, BotConfig).contact_verification
+    if settings is None:
+        raise Conflict("this tenant verifies no contact, so a contact token means nothing to it: configure "
+                       "contact_verification in PUT /v1/bot-config first")
+    keys = keys_for_test_contacts(deps.secret_keys, tenant_id)
+    if not keys:
+        raise InvalidInput("this engine has no CE_SECRET_KEY, so it has no key to sign a test contact's token with; "
+                           "set it and restart")
+    token, sub, expires = mint_test_token(keys[0], settings, body.sub, body.claims, ttl_s=body.ttl_s)
+    return json_response({"token": token, "sub": sub,
+                          "expires_at": datetime.fromtimestamp(expires, UTC).isoformat()})
+
+
+def check_scope_claims(scope_claims: dict[str, str]) -> None:
+    """Refuse a claim mapping that could not fill a tool's scope, or that would let a token say
+    which tenant it is (the tenant's id is the authenticated key's, always)."""
+    at = "$.contact_verification.scope_claims"
+    if len(scope_claims) > MAX_SCOPE_CLAIMS:
+        raise InvalidInput(f"at most {MAX_SCOPE_CLAIMS} scope_claims - at `{at}`", path=at)
+    for key, claim in scope_claims.items():
+        where = f"{at}.{key}"
+        if not _SCOPE_KEY.fullmatch(key):
+            raise InvalidInput(f"scope key {key[:70]!r} is not a parameter name (a letter or _, then letters, digits "
+                               f"or _, at most 64) - at `{at}`", path=at)
+        if not isinstance(claim, str) or not 0 < len(claim) <= MAX_CLAIM:
+            raise InvalidInput(f"the claim mapped to {key!r} must name a claim of the token (1-{MAX_CLAIM} "
+                               f"characters) - at `{where}`", path=where)
+        spellings = held_spellings(key)
+        if spellings and not ACCOUNT_KEYS & set(spellings):  # tenant_id, in any spelling
+            raise InvalidInput(f"{key!r} is the tenant's id, which the engine fills from the authenticated key; a "
+                               f"token cannot set it: map account_id (or another key) instead - at `{where}`",
+                               path=where)
+        if spellings and key not in spellings:
+            names = " or ".join(repr(s) for s in spellings)
+            raise InvalidInput(f"{key!r} spells {names} another way; tools are filled under {names} only: map that "
+                               f"name - at `{where}`", path=where)
 
 
 def add_config_routes(app: web.Application) -> None:
@@ -151,3 +229,4 @@ def add_config_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/bot-config", get_bot_config)
     r.add_put("/v1/bot-config", put_bot_config)
+    r.add_post("/v1/contact-tokens", post_contact_token)

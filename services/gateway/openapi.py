@@ -47,6 +47,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("GET", "/v1/jobs/{job_id}"): ("200", (*_V1, "404")),
     ("GET", "/v1/bot-config"): ("200", _V1),
     ("PUT", "/v1/bot-config"): ("200", (*_V1, *_BODY)),
+    ("POST", "/v1/contact-tokens"): ("200", (*_V1, *_BODY, "409")),  # 409: the tenant verifies no contact
     ("GET", "/healthz"): ("200", ("422",)),
     ("GET", "/readyz"): ("200", ("422", "503")),
     ("GET", "/metrics"): ("200", ("422",)),

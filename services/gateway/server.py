@@ -176,6 +176,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
         sessions=SessionRepo(pool), configs=BotConfigRepo(pool),
         secret_box=SecretBox(settings.secret_keys) if settings.secret_keys else None,
+        secret_keys=settings.secret_keys,
         contract=contract, jobs=JobRepo(pool), handoffs=HandoffRepo(pool),
         feed=AgentFeed(pool, SessionRepo(pool)),
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,

@@ -12,6 +12,9 @@ class TrustedContext(msgspec.Struct, frozen=True, kw_only=True):
     session_id: str
     message_id: str | None = None
     contact_id: str | None = None
+    #: the verified contact the session belongs to (its Contact-Token's `sub`), or None for an
+    #: anonymous session: what memory across sessions, and nothing typed, is keyed on
+    contact_sub: str | None = None
     #: values that fill protected/scope keys (e.g. {"account_id": tenant_id}); overwrite the model
     scope: dict[str, Any] = {}
     #: session variables as they stand when the call starts (read-only for handlers)

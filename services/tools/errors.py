@@ -142,6 +142,12 @@ class ToolCrashed(ToolError):
 
 #: the advice of a call no argument from the model could make valid (a protected URL hole or
 #: required parameter nothing fills): the business's configuration, never the customer's to fix
+#: a call that needs what only a verified contact's token gives the trusted scope (`account_id`,
+#: a mapped claim such as `stay_id`), in a session without it
+SIGN_IN_ADVICE = (
+    "Ask the customer to sign in (their verified identity supplies it), then try again; never ask them for it."
+)
+
 MISCONFIGURED_ADVICE = (
     "This is a configuration problem of the business, not a detail the customer can give: tell them "
     "this action is unavailable right now and offer another way to help."

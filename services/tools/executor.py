@@ -50,6 +50,7 @@ from services.tools.approval_prompt import render_approval_prompt
 from services.tools.context import TrustedContext
 from services.tools.errors import (
     MISCONFIGURED_ADVICE,
+    SIGN_IN_ADVICE,
     ApprovalDenied,
     Interrupted,
     InvalidArguments,
@@ -60,7 +61,13 @@ from services.tools.errors import (
     UnknownTool,
 )
 from services.tools.limiter import Clock, ResourceLimiter, SystemClock
-from services.tools.model import MAX_VALUE_DEPTH, PROTECTED_KEYS, is_protected, protected_forms
+from services.tools.model import (
+    ACCOUNT_KEYS,
+    MAX_VALUE_DEPTH,
+    PROTECTED_KEYS,
+    is_protected,
+    protected_forms,
+)
 from services.tools.redaction import redact, scrub_text, sensitive_values
 from services.tools.registry import Catalog, ClientAction, CompiledTool, JobStarted, SetVariables
 from services.tools.toolset import SessionToolState, gate_reason
@@ -260,6 +267,11 @@ class Executor:
         except RecursionError:
             args, problems = {}, ["the arguments nest too deeply"]
         unfilled = _unfilled_protected(d.parameters, d.protected_keys, scope)
+        if unfilled in ACCOUNT_KEYS:
+            return PreparedCall(call=call, tool=tool, arguments=args, error=PolicyDenied(
+                f"the tool requires '{unfilled}', the customer's account, which only a signed-in customer's verified "
+                "identity gives, and this conversation has none", advice=SIGN_IN_ADVICE,
+            ))
         if unfilled is not None:
             return PreparedCall(call=call, tool=tool, arguments=args, error=PolicyDenied(
                 f"the tool requires '{_short(unfilled, 64)}', which only the business's trusted context may fill, "

@@ -23,10 +23,15 @@ HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 #: Argument names the model may never supply (seed 001 § "Tenant scope comes from the service").
 PROTECTED_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId", "account_id", "accountId"})
-#: The keys the engine's trusted scope always holds: the session host puts the tenant's id under
-#: each protected key (actors.session._scope). A tool's own `protected` names are not in it, so a
-#: URL hole named by one of those could never be filled (registration refuses it).
+#: The keys the engine's trusted scope may hold (actors.session._scope). A tool's own `protected`
+#: names are not in it, so a URL hole named by one of those could never be filled (registration
+#: refuses it).
 TRUSTED_SCOPE_KEYS: frozenset[str] = PROTECTED_KEYS
+#: held in every session: the authenticated tenant's id, never anything a token or the model says
+TENANT_KEYS: frozenset[str] = frozenset({"tenant_id", "tenantId"})
+#: held only in a verified contact's session, from the claim the tenant maps to them
+#: (contact_verification.scope_claims): an anonymous session has no account
+ACCOUNT_KEYS: frozenset[str] = frozenset({"account_id", "accountId"})
 #: how deeply a tool's arguments or result may nest (objects and arrays): deeper is refused in-band
 #: as it comes (services.tools.executor for arguments; services.tools.webhook and
 #: services.tools.mcp for results). The call record redacts a value recursively, two stack frames a

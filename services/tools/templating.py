@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from services.tools.errors import InvalidArguments, PolicyDenied, ToolError, blocked
+from services.tools.errors import SIGN_IN_ADVICE, InvalidArguments, PolicyDenied, ToolError, blocked
 from services.tools.model import (
     PROTECTED_KEYS,
     TRUSTED_SCOPE_KEYS,
@@ -189,8 +189,7 @@ def binding_arguments(
         if trusted_scope.get(key) is None:
             raise PolicyDenied(
                 f"trusted scope has no `{key}` for this tool",
-                advice="Ask the customer to sign in (their verified identity supplies it), then try again; "
-                       "never ask them for it.",
+                advice=SIGN_IN_ADVICE,
             )
         mapped[key] = trusted_scope[key]
     return mapped

@@ -52,6 +52,7 @@ from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, SecretDecryptError
 from services.tools.errors import (
     MISCONFIGURED_ADVICE,
+    SIGN_IN_ADVICE,
     DeadlineExceeded,
     InvalidArguments,
     PolicyDenied,
@@ -64,6 +65,7 @@ from services.tools.errors import (
     blocked,
 )
 from services.tools.model import (
+    ACCOUNT_KEYS,
     MAX_VALUE_DEPTH,
     BackendBindingTool,
     WebhookTool,
@@ -368,6 +370,13 @@ class WebhookClient:
         for hole in template_holes(tool.webhook_url):
             if not is_protected(hole, forms):
                 continue
+            if args.get(hole) is None and hole in ACCOUNT_KEYS:
+                # the customer's account: only a verified contact's token gives it
+                raise PolicyDenied(
+                    f"the url needs {{{hole}}}, the customer's account, which only a signed-in customer's verified "
+                    "identity gives, and this conversation has none",
+                    advice=SIGN_IN_ADVICE, tool_name=tool.name,
+                )
             if args.get(hole) is None:
                 raise PolicyDenied(
                     f"the url needs {{{hole}}}, which only the business's trusted context may fill, and it "

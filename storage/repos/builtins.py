@@ -175,33 +175,36 @@ q AS (
 )"""
 
 
-def _contact_sessions(tenant: str, key: str, contact: str, variable: str, uid: str) -> str:
+def _contact_sessions(tenant: str, key: str, sub: str, uid: str) -> str:
     """CTE `contact_sessions(uid, session_key)`: this session, plus every session of the tenant
-    whose contact variable holds the contact (placeholders are the given $n)."""
+    bound to the verified contact `sub` (none when it is NULL; placeholders are the given $n)."""
     return f"""
 contact_sessions AS (
   SELECT s.id AS uid, s.session_key
-  FROM ce_session_variables v JOIN ce_sessions s ON s.id = v.session_id AND s.tenant_id = v.tenant_id
-  WHERE v.tenant_id = {tenant} AND v.key = {variable}::text AND v.value = {contact}::text
+  FROM ce_sessions s
+  WHERE s.tenant_id = {tenant} AND {sub}::text IS NOT NULL
+    AND s.snapshot ? 'contact_sub' AND s.snapshot->>'contact_sub' = {sub}::text
   UNION
   SELECT {uid}::text, {key}::text
 )"""
 
 
+# a fact is the contact's when a session of theirs wrote it, or it is tagged with their verified
+# `sub` (only ever written from a verified session: migration 020 let go of the typed emails)
 _OWNED_FACT = (
     "m.tenant_id = $1 AND m.kind = 'fact' AND (m.session_id IN (SELECT session_key FROM contact_sessions) "
-    "OR (m.contact_id = {contact}::text))"
+    "OR ({sub}::text IS NOT NULL AND m.contact_id = {sub}::text))"
 )
 
-# $1 tenant, $2 text search config, $3 query, $4 session id, $5 contact id, $6 contact variable,
-# $7 session uid, $8 limit
+# $1 tenant, $2 text search config, $3 query, $4 session id, $5 verified contact, $6 session uid,
+# $7 limit
 _SEARCH_SQL = (
-    "WITH " + _QUERY_CTE + "," + _contact_sessions("$1", "$4", "$5", "$6", "$7") + """,
+    "WITH " + _QUERY_CTE + "," + _contact_sessions("$1", "$4", "$5", "$6") + """,
 facts AS (
   SELECT 'fact'::text AS kind, m.content, m.session_id, m.created_at, NULL::text AS role,
          ts_rank(m.tsv, q.tsq) AS rank
   FROM ce_memories m, q
-  WHERE """ + _OWNED_FACT.format(contact="$5") + """ AND m.tsv @@ q.tsq
+  WHERE """ + _OWNED_FACT.format(sub="$5") + """ AND m.tsv @@ q.tsq
 ),
 texts AS (
   SELECT cs.session_key, msg.role, msg.created_at,
@@ -218,18 +221,18 @@ messages AS (
 )
 SELECT * FROM facts UNION ALL SELECT * FROM messages
 ORDER BY rank DESC, created_at DESC
-LIMIT $8
+LIMIT $7
 """
 )
 
-# $1 tenant, $2 session id, $3 contact id, $4 contact variable, $5 session uid, $6 limit
+# $1 tenant, $2 session id, $3 verified contact, $4 session uid, $5 limit
 _RECENT_FACTS_SQL = (
-    "WITH " + _contact_sessions("$1", "$2", "$3", "$4", "$5") + """
+    "WITH " + _contact_sessions("$1", "$2", "$3", "$4") + """
 SELECT 'fact'::text AS kind, m.content, m.session_id, m.created_at, NULL::text AS role, 0::real AS rank
 FROM ce_memories m
-WHERE """ + _OWNED_FACT.format(contact="$3") + """
+WHERE """ + _OWNED_FACT.format(sub="$3") + """
 ORDER BY m.created_at DESC
-LIMIT $6
+LIMIT $5
 """
 )
 
@@ -265,24 +268,23 @@ class MemoryRepo:
             )
 
     async def search(
-        self, tenant_id: str, *, session_id: str, contact_id: str | None, contact_variable: str,
-        query: str, language: str, limit: int = 8,
+        self, tenant_id: str, *, session_id: str, contact_sub: str | None, query: str, language: str,
+        limit: int = 8,
     ) -> list[MemoryHit]:
-        """Facts and text messages of this session and of every session of `contact_id` (the
-        sessions whose `contact_variable` holds it), matching any word of `query`, best first."""
+        """Facts and text messages of this session and of every session bound to the verified
+        contact `contact_sub` (None: this session only), matching any word of `query`, best first."""
         config = await self.text_config(language)
-        args = (tenant_id, config, _text(query), session_id, _text(contact_id), _text(contact_variable),
-                session_uid(tenant_id, session_id), limit)
+        args = (tenant_id, config, _text(query), session_id, _text(contact_sub), session_uid(tenant_id, session_id),
+                limit)
         with translate("searching memories"):
             rows = await self._pool.fetch(_SEARCH_SQL, *args)
         return [_hit(r) for r in rows]
 
     async def recent_facts(
-        self, tenant_id: str, *, session_id: str, contact_id: str | None, contact_variable: str, limit: int = 5,
+        self, tenant_id: str, *, session_id: str, contact_sub: str | None, limit: int = 5,
     ) -> list[MemoryHit]:
-        """The newest facts of this session and of the contact's sessions (no text match)."""
-        args = (tenant_id, session_id, _text(contact_id), _text(contact_variable), session_uid(tenant_id, session_id),
-                limit)
+        """The newest facts of this session and of the verified contact's sessions (no text match)."""
+        args = (tenant_id, session_id, _text(contact_sub), session_uid(tenant_id, session_id), limit)
         with translate("reading recent memories"):
             rows = await self._pool.fetch(_RECENT_FACTS_SQL, *args)
         return [_hit(r) for r in rows]

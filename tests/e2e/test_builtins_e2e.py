@@ -104,27 +104,27 @@ async def test_lead_booking_and_form_in_one_conversation_with_signed_notificatio
     assert events["form.submitted"]["data"] == {"rooms": 3, "service": "painting"}
 
 
-async def test_a_later_session_of_the_same_contact_recalls_the_first(api):
-    # recall across sessions links them by the email collect_lead took, as typed: a tenant turns
-    # it on where that can be trusted (its contacts signed in, say); off, the same run recalls
-    # nothing of the first session
+async def test_a_session_that_types_an_earlier_contacts_email_recalls_nothing_of_theirs(api):
+    # recall across sessions follows only a verified contact (tests/e2e/test_verified_contacts.py):
+    # a tenant that verifies none cannot turn it on, and the email collect_lead took, as typed,
+    # links nothing
     email = f"sam-{secrets.token_hex(3)}@example.com"
     assert (await api.expect("GET", "/v1/bot-config"))["recall_across_sessions"] is False
-    await api.expect("PUT", "/v1/bot-config", {"recall_across_sessions": True})
+    refused = await api.expect("PUT", "/v1/bot-config", {"recall_across_sessions": True}, expect=422)
+    assert "contact_verification" in refused["detail"] and "recall_across_sessions" in refused["detail"], refused
+    assert (await api.expect("GET", "/v1/bot-config"))["recall_across_sessions"] is False  # nothing stored
     first, later = f"e2e-mem-a-{secrets.token_hex(3)}", f"e2e-mem-b-{secrets.token_hex(3)}"
     lead = {"name": "Sam Roe", "email": email, "notes": "loft conversion with skylights"}
     saved = await api.chat(first, "/call collect_lead " + msgspec.json.encode(lead).decode())
     assert saved["tool_calls"][0]["success"], saved
     await api.chat(first, "Also, the skylights should face south")
 
-    # the new session learns who the contact is, then remembers the first conversation
     await api.chat(later, "/call collect_lead " + msgspec.json.encode({"name": "Sam Roe", "email": email}).decode())
     recalled = await api.chat(later, '/call recall_memory {"query": "skylights"}')
     assert recalled["tool_calls"][0]["success"], recalled
-    # session one's saved fact and both of its messages that mention skylights (the first was
-    # the /call line itself: a message's text is searched whatever it says), newest first
-    assert "found: 3" in recalled["reply"], recalled["reply"]
-    assert "summary: Also, the skylights should face south |" in recalled["reply"]
+    # only this session's own line (the /call text is searched whatever it says)
+    assert "found: 1" in recalled["reply"], recalled["reply"]
+    assert "south" not in recalled["reply"] and "loft" not in recalled["reply"], recalled["reply"]
 
 
 async def test_escalation_hands_the_session_over_and_notifies_the_tenant(api):

@@ -425,3 +425,47 @@ async def test_the_keys_tab_lists_each_key_with_its_kind_and_never_a_key(tab, st
     assert chat.api_key not in html and admin_key not in html
     await tab.shot("keys")
     assert tab.errors == []
+
+
+# -- try it as a verified test contact -----------------------------------------------------------
+
+async def test_try_it_sends_as_a_verified_test_contact_whose_claim_fills_the_trusted_scope(tab, stack, tenant, api):
+    from playwright.async_api import expect
+
+    store = stack.demo_store.url
+    status, _ = await api.call("PUT", "/v1/bot-config", {"backend": {"base_url": store}, "contact_verification": {
+        "algorithms": ["HS256"], "hs256_secret": "s" * 40, "issuer": "https://login.shop.example", "audience": "shop",
+        "scope_claims": {"order_id": "order"}}})
+    assert status == 200
+    # the order number comes from the signed-in customer's claim, never from the model
+    status, created = await api.call("POST", "/v1/tools", {
+        "name": "my_order", "type": "backend_binding", "description": "The signed-in customer's order.",
+        "method": "GET", "path": "/api/orders/{order_id}", "scope": ["order_id"],
+        "parameters": {"note": {"type": "string"}}})
+    assert status == 201, created
+    session = f"verified-{secrets.token_hex(3)}"
+    page = tab.page
+    await tab.sign_in(tenant[1])
+    await tab.go(f"/sessions/{session}")
+    await expect(page.locator("#try-contact-state")).to_have_text("anonymous")
+    await page.locator(".test-contact summary").click()
+    await page.locator("#try-contact").fill("ann")
+    await page.locator("#try-claims").fill("not json")
+    await page.locator("#try-sign-in").click()
+    await expect(page.locator("#err-try-contact")).to_contain_text("not valid JSON")
+    await page.locator("#try-claims").fill('{"order": "4242"}')
+    await page.locator("#try-sign-in").click()
+    await expect(page.locator("#try-contact-state")).to_have_text("as test:ann")
+    await page.locator("#try-text").fill('/call my_order {"note": "mine", "order_id": "1"}')
+    await page.locator("#try-send").click()
+    await expect(page.locator("#chat-log .msg.bot").last).to_contain_text("order_id: 4242")  # what the store was asked
+    _, view = await api.call("GET", f"/v1/sessions/{session}")
+    assert view["contact"] == {"sub": "test:ann", "verified": True}
+    await tab.shot("verified-test-contact")
+    # signed out, the session (bound to test:ann) refuses an anonymous message, said next to the box
+    await page.locator("#try-sign-out").click()
+    await expect(page.locator("#try-contact-state")).to_have_text("anonymous")
+    await page.locator("#try-text").fill("hello again")
+    await page.locator("#try-send").click()
+    await expect(page.locator("#err-try-text")).to_contain_text("Contact-Token")
+    assert tab.errors == []

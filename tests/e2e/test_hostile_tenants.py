@@ -171,7 +171,7 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
             "order_id": {"type": "string"}, "account_id": {"type": "string"}, "filter": {"type": "object"}}),
         webhook("lookup", f"{backend.url}/ok/lookup/{{order_id}}"),
         {"name": "search", "type": "backend_binding", "description": "search the catalog", "path": "/ok/search",
-         "parameters": {"q": {"type": "string"}}, "scope": ["account_id"]},
+         "parameters": {"q": {"type": "string"}}, "scope": ["tenant_id"]},
     ):
         status, created = await api.call("POST", "/v1/tools", body)
         assert status == 201, created
@@ -197,12 +197,12 @@ async def test_a_model_that_passes_another_tenants_ids_reaches_the_backend_with_
         assert b_id not in json.dumps(request), request  # path, query, headers, body
     record = next(r for r in sent if r["path"].startswith("/ok/record"))
     # a webhook sends no protected key at all, not even the trusted one its schema names (the client
-    # strips them again); a binding gets the trusted account through its `scope`
+    # strips them again); a binding gets the trusted tenant through its `scope`
     assert json.loads(record["body"]) == {"order_id": "1", "filter": {"items": [{}]}}
     lookup = next(r for r in sent if r["path"].startswith("/ok/lookup"))
     assert urlsplit(lookup["path"]).query == ""  # the schema names no account: none is sent
     search = next(r for r in sent if r["path"].startswith("/ok/search"))
-    assert parse_qs(urlsplit(search["path"]).query) == {"q": ["shoes"], "account_id": [a_id]}
+    assert parse_qs(urlsplit(search["path"]).query) == {"q": ["shoes"], "tenant_id": [a_id]}
 
 
 # -- another tenant's jobs -----------------------------------------------------------------------------------

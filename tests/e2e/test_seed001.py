@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import signal
+import time
 
+import jwt
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -177,21 +179,31 @@ async def test_catalog_binding_sends_q_and_the_contract_report_flags_one_that_wo
 ):
     tenant_id, _, headers = tenant
     gw = stack.gateway.url
+    # the account is the signed-in customer's, from their token's `sub` (an anonymous session has none)
+    secret = "s" * 40
     async with client.put(f"{gw}/v1/bot-config", headers=headers, json={
-        "backend": {"base_url": backend.url, "openapi": CATALOG_OPENAPI}}) as r:
+        "backend": {"base_url": backend.url, "openapi": CATALOG_OPENAPI},
+        "contact_verification": {"algorithms": ["HS256"], "hs256_secret": secret, "issuer": "shop", "audience": "bot",
+                                 "scope_claims": {"account_id": "sub"}}}) as r:
         assert r.status == 200, await r.text()
+    now = int(time.time())
+    signed_in = {**headers, "Contact-Token": jwt.encode(
+        {"sub": "acct-7", "iss": "shop", "aud": "bot", "iat": now, "exp": now + 300}, secret, algorithm="HS256")}
     binding = {"name": "example_catalog_search", "type": "backend_binding", "mutability": "read",
                "description": "Search the catalog.", "method": "GET", "path": "/example/catalog",
                "parameters": {"search": {"type": "string", "required": True}, "limit": {"type": "integer"}},
                "parameter_map": {"search": "q", "limit": "per_page"}, "scope": ["account_id"]}
     await register(client, gw, headers, binding)
     await register(client, gw, headers, {**binding, "name": "broken_search", "parameter_map": {"limit": "per_page"}})
-    _, body = await post(client, f"{gw}/v1/sessions/bind-1/messages", headers, {
-        "text": call("example_catalog_search", {"search": "mug", "limit": 2, "account_id": "someone-else"})})
+    sneaky = call("example_catalog_search", {"search": "mug", "limit": 2, "account_id": "someone-else"})
+    _, body = await post(client, f"{gw}/v1/sessions/bind-anon/messages", headers, {"text": sneaky})
+    assert not body["tool_calls"][0]["success"] and "sign in" in body["tool_calls"][0]["error"], body
+    assert backend.to("/example/catalog") == []  # no account: no call, never the tenant's id or the model's
+    _, body = await post(client, f"{gw}/v1/sessions/bind-1/messages", signed_in, {"text": sneaky})
     assert body["tool_calls"][0]["success"], body
     query = backend.to("/example/catalog")[0]["query"]
     assert query["q"] == "mug" and query["per_page"] == "2" and "search" not in query
-    assert query["account_id"] == tenant_id  # the trusted one, never the model's
+    assert query["account_id"] == "acct-7" != tenant_id  # the trusted one, never the model's
     async with client.get(f"{gw}/v1/tools/contract", headers=headers) as r:
         report = await r.json()
     by_name = {t["name"]: t for t in report["tools"]}

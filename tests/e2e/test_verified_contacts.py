@@ -110,3 +110,65 @@ async def test_bad_tokens_another_guest_and_a_chat_key_on_an_admin_route_are_ref
     status, problem = await say(client, gw, {"Authorization": f"Bearer {other_chat.api_key}"}, "guest-eve",
                                 "hello", token("eve", "S-500"))
     assert status == 401  # tenant A's token with tenant B's key: B verifies no contact
+
+
+async def test_recall_across_sessions_follows_the_verified_contact_never_a_typed_email(hotel, client):
+    gw, headers, _backend = hotel
+    async with client.get(f"{gw}/v1/bot-config", headers=headers) as r:
+        config = await r.json()
+    config["recall_across_sessions"] = True
+    async with client.put(f"{gw}/v1/bot-config", headers=headers, json=config) as r:
+        assert r.status == 200, await r.text()
+    lead = {"name": "Ann Lee", "email": "ann@hotel.example", "notes": "sea view room, late checkout"}
+    ann = token("ann", "S-100")
+    status, saved = await say(client, gw, headers, "mem-ann-1", call("collect_lead", lead), ann)
+    assert status == 200 and saved["tool_calls"][0]["success"], saved
+
+    async def recall(session: str, contact_token: str | None) -> str:
+        status, reply = await say(client, gw, headers, session, call("recall_memory", {"query": "checkout"}),
+                                  contact_token)
+        assert status == 200 and reply["tool_calls"][0]["success"], reply
+        return reply["reply"]
+
+    # Ann's later session, signed in again: her first session's fact and message (the turn's own
+    # line is not written yet while it runs)
+    mine = await recall("mem-ann-2", ann)
+    assert "found: 2" in mine and "2 match(es)" in mine and "late checkout" in mine, mine
+    # Bob, signed in, and an anonymous contact each type Ann's email first: nothing of hers matches,
+    # they are shown their own session's latest fact instead
+    for session, who in (("mem-bob", token("bob", "S-200")), ("mem-anon", None)):
+        status, reply = await say(client, gw, headers, session,
+                                  call("collect_lead", {"name": "Ann Lee", "email": "ann@hotel.example"}), who)
+        assert status == 200 and reply["tool_calls"][0]["success"], reply
+        theirs = await recall(session, who)
+        assert "found: 1" in theirs and "nothing matched" in theirs, theirs
+        assert "late checkout" not in theirs and "sea view" not in theirs, theirs
+
+
+async def test_an_admin_mints_a_test_contact_that_the_tenant_verifies_and_a_chat_key_cannot(hotel, client, stack,
+                                                                                            tenant):
+    gw, headers, backend = hotel
+    async with client.post(f"{gw}/v1/contact-tokens", headers=headers,
+                           json={"sub": "tess", "claims": {"stay": "S-777"}}) as r:
+        assert r.status == 200, await r.text()
+        minted = await r.json()
+    assert minted["sub"] == "test:tess" and minted["expires_at"]
+    status, reply = await say(client, gw, headers, "guest-tess", call("get_bill", {"stay_id": "S-1"}), minted["token"])
+    assert status == 200 and reply["tool_calls"][0]["success"], reply
+    assert [r["path"].split("?")[0] for r in backend.requests] == ["/stays/S-777/bill"]
+    async with client.get(f"{gw}/v1/sessions/guest-tess", headers=headers) as r:
+        assert (await r.json())["contact"] == {"sub": "test:tess", "verified": True}
+    # a chat key may not mint one; another tenant's verification does not take it (nor its sessions)
+    chat = await stack.gateway.deps.tenants.issue_key(tenant[0], "chat")
+    async with client.post(f"{gw}/v1/contact-tokens", headers={"Authorization": f"Bearer {chat.api_key}"},
+                           json={"sub": "tess"}) as r:
+        assert r.status == 403 and "chat key" in (await r.json())["detail"]
+    _, other_key = await new_tenant(stack, "plain")
+    other = {"Authorization": f"Bearer {other_key}"}
+    async with client.post(f"{gw}/v1/contact-tokens", headers=other, json={"sub": "tess"}) as r:
+        assert r.status == 409 and "contact_verification" in (await r.json())["detail"]
+    async with client.put(f"{gw}/v1/bot-config", headers=other, json={"contact_verification": {
+            "algorithms": ["HS256"], "hs256_secret": "x" * 32, "issuer": ISSUER, "audience": AUDIENCE}}) as r:
+        assert r.status == 200, await r.text()
+    status, problem = await say(client, gw, other, "guest-tess", "hello", minted["token"])
+    assert status == 401 and "(signature)" in problem["detail"], problem  # the hotel's test key, not theirs

@@ -141,12 +141,19 @@ async def test_collect_lead_leaves_the_tool_set_and_links_later_sessions_to_the_
         assert "this was already done in this conversation" in reply.tool_calls[0].error
         assert len(await svc.repos.leads.list(tenant.id)) == 1
 
-        # a later session of the same contact recalls the first one's fact (where the tenant says
-        # its contacts' emails can be trusted)
+        # where the tenant recalls across sessions, a later session of the same verified contact
+        # recalls the first one's fact; one that only types the same email does not
         configs.set(tenant.id, recall_across_sessions=True)
-        later = await svc.memory.recall({"query": "renovation"},
+        verified = new_state(tenant.id, "s-three")
+        verified.snapshot.contact_sub = "ann-sub"
+        llm.steps.extend([[("collect_lead", {"name": "Ann Lee", "email": "ann@example.com",
+                                              "notes": "bathroom renovation"})], "Thanks!"])
+        await handle_message(verified, "Ann again, ann@example.com", "m1", env)
+        later = await svc.memory.recall({"query": "renovation"}, ctx(tenant.id, "s-two", contact_sub="ann-sub"))
+        assert later["found"] == 1 and "bathroom renovation" in later["summary"]
+        typed = await svc.memory.recall({"query": "renovation"},
                                         ctx(tenant.id, "s-two", variables={"contact_id": "ann@example.com"}))
-        assert later["found"] == 1 and "kitchen renovation" in later["summary"]
+        assert typed["found"] == 0
 
 
 async def test_booking_waits_for_approval_and_listing_does_not(pool, make_tenant):

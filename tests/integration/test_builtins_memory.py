@@ -15,36 +15,45 @@ from tests.support.builtin_services import ctx, services, through_executor
 
 
 async def store_conversation(pool, tenant_id: str, session_id: str, texts: list[tuple[str, str]],
-                             variables: dict[str, str] | None = None) -> None:
-    """Persist a conversation the way session hosts do (activate, then a flushed delta)."""
+                             variables: dict[str, str] | None = None, contact_sub: str | None = None) -> None:
+    """Persist a conversation the way session hosts do (activate, then a flushed delta); bound to
+    the verified contact `contact_sub` when given."""
     repo = SessionRepo(pool)
     active = await repo.activate(tenant_id, session_id, owner="test")
     messages = [MessageRecord(seq=i, role=role, content=[{"type": "text", "text": text}])
                 for i, (role, text) in enumerate(texts)]
     result = await repo.flush([SessionDelta(
         tenant_id=tenant_id, session_id=session_id, epoch=active.epoch,
-        snapshot=SessionSnapshot(message_count=len(messages)), messages=messages, variables=variables or {},
+        snapshot=SessionSnapshot(message_count=len(messages), contact_sub=contact_sub), messages=messages, variables=variables or {},
     )])
     assert result.written == [(tenant_id, session_id)]
 
 
-async def test_a_later_session_of_the_same_contact_recalls_earlier_facts_and_messages(pool, make_tenant):
+async def test_a_later_session_of_the_same_verified_contact_recalls_earlier_facts_and_messages(pool, make_tenant):
     tenant, _ = await make_tenant("mem")
     email = f"jane-{secrets.token_hex(3)}@example.com"
-    first, later, stranger = "s-first", "s-later", "s-stranger"
+    jane = f"user-{secrets.token_hex(3)}"  # the `sub` of Jane's Contact-Token
+    first, later, stranger, typed = "s-first", "s-later", "s-stranger", "s-typed"
     await store_conversation(pool, tenant.id, first, [
         ("user", "Hi, I'd like to know about your yoga classes for beginners"),
         ("assistant", "We run beginner yoga classes on Tuesdays."),
         ("user", "What about parking?"),
-    ], variables={"contact_id": email})
+    ], variables={"contact_id": email}, contact_sub=jane)
     await store_conversation(pool, tenant.id, stranger, [("user", "yoga classes please, I am someone else")],
-                             variables={"contact_id": "other@example.com"})
+                             variables={"contact_id": "other@example.com"}, contact_sub="someone-else")
+    # an anonymous session that typed Jane's email: not hers, whatever it says
+    await store_conversation(pool, tenant.id, typed, [("user", "yoga classes, I typed Jane's address")],
+                             variables={"contact_id": email})
     async with services(pool) as (svc, configs):
-        configs.set(tenant.id, recall_across_sessions=True)  # the tenant vouches for its contacts' emails
+        configs.set(tenant.id, recall_across_sessions=True)
         await svc.leads.collect({"name": "Jane", "email": email, "notes": "beginner yoga classes"},
-                                ctx(tenant.id, first))
+                                ctx(tenant.id, first, contact_sub=jane))
+        await svc.memory.remember(ctx(tenant.id, typed, variables={"contact_id": email}), "Typed yoga classes fact")
 
-        result = await svc.memory.recall({"query": "yoga classes"}, ctx(tenant.id, later, variables={"contact_id": email}))
+        result = await svc.memory.recall({"query": "yoga classes"}, ctx(tenant.id, later, contact_sub=jane))
+        # the same session as an anonymous contact with Jane's email in its variable: itself only
+        anonymous = await svc.memory.recall({"query": "yoga classes"},
+                                            ctx(tenant.id, later, variables={"contact_id": email}))
 
     contents = [m["content"] for m in result["memories"]]
     assert result["found"] == 3, result
@@ -52,6 +61,8 @@ async def test_a_later_session_of_the_same_contact_recalls_earlier_facts_and_mes
     assert "Hi, I'd like to know about your yoga classes for beginners" in contents
     assert "We run beginner yoga classes on Tuesdays." in contents
     assert not any("someone else" in c for c in contents)  # another contact's conversation
+    assert not any("typed" in c.lower() for c in contents)  # a session that only typed her email
+    assert anonymous["found"] == 0 and anonymous["memories"] == [], anonymous
     assert not any("parking" in c for c in contents)  # does not match the query
     assert all(m["conversation"] == "an earlier one" for m in result["memories"])
     froms = {m["content"]: m["from"] for m in result["memories"]}
@@ -60,13 +71,15 @@ async def test_a_later_session_of_the_same_contact_recalls_earlier_facts_and_mes
 
 
 async def test_a_contact_who_types_another_contacts_email_recalls_nothing_of_theirs(pool, make_tenant):
-    # By default: collect_lead takes the email the contact typed, unverified, as the contact id.
-    # Anyone who types Jane's address must not be read Jane's lead, bookings or conversations.
+    # collect_lead sets the contact variable to the email the contact typed, unverified. Anyone
+    # who types Jane's address must not be read Jane's lead, bookings or conversations, even where
+    # the tenant recalls across sessions.
     tenant, _ = await make_tenant("mem")
     email = f"jane-{secrets.token_hex(3)}@example.com"
     await store_conversation(pool, tenant.id, "s-jane", [("user", "My diagnosis is diabetes, about the yoga classes")],
                              variables={"contact_id": email})
-    async with services(pool) as (svc, _configs):
+    async with services(pool) as (svc, configs):
+        configs.set(tenant.id, recall_across_sessions=True)
         await svc.leads.collect({"name": "Jane", "email": email, "phone": "+44 20 7946 0958",
                                  "notes": "yoga classes after her diagnosis"}, ctx(tenant.id, "s-jane"))
         claimed = ctx(tenant.id, "s-mallory", variables={"contact_id": email})
@@ -114,16 +127,15 @@ async def test_the_tenant_language_stems_words_and_an_unknown_language_falls_bac
 async def test_memories_never_cross_tenants_or_unrelated_sessions(pool, make_tenant):
     acme, _ = await make_tenant("mem")
     other, _ = await make_tenant("mem")
-    email = "shared@example.com"
-    await store_conversation(pool, other.id, "s1", [("user", "my secret recipe uses saffron")],
-                             variables={"contact_id": email})
+    sub = "shared-sub"  # the same verified `sub` at two tenants: two different people
+    await store_conversation(pool, other.id, "s1", [("user", "my secret recipe uses saffron")], contact_sub=sub)
     async with services(pool) as (svc, configs):
         configs.set(acme.id, recall_across_sessions=True)
         configs.set(other.id, recall_across_sessions=True)
-        await svc.memory.remember(ctx(other.id, "s1", variables={"contact_id": email}), "Loves saffron")
+        await svc.memory.remember(ctx(other.id, "s1", contact_sub=sub), "Loves saffron")
         await svc.memory.remember(ctx(acme.id, "unrelated"), "Saffron supplier called")
-        # same contact id and the same session id, but another tenant
-        result = await svc.memory.recall({"query": "saffron"}, ctx(acme.id, "s1", variables={"contact_id": email}))
+        # same contact and the same session id, but another tenant
+        result = await svc.memory.recall({"query": "saffron"}, ctx(acme.id, "s1", contact_sub=sub))
     assert result["found"] == 0 and result["memories"] == []
     assert "nothing is remembered" in result["note"]
 

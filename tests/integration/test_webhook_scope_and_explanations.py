@@ -228,6 +228,20 @@ async def test_a_protected_hole_the_trusted_scope_cannot_fill_is_a_configuration
     assert outcome.error_kind == "policy_denied"
 
 
+@pytest.mark.parametrize("hole", ["account_id", "accountId"])
+async def test_an_account_hole_in_an_anonymous_session_asks_the_customer_to_sign_in(client, upstream, hole) -> None:
+    # the customer's account comes only from a verified contact's token: an anonymous session's
+    # scope holds the tenant's id alone, and the tenant's id never stands in for the account
+    url = upstream.url(f"/api/accounts/{{{hole}}}/orders/{{order_id}}")
+    tool = WebhookTool(name="check_order", description="Look up an order.", webhook_url=url,
+                       parameters=normalise_parameters({"order_id": {"type": "string"}}, required_hint=["order_id"]))
+    outcome = await run(client, tool, {"order_id": "7", hole: "tn_B"}, scope={"tenant_id": "tn_A", "tenantId": "tn_A"})
+    assert not outcome.success and outcome.error_kind == "policy_denied"
+    assert upstream.seen == []  # nothing was sent
+    assert f"the url needs {{{hole}}}, the customer's account" in outcome.content, outcome.content
+    assert "sign in" in outcome.content and "tn_B" not in outcome.content
+
+
 # --------------------------------------------------------------------------- 4xx explanations
 
 

@@ -44,13 +44,15 @@ class FakeConfigs:
 
 
 def ctx(tenant_id: str, session_id: str | None = None, *, variables: dict[str, str] | None = None,
-        language: str = "english", key: str | None = None) -> TrustedContext:
-    """The context the engine would build: contact_id from the `contact_id` variable, else the session."""
+        language: str = "english", key: str | None = None, contact_sub: str | None = None) -> TrustedContext:
+    """The context the engine would build: contact_id the verified contact's `sub`, else the
+    `contact_id` variable, else the session."""
     session_id = session_id or f"s-{secrets.token_hex(4)}"
     variables = variables or {}
     return TrustedContext(
         tenant_id=tenant_id, session_id=session_id, message_id="m1",
-        contact_id=variables.get("contact_id") or session_id, variables=variables,
+        contact_id=contact_sub or variables.get("contact_id") or session_id, contact_sub=contact_sub,
+        variables=variables,
         idempotency_key=key or f"m-{secrets.token_hex(4)}:call", language=language,
     )
 

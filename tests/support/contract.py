@@ -3,6 +3,7 @@ tool backend the report never calls (`NullBackend`)."""
 
 from __future__ import annotations
 
+from services.contacts import ContactVerification
 from services.tools.model import BackendBindingTool
 
 SEARCH_PARAMS = {"type": "object", "properties": {"search": {"type": "string"}, "limit": {"type": "integer"}},
@@ -23,3 +24,8 @@ class NullBackend:
 
     async def call_binding(self, *a, **k):  # pragma: no cover
         raise AssertionError
+
+
+#: a tenant whose verified contacts carry their account (the `sub` of their token): what fills
+#: the seed binding's `account_id` (an anonymous session has none)
+ACCOUNT_CLAIMS = ContactVerification(algorithms=("HS256",), scope_claims={"account_id": "sub"})

@@ -106,3 +106,18 @@ async def test_a_reader_is_checked_as_a_writer_is_but_binds_nothing(world):
         await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1", contact_token=token("bob"))), T)
     with pytest.raises(Unauthorized):
         await asyncio.wait_for(host.act(CheckContact(tenant_id="t1", session_id="s1")), T)
+
+
+def test_the_trusted_scope_holds_the_tenant_always_and_an_account_only_for_a_verified_contact():
+    from types import SimpleNamespace
+
+    from actors.session import _scope
+    from kernel.records import SessionSnapshot
+
+    snapshot = SessionSnapshot()
+    state, env = SimpleNamespace(tenant_id="t1", snapshot=snapshot), SimpleNamespace(scope={})
+    assert _scope(state, env) == {"tenant_id": "t1", "tenantId": "t1"}  # anonymous: no account
+    snapshot.contact_sub = "ann"
+    # a scope stored before the mapping was checked cannot name the tenant either
+    snapshot.contact_scope = {"account_id": "acct-ann", "accountId": "acct-ann", "tenant_id": "t2"}
+    assert _scope(state, env) == {"tenant_id": "t1", "tenantId": "t1", "account_id": "acct-ann", "accountId": "acct-ann"}

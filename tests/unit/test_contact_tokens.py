@@ -19,7 +19,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kernel.errors import InvalidInput
-from services.contacts import ContactVerification, ContactVerifier, TokenRefused, check_verification
+from services.contacts import (
+    TEST_KID,
+    TEST_TTL_S,
+    Contact,
+    ContactVerification,
+    ContactVerifier,
+    TokenRefused,
+    check_verification,
+    keys_for_test_contacts,
+    mint_test_token,
+)
+from services.gateway.config_routes import check_scope_claims
 
 ED = ed25519.Ed25519PrivateKey.generate()
 EC = ec.generate_private_key(ec.SECP256R1())
@@ -68,12 +79,12 @@ def refused(raw: str) -> TokenRefused:
                                                  (SECRET, "HS256", None)])
 def test_a_token_signed_as_configured_gives_the_contact_and_its_scope(key, alg, kid):
     contact = VERIFIER.verify(token(key, alg, kid))
-    assert contact.sub == "guest-1" and contact.scope == {"account_id": "guest-1", "stay_id": "S-42"}
+    assert contact.sub == "guest-1" and contact.scope == {"account_id": "guest-1", "accountId": "guest-1", "stay_id": "S-42"}
 
 
 def test_a_scope_claim_the_token_lacks_is_left_out_not_made_up():
     contact = VERIFIER.verify(token(stay=None))
-    assert contact.scope == {"account_id": "guest-1"}
+    assert contact.scope == {"account_id": "guest-1", "accountId": "guest-1"}
 
 
 @pytest.mark.parametrize(("raw", "check"), [
@@ -169,3 +180,49 @@ def test_settings_a_token_could_never_pass_are_refused_when_saved_naming_the_fie
         check_verification(ContactVerification(algorithms=("EdDSA",), keys=(public_jwk(ED, "ed"),), issuer="i",
                                                audience="a", max_lifetime_s=0), has_secret=False)
     check_verification(SETTINGS, has_secret=True)  # all four, keys and a secret: fine
+
+
+@pytest.mark.parametrize(("mapping", "refusal"), [
+    ({"tenant_id": "org"}, "the tenant's id"),   # a token never says which tenant it is
+    ({"TenantId": "org"}, "the tenant's id"),
+    ({"AccountId": "sub"}, "spells 'accountId' or 'account_id' another way"),
+    ({"stay id": "stay"}, "not a parameter name"),
+    ({"stay_id": ""}, "must name a claim"),
+    ({f"k{i}": "c" for i in range(17)}, "at most 16"),
+])
+def test_a_claim_mapping_no_tool_could_use_or_that_names_the_tenant_is_refused(mapping, refusal):
+    with pytest.raises(InvalidInput, match=refusal) as caught:
+        check_scope_claims(mapping)
+    assert caught.value.path.startswith("$.contact_verification.scope_claims")
+
+
+def test_an_account_mapped_under_either_name_is_held_under_both():
+    for name in ("account_id", "accountId"):
+        check_scope_claims({name: "sub", "stay_id": "stay"})
+        verifier = ContactVerifier(msgspec.structs.replace(SETTINGS, scope_claims={name: "sub"}), hs256_secret=SECRET)
+        assert verifier.verify(token(SECRET, "HS256", None)).scope == {"account_id": "guest-1", "accountId": "guest-1"}
+
+
+def test_a_test_contact_minted_with_the_tenants_test_key_passes_and_is_always_test_prefixed():
+    keys_a, keys_b = keys_for_test_contacts(["k-one"], "tenant-a"), keys_for_test_contacts(["k-one"], "tenant-b")
+    assert keys_a != keys_b and keys_for_test_contacts(["k-two", "k-one"], "tenant-a")[1] == keys_a[0]  # rotation
+    raw, sub, expires = mint_test_token(keys_a[0], SETTINGS, "ann", {"stay": "S-7"})
+    assert sub == "test:ann" and expires - time.time() <= TEST_TTL_S + 1
+    verifier = ContactVerifier(SETTINGS, hs256_secret=SECRET, test_keys=keys_a)
+    assert verifier.verify(raw) == Contact(sub="test:ann", scope={"account_id": "test:ann", "accountId": "test:ann",
+                                                                  "stay_id": "S-7"})
+    # another tenant's test key, or a tenant whose engine holds none, does not pass it
+    assert refused_by(ContactVerifier(SETTINGS, hs256_secret=SECRET, test_keys=keys_b), raw).check == "signature"
+    assert refused(raw).check == "key"
+    # the test kid with another algorithm, or a test sub without the engine's key
+    forged = jwt.encode(claims(sub="test:ann"), ED, algorithm="EdDSA", headers={"kid": TEST_KID})
+    assert refused_by(verifier, forged).check == "algorithm"
+    assert refused_by(verifier, token(sub="test:ann")).check == "test sub"  # a real token may not claim it
+    with pytest.raises(InvalidInput, match="claim 'sub'"):
+        mint_test_token(keys_a[0], SETTINGS, "ann", {"sub": "bob"})
+
+
+def refused_by(verifier: ContactVerifier, raw: str) -> TokenRefused:
+    with pytest.raises(TokenRefused) as caught:
+        verifier.verify(raw)
+    return caught.value

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.botconfig import Backend, BotConfig, Intent
+from services.contacts import ContactVerification
 from services.contract import build_report
+from services.contract_text import format_report
 from services.tools.model import PythonTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.support.contract import NullBackend, binding
+from tests.support.contract import ACCOUNT_CLAIMS, NullBackend, binding
 
 OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
     {"name": "q", "in": "query", "required": True},
@@ -17,9 +20,14 @@ OPENAPI = {"paths": {"/example/catalog": {"get": {"parameters": [
 ]}}}}
 
 
+ACCOUNTS = ACCOUNT_CLAIMS
+
+
 def report_for(tools, *, config=None, builtins=(), registry=None):
     registry = registry or HandlerRegistry()
-    config = config or BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    # the tenant's verified contacts carry the account the seed's binding sends
+    config = config or BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI),
+                                 contact_verification=ACCOUNTS)
     published = [(t, 1) for t in tools]
     catalog = build_catalog(builtins, published, registry=registry, backend=NullBackend())
     return build_report("t1", published, catalog, config)
@@ -81,7 +89,7 @@ def test_python_row_bound_to_an_unregistered_handler_is_not_loaded():
 
 @pytest.mark.parametrize("allowlist", [(), ("other",)])
 def test_tool_absent_from_the_allowlist(allowlist):
-    config = BotConfig(allowlist=allowlist, backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    config = BotConfig(contact_verification=ACCOUNT_CLAIMS, allowlist=allowlist, backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
     report = report_for([binding()], config=config)
     assert kinds(report, "example_catalog_search") == ["absent_from_allowlist"]
     assert not report.tools[0].offered
@@ -99,8 +107,34 @@ def test_recent_results_breaking_the_output_schema_are_reported():
 
     tool = binding(output_schema={"type": "object", "required": ["results"]})
     catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(), backend=NullBackend())
-    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
+    config = BotConfig(contact_verification=ACCOUNT_CLAIMS, backend=Backend(base_url="http://127.0.0.2:1", openapi=OPENAPI))
     report = build_report("t1", [(tool, 1)], catalog, config, {"example_catalog_search": 3})
     finding = report.tools[0].findings[0]
     assert finding.kind == "output_contract_broken" and "3 recent result(s)" in finding.message
     assert "output schema" in OUTPUT_CONTRACT_FRAGMENT
+
+
+def test_each_tool_lists_the_scope_keys_it_needs_and_what_fills_them():
+    # the seed binding's account_id: a verified contact's `sub`, as the tenant maps it
+    tool = report_for([binding()]).tools[0]
+    assert [(s.key, s.provided_by, s.claim) for s in tool.scope] == [("account_id", "claim", "sub")]
+    tenant = report_for([binding(scope=("tenant_id",), path="/t/{tenant_id}")]).tools[0]
+    assert [(s.key, s.provided_by) for s in tenant.scope] == [("tenant_id", "tenant")]
+
+    bill = binding(name="get_bill", path="/stays/{stay_id}/bill", parameter_map={}, parameters={"type": "object"},
+                   scope=("stay_id", "account_id"))
+    verification = ContactVerification(algorithms=("HS256",), scope_claims={"stay_id": "stay", "account_id": "sub"})
+    mapped = report_for([bill], config=BotConfig(contact_verification=verification)).tools[0]
+    assert [(s.key, s.provided_by, s.claim) for s in mapped.scope] == [
+        ("stay_id", "claim", "stay"), ("account_id", "claim", "sub")]
+    assert "missing_required_parameter" not in [f.kind for f in mapped.findings]
+
+    # no mapping: nothing fills either (an anonymous session has no account), every call fails
+    # in-band, and the report says how to fix it
+    unmapped = report_for([bill], config=BotConfig()).tools[0]
+    assert [(s.key, s.provided_by) for s in unmapped.scope] == [("stay_id", "none"), ("account_id", "none")]
+    found = [f for f in unmapped.findings if f.kind == "missing_required_parameter"]
+    assert ["'stay_id'" in found[0].message, "'account_id'" in found[1].message] == [True, True]
+    assert all("scope_claims" in f.fix for f in found)
+    text = format_report(msgspec.to_builtins(report_for([bill], config=BotConfig(contact_verification=verification))))
+    assert "scope stay_id: the token's 'stay' claim, for a verified contact only" in text, text

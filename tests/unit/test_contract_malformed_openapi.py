@@ -10,12 +10,12 @@ from services.botconfig import Backend, BotConfig
 from services.contract import build_report
 from services.tools.model import BackendBindingTool
 from services.tools.registry import HandlerRegistry, build_catalog
-from tests.support.contract import NullBackend, binding
+from tests.support.contract import ACCOUNT_CLAIMS, NullBackend, binding
 
 
 def report_with(openapi: dict):
     tool = binding()
-    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi))
+    config = BotConfig(contact_verification=ACCOUNT_CLAIMS, backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi))
     catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(), backend=NullBackend())
     return build_report("t1", [(tool, 1)], catalog, config)
 
@@ -92,7 +92,7 @@ def test_a_json_body_schema_is_read_when_well_formed():
     )
     openapi = {"paths": {"/orders": {"post": {"requestBody": {"content": {"application/json": {"schema": {
         "properties": {"sku": {}, "qty": {}}, "required": ["sku", "qty"]}}}}}}}}
-    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi))
+    config = BotConfig(contact_verification=ACCOUNT_CLAIMS, backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi))
     catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(), backend=NullBackend())
     [finding] = build_report("t1", [(tool, 1)], catalog, config).tools[0].findings
     assert finding.kind == "missing_required_parameter" and "'qty'" in finding.message

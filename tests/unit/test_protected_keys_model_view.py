@@ -19,6 +19,7 @@ from services.gateway.common import failure
 from services.tools.model import PROTECTED_KEYS, WebhookTool
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import tool_specs
+from tests.support.contract import ACCOUNT_CLAIMS
 from tests.support.fakes import (
     FakeHandler,
     FakeToolBackend,
@@ -231,7 +232,7 @@ def test_a_binding_no_call_could_complete_is_refused_naming_the_field_and_the_fi
 
 def test_the_report_says_the_trusted_scope_fills_a_protected_hole_and_finds_nothing() -> None:
     d = registered()
-    report = build_report("t1", [(d, 1)], catalog_of(d), BotConfig())
+    report = build_report("t1", [(d, 1)], catalog_of(d), BotConfig(contact_verification=ACCOUNT_CLAIMS))
     [tool] = report.tools
     assert report.ok and tool.findings == []
     pairs = {(f.model_name, f.backend_name, f.source) for f in tool.fields}
@@ -250,7 +251,7 @@ def test_the_report_finds_a_protected_hole_the_trusted_scope_cannot_fill() -> No
             "properties": {"store_id": {"type": "string"}, "order_id": {"type": "string"}},
         },
     )
-    report = build_report("t1", [(d, 1)], catalog_of(d), BotConfig())
+    report = build_report("t1", [(d, 1)], catalog_of(d), BotConfig(contact_verification=ACCOUNT_CLAIMS))
     [tool] = report.tools
     assert not report.ok
     [finding] = tool.findings
@@ -268,7 +269,7 @@ def test_the_report_does_not_claim_a_protected_webhook_field_is_sent_when_it_fil
     # the webhook client sends protected keys only into the URL holes they name: before, the
     # report listed account_id as sent from the trusted scope
     d = registered(webhook_url="https://mystore.example/api/orders/{order_id}")
-    [tool] = build_report("t1", [(d, 1)], catalog_of(d), BotConfig()).tools
+    [tool] = build_report("t1", [(d, 1)], catalog_of(d), BotConfig(contact_verification=ACCOUNT_CLAIMS)).tools
     assert [(f.model_name, f.backend_name, f.source) for f in tool.fields] == [
         ("order_id", "order_id", "path")
     ]

@@ -33,6 +33,7 @@ from services.tools.model import (
 )
 from services.tools.registry import HandlerRegistry, build_catalog
 from services.tools.toolset import SessionToolState
+from tests.support.contract import ACCOUNT_CLAIMS
 from tests.support.fakes import FakeHandler, FakeToolBackend, make_catalog, python_tool
 
 #: another spelling of a tenant/account key, and the spellings the trusted scope holds it under
@@ -48,7 +49,7 @@ SCOPE = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "account
 def report_of(*tools, openapi: dict | None = None):
     published = [(t, 1) for t in tools]
     catalog = build_catalog([], published, registry=HandlerRegistry(), backend=FakeToolBackend())
-    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi)) if openapi else BotConfig()
+    config = BotConfig(backend=Backend(base_url="http://127.0.0.2:1", openapi=openapi)) if openapi else BotConfig(contact_verification=ACCOUNT_CLAIMS)
     return build_report("t1", published, catalog, config)
 
 
@@ -92,7 +93,7 @@ def test_the_report_finds_a_required_parameter_in_another_spelling_that_nothing_
 def test_the_report_warns_of_an_optional_parameter_in_another_spelling_it_never_fills() -> None:
     schema = {"type": "object", "properties": {"TenantId": {"type": "string"}, "q": {"type": "string"}}}
     catalog = make_catalog(handler_tool("lookup", schema))
-    report = build_report("t1", [(catalog.get("lookup").definition, 1)], catalog, BotConfig())
+    report = build_report("t1", [(catalog.get("lookup").definition, 1)], catalog, BotConfig(contact_verification=ACCOUNT_CLAIMS))
     [tool] = report.tools
     assert fields_of(tool) == {("q", "q", "model")}
     [finding] = tool.findings
@@ -104,7 +105,7 @@ def test_the_report_warns_of_an_optional_parameter_in_another_spelling_it_never_
 def test_the_report_still_shows_the_exact_spellings_as_filled_from_the_trusted_scope() -> None:
     schema = {"type": "object", "properties": {k: {"type": "string"} for k in PROTECTED_KEYS}, "required": ["account_id"]}
     catalog = make_catalog(handler_tool("lookup", schema))
-    report = build_report("t1", [(catalog.get("lookup").definition, 1)], catalog, BotConfig())
+    report = build_report("t1", [(catalog.get("lookup").definition, 1)], catalog, BotConfig(contact_verification=ACCOUNT_CLAIMS))
     [tool] = report.tools
     assert report.ok and tool.findings == []
     assert fields_of(tool) == {(None, k, "trusted_scope") for k in PROTECTED_KEYS}
@@ -322,3 +323,18 @@ def test_a_binding_renaming_ordinary_parameters_is_stored_as_it_was() -> None:
     d = definition_from_body(binding_body(parameters={"search": {"type": "string"}, "status": {"type": "string"}},
                                           parameter_map={"search": "q"}), encrypt=lambda s: s)
     assert d.parameter_map == {"search": "q"}
+
+
+@pytest.mark.parametrize("name", ["account_id", "accountId"])
+async def test_a_required_account_in_an_anonymous_session_asks_the_customer_to_sign_in(name) -> None:
+    # an anonymous session's trusted scope holds the tenant's id only: the customer's account comes
+    # from a verified contact's token, so the model is told to have them sign in, and nothing runs
+    handler = FakeHandler("lookup")
+    schema = {"type": "object", "properties": {name: {"type": "string"}, "q": {"type": "string"}},
+              "required": [name, "q"]}
+    catalog = make_catalog(python_tool("lookup", parameters=schema), handlers=(handler,))
+    outcome = await run_one(catalog, {"q": "lamp", name: "tn_B"}, {"tenant_id": "tn_A", "tenantId": "tn_A"})
+    assert not outcome.success and outcome.error_kind == "policy_denied"
+    assert f"the tool requires '{name}', the customer's account" in outcome.content
+    assert "Ask the customer to sign in" in outcome.content and "never ask them for it" in outcome.content
+    assert handler.calls == []

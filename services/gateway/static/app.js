@@ -1266,9 +1266,60 @@ async function loadSessionDetail(id, box) {
 
 const SESSION_ID = /^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$/;
 
+const CONTACT_KEY = 'ce.tryit.contact';
+
+/** Chat as a verified test contact: the gateway mints a token with the tenant's test key
+ * (POST /v1/contact-tokens, admin keys only) for a `test:` contact with the claims given, kept in
+ * the tab and sent as Contact-Token with each message and approval; minted again once expired. */
+function testContact() {
+  const held = S.get(CONTACT_KEY);
+  const sub = h('input', { id: 'try-contact', type: 'text', autocomplete: 'off', placeholder: 'ann', value: held ? held.asked : '' });
+  const claims = h('input', { id: 'try-claims', type: 'text', autocomplete: 'off', placeholder: '{"stay": "S-100"}',
+    value: held && held.claims ? JSON.stringify(held.claims) : '' });
+  const state = h('span', { id: 'try-contact-state', class: 'muted small-text' });
+  const err = h('p', { class: 'field-error', id: 'err-try-contact', role: 'alert' });
+  const show = () => {
+    const c = S.get(CONTACT_KEY);
+    clear(state).append(c ? h('span', { class: 'badge ok', text: `as ${c.sub}` }) : 'anonymous');
+  };
+  async function mint(asked, given) {
+    const minted = await api('POST', '/v1/contact-tokens', { sub: asked, claims: given });
+    S.set(CONTACT_KEY, { ...minted, asked, claims: given });
+    show();
+    return minted.token;
+  }
+  const signIn = h('button', { type: 'button', class: 'small', id: 'try-sign-in', text: 'Sign in',
+    onclick: async () => {
+      err.textContent = '';
+      let given = {};
+      try { given = claims.value.trim() ? JSON.parse(claims.value) : {}; } catch (e) { err.textContent = `claims: not valid JSON (${e.message})`; return; }
+      if (!sub.value.trim()) { err.textContent = 'name the test contact first'; return; }
+      try { await mint(sub.value.trim(), given); } catch (e) { err.textContent = e.detail || String(e); }
+    } });
+  const signOut = h('button', { type: 'button', class: 'small', id: 'try-sign-out', text: 'Sign out',
+    onclick: () => { S.del(CONTACT_KEY); err.textContent = ''; show(); } });
+  show();
+  return {
+    box: h('details', { class: 'test-contact', open: held ? true : null },
+      h('summary', {}, 'Verified test contact ', state),
+      h('p', { class: 'muted small-text', text: 'Send as a signed-in customer: the gateway mints a token for test:<name> with the claims your contact_verification maps (needs contact_verification in the bot config).' }),
+      h('label', { for: 'try-contact', text: 'Name' }), sub,
+      h('label', { for: 'try-claims', text: 'Claims (JSON)' }), claims,
+      h('div', { class: 'actions' }, signIn, signOut), err),
+    /** the Contact-Token header to send, minting a fresh token once the held one expired */
+    async headers() {
+      const c = S.get(CONTACT_KEY);
+      if (!c) return {};
+      const fresh = Date.parse(c.expires_at) - Date.now() > 30000 ? c.token : await mint(c.asked, c.claims || {});
+      return { 'Contact-Token': fresh };
+    },
+  };
+}
+
 /** The try-it box: a contact's view of one session. It follows the session's stream, so every
  * message shows as it is written (the bot's, a person's from the Inbox, a reply to a job that
- * finished) without sending anything; a message sent here runs as a turn streamed over SSE. */
+ * finished) without sending anything; a message sent here runs as a turn streamed over SSE, as an
+ * anonymous contact or a verified test contact (testContact). */
 function tryItBox(selected, afterTurn) {
   const sessionKey = 'ce.tryit.session';
   const sid = h('input', { id: 'try-session', type: 'text', autocomplete: 'off', spellcheck: 'false',
@@ -1280,6 +1331,7 @@ function tryItBox(selected, afterTurn) {
   const send = h('button', { type: 'submit', class: 'primary', id: 'try-send', text: 'Send' });
   const live = liveBadge('try-live');
   const typing = h('div', { class: 'msg bot pending', id: 'typing', text: '…' });
+  const contact = testContact();
   let busy = false;
 
   // the session on show: its entries and the number of the last event of its stream read
@@ -1348,8 +1400,14 @@ function tryItBox(selected, afterTurn) {
     show();
     let res;
     try {
-      res = await fetch(url, { method: 'POST', headers: authHeaders({ 'Content-Type': 'application/json', Accept: 'text/event-stream' }), body: JSON.stringify(body) });
+      const as = await contact.headers();
+      res = await fetch(url, { method: 'POST', headers: authHeaders({ 'Content-Type': 'application/json', Accept: 'text/event-stream', ...as }), body: JSON.stringify(body) });
     } catch (e) {
+      if (e instanceof ApiError) {  // the test contact's token could not be minted again
+        busy = false;
+        show();
+        return e;
+      }
       busy = false;
       list.push({ kind: 'error', text: `the gateway did not answer (${e.message}); send again` });
       show();
@@ -1411,6 +1469,7 @@ function tryItBox(selected, afterTurn) {
   const form = h('form', { class: 'card try-it', id: 'try-it' },
     h('h2', {}, 'Try it ', live),
     h('p', { class: 'muted small-text', text: 'Chat as a contact would. Every message of the session shows here as it is written: the bot\'s, a person\'s from the Inbox. Lines like /call tool {"arg": 1} make the local model call exactly that tool; /handoff hands the session to a person.' }),
+    contact.box,
     h('label', { for: 'try-session', text: 'Session' }),
     h('div', { class: 'row' }, sid,
       h('button', { type: 'button', class: 'small', text: 'New', onclick: () => { sid.value = newSessionId(); open(sid.value); } })),
