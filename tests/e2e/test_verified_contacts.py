@@ -6,6 +6,9 @@ contact on a bound session and a chat key on an admin route are each answered 40
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import time
 
@@ -25,6 +28,20 @@ def token(sub: str, stay: str, *, key=KEY, **over) -> str:
     now = int(time.time())
     claims = {"sub": sub, "stay": stay, "iss": ISSUER, "aud": AUDIENCE, "iat": now, "exp": now + 600, **over}
     return jwt.encode(claims, key, algorithm="EdDSA", headers={"kid": "k1"})
+
+
+def hs256_with_the_public_key(sub: str, stay: str) -> str:
+    """The HS/RS confusion: an HS256 token whose secret is the tenant's public key, by hand (PyJWT
+    refuses to make one)."""
+    now = int(time.time())
+    claims = {"sub": sub, "stay": stay, "iss": ISSUER, "aud": AUDIENCE, "iat": now, "exp": now + 600}
+    secret = jwt.algorithms.OKPAlgorithm.to_jwk(KEY.public_key()).encode()
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+    signing_input = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "k1"}).encode()) + "." + b64(
+        json.dumps(claims).encode())
+    return signing_input + "." + b64(hmac.new(secret, signing_input.encode(), hashlib.sha256).digest())
 
 
 @pytest_asyncio.fixture
@@ -86,6 +103,7 @@ async def test_bad_tokens_another_guest_and_a_chat_key_on_an_admin_route_are_ref
     refused = {
         "another key": token("ann", "S-100", key=ed25519.Ed25519PrivateKey.generate()),
         "alg none": jwt.encode({"sub": "ann", "iss": ISSUER, "aud": AUDIENCE}, None, algorithm="none"),
+        "hs256 with the public key": hs256_with_the_public_key("ann", "S-100"),
         "expired": token("ann", "S-100", iat=int(time.time()) - 900, exp=int(time.time()) - 300),
         "not yet valid": token("ann", "S-100", nbf=int(time.time()) + 300),
         "audience": token("ann", "S-100", aud="other-bot"),
