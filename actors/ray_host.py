@@ -243,8 +243,10 @@ class SessionHostActor:
         await self._ensure()
         return None if self._lane_address is None else msgspec.json.encode(self._lane_address)
 
-    async def _lane_dispatch(self, method: str, args: list[Any]) -> bytes:
-        return await getattr(self, method)(*args)
+    def _lane_dispatch(self, method: str, args: list[Any]) -> Awaitable[bytes]:
+        # the method's own coroutine, awaited by the lane: no frame of its own (an idle watcher's
+        # call waits through every frame of its chain)
+        return getattr(self, method)(*args)
 
     def _lane_stream(self, method: str, args: list[Any]) -> AsyncIterator[bytes]:
         return getattr(self, method)(*args)

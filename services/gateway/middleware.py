@@ -41,7 +41,24 @@ async def errors_middleware(request: web.Request, handler):
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
     request[REQUEST_ID] = request_id
-    response = await _answer(request, handler, request_id)
+    # the answer is made here, not in a helper: a stream (an idle watcher) holds this frame for
+    # as long as it is open, and every frame of its chain is memory per watcher
+    if "\x00" in request.path or "\x00" in request.query_string:
+        # Postgres cannot store or compare a NUL character: refuse it here, not as a storage error
+        response = problem(422, "Invalid request", "the URL holds a NUL character (%00); remove it")
+    else:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            status, title, detail, headers = _http_problem(exc, request)
+            response = problem(status, title, detail, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
+            count_refusal(request, exc)
+            status, title, detail, retry_after = failure(exc, request_id, request.path)
+            retry = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
+            response = problem(status, title, detail, headers=retry)
     # on every answer, errors most of all: the id to quote to support and to find in the logs
     response.headers.setdefault("X-Request-Id", request_id)
     message_id = request.get(MESSAGE_ID)
@@ -50,24 +67,6 @@ async def errors_middleware(request: web.Request, handler):
         # the id to send again when the client sent none and the gateway made one up
         response.headers.setdefault("X-Message-Id", message_id)
     return response
-
-
-async def _answer(request: web.Request, handler, request_id: str) -> web.StreamResponse:
-    if "\x00" in request.path or "\x00" in request.query_string:
-        # Postgres cannot store or compare a NUL character: refuse it here, not as a storage error
-        return problem(422, "Invalid request", "the URL holds a NUL character (%00); remove it")
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        status, title, detail, headers = _http_problem(exc, request)
-        return problem(status, title, detail, headers=headers)
-    except Exception as exc:  # noqa: BLE001 - failure() logs what it does not know
-        count_refusal(request, exc)
-        status, title, detail, retry_after = failure(exc, request_id, request.path)
-        headers = None if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
-        return problem(status, title, detail, headers=headers)
 
 
 @web.middleware
