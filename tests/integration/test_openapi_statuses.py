@@ -49,6 +49,7 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
     ("GET", "/v1/jobs/{job_id}"): V1 | {200, 404},
     ("GET", "/v1/bot-config"): V1 | {200},
     ("PUT", "/v1/bot-config"): V1 | BODY | {200},
+    ("POST", "/v1/contact-tokens"): V1 | BODY | {200, 409},  # 409: the tenant verifies no contact
     ("GET", "/healthz"): {200, 422},
     ("GET", "/readyz"): {200, 422, 503},
     ("GET", "/metrics"): {200, 422},
