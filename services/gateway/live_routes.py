@@ -88,25 +88,35 @@ def sse_frame(event: SessionEvent) -> bytes:
     return (b"id: %d\nevent: %s\ndata: " % (event.seq, event.type.encode())) + _encoder.encode(event_data(event)) + b"\n\n"
 
 
-async def follow(request: web.Request, tenant_id: str, session_id: str, after: int):
-    """The session's events after `after`, in order, as long as the caller reads: each batch as
-    its host hands it over, an empty batch after each quiet wait. The host unreachable for a
-    moment (restarting, the session moving) is retried here with backoff, from the same point."""
-    router = request.app[DEPS].router
-    pause = 0.1
-    while True:
+class Follower:
+    """The session's events after `after`, in order, for as long as the caller asks (`next`):
+    each batch as its host hands it over, an empty batch after each quiet wait. The host
+    unreachable for a moment (restarting, the session moving) is retried with backoff from the
+    same point: an empty batch at once, the next ask after the pause. A slotted object, not an
+    async generator, since every idle watcher holds one."""
+
+    __slots__ = ("_pause", "_retry", "_router", "_session_id", "_tenant_id", "after")
+
+    def __init__(self, request: web.Request, tenant_id: str, session_id: str, after: int) -> None:
+        self._router = request.app[DEPS].router
+        self._tenant_id, self._session_id, self.after = tenant_id, session_id, after
+        self._pause = 0.1
+        self._retry = False  # the last ask failed: wait `_pause` before the next
+
+    async def next(self) -> list[SessionEvent]:
+        if self._retry:
+            await asyncio.sleep(self._pause)
+            self._pause = min(self._pause * 2, RETRY_MAX_S)
         try:
-            events = await router.watch(tenant_id, session_id, after, WATCH_WAIT_S)
+            events = await self._router.watch(self._tenant_id, self._session_id, self.after, WATCH_WAIT_S)
         except ChatEngineError as exc:
-            log.info("watch_retry", session_id=session_id, error=type(exc).__name__, retry_in_s=pause)
-            yield []
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RETRY_MAX_S)
-            continue
-        pause = 0.1
+            log.info("watch_retry", session_id=self._session_id, error=type(exc).__name__, retry_in_s=self._pause)
+            self._retry = True
+            return []
+        self._retry, self._pause = False, 0.1
         if events:
-            after = events[-1].seq
-        yield events
+            self.after = events[-1].seq
+        return events
 
 
 # -- the event stream ----------------------------------------------------------------------------
@@ -149,7 +159,9 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     try:
         with Live(request):
             await response.write(b"retry: 1000\n\n")  # a browser reconnects after a second, with Last-Event-ID
-            async for events in follow(request, tenant_id, session_id, after):
+            follower = Follower(request, tenant_id, session_id, after)
+            while True:
+                events = await follower.next()
                 await response.write(b"".join(map(sse_frame, events)) if events else b": waiting\n\n")
     except (ConnectionResetError, RuntimeError):
         log.info("sse_watcher_gone", session_id=session_id)
@@ -168,8 +180,9 @@ async def session_socket(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
 
     async def push() -> None:
-        async for events in follow(request, tenant_id, session_id, after):
-            for event in events:
+        follower = Follower(request, tenant_id, session_id, after)
+        while True:
+            for event in await follower.next():
                 await ws.send_str(_encoder.encode(event_data(event)).decode())
 
     pusher = asyncio.create_task(push())
