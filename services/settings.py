@@ -313,10 +313,20 @@ def _check_database_url(url: str) -> None:
 
 def _check_allow_entry(entry: str) -> None:
     try:
-        ipaddress.ip_network(entry, strict=False)
+        ipaddress.ip_network(entry)
         return
     except ValueError:
         pass
+    try:
+        network = ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        network = None
+    if network is not None:  # `10.0.0.1/0` would be read as 0.0.0.0/0: allow everything
+        raise ConfigError(
+            f"CE_WEBHOOK_ALLOW entry {entry!r} has host bits set; write the network itself ({network}) or the one "
+            "address without a prefix",
+            variable="CE_WEBHOOK_ALLOW",
+        )
     if not entry.replace("-", "").replace(".", "").replace("_", "").isalnum():
         raise ConfigError(
             f"CE_WEBHOOK_ALLOW entry {entry!r} is neither a CIDR (10.0.0.0/8) nor a host name",

@@ -54,6 +54,9 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _METADATA = ipaddress.ip_address("169.254.169.254")
+#: cloud platform services on addresses Python counts as global: Azure's wire server (its
+#: metadata, health probes and DNS) and Oracle Cloud's metadata service
+_CLOUD_PLATFORM = frozenset({ipaddress.ip_address("168.63.129.16"), ipaddress.ip_address("192.0.0.192")})
 
 # c-ares status -> the getaddrinfo error the system resolver would have raised
 _GAI_ERRORS = {
@@ -187,10 +190,16 @@ class DestinationPolicy:
             if not entry:
                 continue
             try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
+                networks.append(ipaddress.ip_network(entry))
                 continue
             except ValueError:
-                pass
+                if "/" in entry and _host_bits_set(entry):
+                    # strict=False would widen 10.0.0.1/0 to 0.0.0.0/0: allow everything
+                    raise ConfigError(
+                        f"CE_WEBHOOK_ALLOW entry {entry!r} has host bits set; write the network itself "
+                        f"({ipaddress.ip_network(entry, strict=False)}) or the one address without a prefix",
+                        variable="CE_WEBHOOK_ALLOW",
+                    ) from None
             name = _normalise_host_name(entry)
             if name is None:
                 raise ConfigError(
@@ -214,6 +223,15 @@ class DestinationPolicy:
         )
 
 
+def _host_bits_set(entry: str) -> bool:
+    """Whether `entry` is a CIDR that only a non-strict parse accepts (host bits set)."""
+    try:
+        ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 def refusal_rule(address: IPAddress) -> str | None:
     """The name of the rule that refuses `address`, or None when it is a public address.
 
@@ -234,6 +252,8 @@ def refusal_rule(address: IPAddress) -> str | None:
         return "loopback address"
     if address == _METADATA:
         return "link-local address (cloud metadata)"
+    if address in _CLOUD_PLATFORM:
+        return "cloud platform address (metadata service)"
     if address.is_link_local:
         return "link-local address"
     if address.is_multicast:

@@ -24,6 +24,9 @@ from services.settings import Settings
         ({"CE_OUTPUT_GATE": "of"}, "CE_OUTPUT_GATE", r"CE_OUTPUT_GATE must be 'on' or 'off', got 'of'"),
         ({"CE_PORT": "99999"}, "CE_PORT", r"CE_PORT must be <= 65535, got 99999"),
         ({"CE_HOST_MAX_SESSIONS": "0"}, "CE_HOST_MAX_SESSIONS", r"CE_HOST_MAX_SESSIONS must be >= 1, got 0"),
+        # read loosely, 10.0.0.1/0 is 0.0.0.0/0: every address
+        ({"CE_WEBHOOK_ALLOW": "10.0.0.1/0"}, "CE_WEBHOOK_ALLOW",
+         r"CE_WEBHOOK_ALLOW entry '10.0.0.1/0' has host bits set; write the network itself \(0.0.0.0/0\)"),
     ],
 )
 def test_malformed_values_raise_config_error_naming_the_variable(env, variable, message):

@@ -51,6 +51,9 @@ REFUSED = [
     ("64:ff9b::a00:1", "nat64 private"),  # NAT64 form of 10.0.0.1
     ("2002:a9fe:a9fe::", "6to4 link-local"),  # 6to4 form of 169.254.169.254
     ("fec0::1", None),  # deprecated site-local
+    ("168.63.129.16", "cloud platform address"),  # Azure's wire server (metadata, health, DNS)
+    ("192.0.0.192", "cloud platform address"),  # Oracle Cloud's metadata service
+    ("::ffff:168.63.129.16", "ipv4-mapped cloud platform address"),
 ]
 
 
@@ -242,3 +245,15 @@ async def test_the_default_resolver_resolves_an_ip_literal_without_the_network()
     # a loopback port nobody serves: were a query sent, it would go nowhere else
     resolver = AresResolver(nameservers=["127.0.0.1:9"])
     assert await resolver.resolve("127.0.0.1", 80) == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.1/0", "10.0.0.1/8", "fd00::1/64"])
+def test_a_cidr_with_host_bits_is_refused_naming_it_not_widened(entry) -> None:
+    # before: ip_network(strict=False) turned 10.0.0.1/0 into 0.0.0.0/0, "allow everything"
+    with pytest.raises(ConfigError, match=f"CE_WEBHOOK_ALLOW entry {entry!r} has host bits set"):
+        DestinationPolicy(allow=(entry,))
+
+
+def test_an_address_without_a_prefix_is_still_one_host() -> None:
+    policy = DestinationPolicy(allow=("10.0.0.7", "10.1.0.0/16"))
+    assert [str(n) for n in policy.networks] == ["10.0.0.7/32", "10.1.0.0/16"]
