@@ -5,7 +5,7 @@ handler with a known compiler; nothing in a definition is ever evaluated as code
 
 Also the rules every family's values share, so the executor, the schema the model is offered and
 the backends apply them alike: which argument names are protected (`is_protected`: compared
-case-insensitively, `_` and `-` ignored), which spellings of them the trusted scope fills
+case-insensitively, every character but letters and digits ignored), which spellings of them the trusted scope fills
 (`held_spellings`: the exact ones only) and how deep a tool's JSON may nest (`MAX_VALUE_DEPTH`,
 checked with services.nesting).
 """
@@ -142,12 +142,13 @@ tool_decoder = msgspec.json.Decoder(ToolDefinition)
 
 
 def protected_form(name: str) -> str:
-    """`name` as the protected-key checks compare it: case-folded, `_` and `-` left out. Backends
-    that bind JSON names case-insensitively (Go's encoding/json, ASP.NET Core's web defaults) or
-    that normalise separators read `Account_ID`, `ACCOUNTID` or `account-id` as `account_id`, so
-    every such spelling of a protected name is that name. casefold, not lower: Go folds the
-    Kelvin sign into `k` and the long s into `s`, and so does casefold."""
-    return name.casefold().replace("_", "").replace("-", "")
+    """`name` as the protected-key checks compare it: case-folded, with every character that is
+    not a letter or a digit left out. Backends that bind JSON names case-insensitively (Go's
+    encoding/json, ASP.NET Core's web defaults) or that normalise separators read `Account_ID`,
+    `ACCOUNTID`, `account-id`, `account.id`, `account id` or `account_id[]` (a form binder's
+    array) as `account_id`, so every such spelling of a protected name is that name. casefold,
+    not lower: Go folds the Kelvin sign into `k` and the long s into `s`, and so does casefold."""
+    return "".join(c for c in name.casefold() if c.isalnum())
 
 
 def protected_forms(names: Iterable[str]) -> frozenset[str]:

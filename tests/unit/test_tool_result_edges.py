@@ -30,7 +30,9 @@ CTX = TrustedContext(tenant_id="tn_A", session_id="s1", message_id="m1")
 SCOPE = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "accountId": "tn_A"}
 #: spellings a case-insensitive backend (Go's encoding/json, ASP.NET Core) reads as a protected key
 VARIANTS = ["Account_ID", "ACCOUNTID", "AccountId", "account-id", "TENANT_ID", "Tenant-Id", "tenantid",
-            "ACCOUNT_ID", "_account_id_"]
+            "ACCOUNT_ID", "_account_id_",
+            # any other separator a backend or a form binder may ignore (before, these passed)
+            "account.id", "account id", "account_id[]", "ACCOUNT:ID", "tenant/id", "account\u00a0id"]
 
 
 def nested(levels: int, leaf: Any = 1) -> Any:
