@@ -351,6 +351,10 @@ async def test_racing_activations_fence_the_live_host_and_one_epoch_wins_each_wr
     assert (await db_state(db, tenant_id))[sid]["variables"]["probe"] == f"epoch-{winner.epoch}"
 
 
+def named_actors() -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+
+
 # -- 4. both placements ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["sharded", "dedicated"])
@@ -374,33 +378,39 @@ async def test_both_placements_serve_the_same_conversations(mode, stack, dedicat
     check_views(rows, await views(client, gateway.url, headers, sessions), 3 * MESSAGES_PER_TOOL_TURN)
     names = {placement.actor_name(tenant_id, s) for s in sessions}
     if mode == "dedicated":
+        # one named actor per session, each its own process holding that session alone.
         # A dedicated session idle for idle_seconds (30 s here) passivates and its process exits;
-        # on a slow machine the first conversations end that long before the last. Each session's
-        # last message again (answered from its stored turn: nothing runs twice) makes every one
-        # live when the actors are listed. One that reaches its actor as it exits is served by the
-        # next actor (test_a_message_reaching_a_dedicated_actor_as_it_exits...); a 503 left (the
-        # new actor not up within the gateway's one retry) is retried as a client would.
-        last = {s.session_id: s for s in sent}
-        again = await asyncio.gather(*(send(client, gateway.url, headers, sid, "again", s.message_id, retries=2)
-                                       for sid, s in last.items()))
-        assert [a.failures for a in again if a.reply is None] == []
-        assert [a.reply for a in again] == [s.reply for s in last.values()]
-    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
-    if mode == "dedicated":
-        # one named actor per session, each its own process
+        # on a slow machine the first conversations end that long before the last, and bringing
+        # twenty actors back at once can take longer than that too. So each session's actor is
+        # looked at right after that session's last message again (answered from its stored turn:
+        # nothing runs twice), which makes it live then. One that reaches its actor as it exits is
+        # served by the next actor (test_a_message_reaching_a_dedicated_actor_as_it_exits...); a
+        # 503 left (the new actor not up within the gateway's one retry) is retried as a client would.
         assert names == {SESSION_PREFIX + session_uid(tenant_id, s) for s in sessions}
-        assert names <= named, names - named
-        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-        stats = await asyncio.gather(*(h.stats.remote() for h in handles))
+
+        async def again_then_stats(s: Sent) -> tuple[Sent, dict]:
+            a = await send(client, gateway.url, headers, s.session_id, "again", s.message_id, retries=2)
+            if a.reply is None:
+                return a, {}
+            handle = ray.get_actor(placement.actor_name(tenant_id, s.session_id), namespace=NAMESPACE)
+            return a, await handle.stats.remote()
+
+        last = list({s.session_id: s for s in sent}.values())
+        checked = await asyncio.gather(*(again_then_stats(s) for s in last))
+        assert [a.failures for a, _ in checked if a.reply is None] == []
+        assert [a.reply for a, _ in checked] == [s.reply for s in last]
+        stats = [st for _, st in checked]
         assert len({st["pid"] for st in stats}) == len(sessions)
-        assert all(st["live_sessions"] == 1 for st in stats)
+        assert all(st["live_sessions"] == 1 for st in stats), stats
         # a process per session must not cost a shard host's connection pool per session
         assert opened <= DEDICATED_POOL_SIZE * len(sessions) + 10, opened
-        # done with them: flush and stop (the next message would create the actor again)
-        await asyncio.gather(*(h.shutdown.remote() for h in handles))
+        # done with them: flush and stop those still up (the next message would create the actor again)
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names & named_actors()]
+        await asyncio.gather(*(h.shutdown.remote() for h in handles), return_exceptions=True)
         for h in handles:
             ray.kill(h, no_restart=True)
     else:
+        named = named_actors()
         assert names <= {f"ce-host-{i}" for i in range(placement.shards)} and len(names) > 1
         assert not {SESSION_PREFIX + session_uid(tenant_id, s) for s in sessions} & named
 
