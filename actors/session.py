@@ -43,7 +43,7 @@ from kernel.records import (
 from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
 from services.contacts import Contact, ContactVerifier
-from services.llm.marker import MarkerFilter, without_marker
+from services.llm.marker import MarkerFilter, defused, without_marker
 from services.llm.port import (
     ChatMessage,
     ContentBlock,
@@ -602,6 +602,8 @@ async def handle_message(
     with tracer().start_as_current_span("turn", attributes={
         "ce.tenant_id": state.tenant_id, "ce.session_id": state.session_id, "ce.message_id": message_id or "",
     }) as span:
+        # the contact's marker is text, not a request: only the model's hands over
+        text = defused(text, HANDOFF_MARKER)
         reply = await _handle_message(state, text, message_id, env, emit or _no_emit, finished_jobs)
         _annotate(span, reply)
         return reply
@@ -1197,11 +1199,12 @@ def handle_agent_message(state: SessionState, message: AgentMessage) -> TurnRepl
             f"{'closed' if snap.handoff else 'with the bot'}); an agent may write only between a handoff "
             "(escalate_to_human or [[HANDOFF]]) and its resolution", kind="conflict")
     state.turn_message_id = message_id
-    words = AGENT_WORDS.format(agent=message.agent, text=message.text)
+    agent, text = defused(message.agent, HANDOFF_MARKER), defused(message.text, HANDOFF_MARKER)
+    words = AGENT_WORDS.format(agent=agent, text=text)
     state.append(ChatMessage(role="assistant", content=[TextBlock(text=words)]), message_id)
-    state.log_event("message", {"author": "agent", "agent": message.agent, "text": message.text,
+    state.log_event("message", {"author": "agent", "agent": agent, "text": text,
                                 "message_id": message_id})
-    reply = TurnReply(session_id=state.session_id, message_id=message_id, reply=message.text, tool_calls=[],
+    reply = TurnReply(session_id=state.session_id, message_id=message_id, reply=text, tool_calls=[],
                       rounds=0, usage=UsageOut(), handoff=True)
     state.remember_turn(message_id, reply)
     return reply

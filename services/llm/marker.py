@@ -4,6 +4,8 @@ reads it, streamed or whole. Pure: no I/O.
 Owns
 - `without_marker`: a whole text with every marker taken out, again until none is left (taking
   one out of `[[HAN[[HANDOFF]]DOFF]]` makes another);
+- `defused`: a whole text with every marker made into a plain word (`[HANDOFF]`), for text a
+  person wrote: kept, but never the marker;
 - `MarkerFilter`: the same over a stream of text deltas, however they split the marker. It holds
   back the trailing text that could still become a marker and releases it once ruled out (or at
   the end of the stream), so what it lets through, put together, is `without_marker` of the whole
@@ -17,6 +19,14 @@ def without_marker(text: str, marker: str) -> str:
     """`text` with every `marker` taken out, until none is left."""
     while marker in text:
         text = text.replace(marker, "")
+    return text
+
+
+def defused(text: str, marker: str) -> str:
+    """`text` with every `marker` shortened by its first and last character, until none is left
+    (`[[[HANDOFF]]]` shortened once is the marker again): what a person wrote stays readable."""
+    while marker in text:
+        text = text.replace(marker, marker[1:-1])
     return text
 
 
