@@ -226,7 +226,7 @@ class ContactVerifier:
             raise _refused("sub")
         scope = {name: str(claims[claim]) for name, claim in self.settings.scope_claims.items()
                  if isinstance(claims.get(claim), str | int) and not isinstance(claims.get(claim), bool)}
-        return Contact(sub=sub, scope=_both_account_spellings(scope))
+        return Contact(sub=sub, scope=both_account_spellings(scope))
 
     def _keys_for(self, alg: str, kid: Any) -> list[Any]:
         if alg == "HS256":
@@ -235,9 +235,10 @@ class ContactVerifier:
         return [key.key for k, key in self._keys if key.key_type == kty and (kid is None or k == kid)]
 
 
-def _both_account_spellings(scope: dict[str, str]) -> dict[str, str]:
-    """The account under both names tools may give it (`account_id`, `accountId`), whichever one
-    the tenant mapped, as the tenant's id is held under both of its names."""
+def both_account_spellings(scope: dict[str, str]) -> dict[str, str]:
+    """`scope` (a contact's scope, or the claim mapping that makes it) with the account under both
+    names tools may give it (`account_id`, `accountId`), whichever one the tenant mapped, as the
+    tenant's id is held under both of its names."""
     for name, other in (("account_id", "accountId"), ("accountId", "account_id")):
         if name in scope and other not in scope:
             scope = {**scope, other: scope[name]}

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from services.botconfig import BotConfig
+from services.contacts import both_account_spellings
 from services.tools.model import (
     TENANT_KEYS,
     TRUSTED_SCOPE_KEYS,
@@ -199,10 +200,8 @@ def _scope_needs(fields: list[FieldMapping], config: BotConfig) -> list[ScopeNee
     """What fills each trusted scope key the tool sends (actors.session._scope): the tenant's id
     under its keys, always; any other key (`account_id` too) only from a claim the tenant maps,
     for a verified contact."""
-    claims = dict(config.contact_verification.scope_claims) if config.contact_verification is not None else {}
-    for name, other in (("account_id", "accountId"), ("accountId", "account_id")):  # held under both
-        if name in claims and other not in claims:
-            claims[other] = claims[name]
+    verification = config.contact_verification
+    claims = both_account_spellings(verification.scope_claims) if verification is not None else {}
     needs: list[ScopeNeed] = []
     for f in fields:
         key = f.backend_name
