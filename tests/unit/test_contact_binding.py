@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import jwt
 import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from actors.session import _scope
 from kernel.errors import Forbidden, Unauthorized
+from kernel.records import SessionSnapshot
 from services.contacts import ContactVerification, ContactVerifier
 from services.wire import CheckContact, Turn
 from tests.support import host_world
@@ -109,11 +112,6 @@ async def test_a_reader_is_checked_as_a_writer_is_but_binds_nothing(world):
 
 
 def test_the_trusted_scope_holds_the_tenant_always_and_an_account_only_for_a_verified_contact():
-    from types import SimpleNamespace
-
-    from actors.session import _scope
-    from kernel.records import SessionSnapshot
-
     snapshot = SessionSnapshot()
     state, env = SimpleNamespace(tenant_id="t1", snapshot=snapshot), SimpleNamespace(scope={})
     assert _scope(state, env) == {"tenant_id": "t1", "tenantId": "t1"}  # anonymous: no account
