@@ -29,6 +29,7 @@ from services.builtins.handoff import HANDLER as HANDOFF_HANDLER
 from services.tools.mcp import with_mcp_tools
 from services.tools.model import ToolDefinition
 from services.tools.registry import Catalog, HandlerRegistry, ToolBackend, build_catalog
+from services.tools.validation import schemas_checked
 
 log = structlog.get_logger(__name__)
 
@@ -206,10 +207,12 @@ class TenantCatalogs:
                 definitions.append((msgspec.convert(row.definition, ToolDefinition), row.version))
             except msgspec.ValidationError as exc:
                 log.error("tool_definition_unreadable", tool_name=row.name, error=str(exc))
-        catalog = build_catalog(
+        # compiled off the event loop where a schema is large, and only what changed since the
+        # last load (verdicts and validators are kept by schema content)
+        catalog = await schemas_checked(lambda: build_catalog(
             builtins, definitions, registry=self._registry, backend=self._backend_for(config),
             workflows=self._workflows,
-        )
+        ))
         catalog = self._with_mcp(tenant_id, catalog, mcp)
         return TurnEnv(
             llm=self._llm, executor=self._executor, catalog=catalog, config=config,

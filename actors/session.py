@@ -190,7 +190,7 @@ class ToolExecutor(Protocol):
     """What a turn needs of the tool pipeline (services.tools.executor.Executor implements it):
     check a batch, run it, and the in-band results of a batch that does not run."""
 
-    def prepare(
+    async def prepare(
         self, calls: list[ToolCall], *, catalog: Catalog, config: BotConfig, session: SessionToolState,
         scope: dict[str, Any], intent: str | None = None, held_sensitive: list[list[str]] | None = None,
     ) -> BatchPlan: ...
@@ -716,8 +716,8 @@ async def _handle_approval(
     now = now or datetime.now(UTC)
     expired = datetime.fromisoformat(pending.expires_at) <= now
     # The held batch against the catalog current now: what the approver was shown runs, or nothing.
-    held = _prepare(state, env, pending.calls, message_id=pending.message_id, turn=turn, intent=pending.intent,
-                    held_sensitive=pending.tool_sensitive)
+    held = await _prepare(state, env, pending.calls, message_id=pending.message_id, turn=turn,
+                          intent=pending.intent, held_sensitive=pending.tool_sensitive)
     ctx = _context(state, env, pending.message_id)
     refused = None
     if approve and not expired and pending.tool_versions is not None:
@@ -729,9 +729,9 @@ async def _handle_approval(
     else:
         plan = held
         if edited_arguments:
-            plan = _prepare(state, env, _edited(pending.calls, held, edited_arguments),
-                            message_id=pending.message_id, turn=turn, intent=pending.intent,
-                            held_sensitive=pending.tool_sensitive)
+            plan = await _prepare(state, env, _edited(pending.calls, held, edited_arguments),
+                                  message_id=pending.message_id, turn=turn, intent=pending.intent,
+                                  held_sensitive=pending.tool_sensitive)
         if approve and not expired:
             await _run_batch(state, turn, env, emit, plan, ctx, approved=True)
         else:
@@ -885,7 +885,7 @@ async def _loop(
             for call in tool_calls:
                 await emit(StreamEvent(event="tool_call", data={"id": call.id, "name": call.name}))
                 state.log_event("tool_call", {"id": call.id, "name": call.name})
-            plan = _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn, intent=intent)
+            plan = await _prepare(state, env, tool_calls, message_id=turn.message_id, turn=turn, intent=intent)
             if plan.needs_approval:
                 return await _hold(state, turn, env, emit, tool_calls, plan, round_no, intent)
             await _run_batch(state, turn, env, emit, plan, _context(state, env, turn.message_id))
@@ -961,14 +961,14 @@ def _count(turn: _Turn, state: SessionState, response: LLMResponse) -> None:
     state.add_usage(response.model, response.usage.input_tokens, response.usage.output_tokens)
 
 
-def _prepare(
+async def _prepare(
     state: SessionState, env: TurnEnv, calls: list[ToolCall], *, message_id: str, turn: _Turn | None = None,
     intent: str | None = None, held_sensitive: list[list[str]] | None = None,
 ) -> BatchPlan:
     """The batch checked for this session, turn and intent: a call of a tool the turn's offer
     left out (its intent's filter included) is refused in-band, never run. `held_sensitive`: a
     held batch's `PendingTurn.tool_sensitive`, kept sensitive whatever the tools declare now."""
-    return env.executor.prepare(
+    return await env.executor.prepare(
         calls, catalog=env.catalog, config=env.config,
         session=state.tool_state(turn.ran if turn is not None else None),
         scope=_scope(state, env), intent=intent, held_sensitive=held_sensitive,

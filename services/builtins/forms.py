@@ -27,13 +27,12 @@ from services.builtins.notify import Notifier
 from services.tools.context import TrustedContext
 from services.tools.errors import InvalidArguments, PolicyDenied
 from services.tools.model import PythonTool
-from services.tools.validation import ArgumentValidator, check_schema
+from services.tools.validation import check_schema, validator_for
 from storage.pool import storable_text
 
 HANDLER = "builtin.submit_form"
 EVENT = "form.submitted"
 FORM_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
-MAX_SCHEMA_BYTES = 64 * 1024
 
 DEFINITION = PythonTool(
     name="submit_form",
@@ -113,20 +112,6 @@ class FormService:
         self._configs = configs
         self._notifier = notifier
         self._memory = memory
-        self._validators: dict[str, tuple[Any, ArgumentValidator]] = {}
-
-    def _validator(self, tenant_id: str, form: Any) -> ArgumentValidator:
-        key = f"{tenant_id}\x00{form.name}"
-        cached = self._validators.get(key)
-        if cached is not None and cached[0] == form.updated_at:
-            return cached[1]
-        # every answer is the contact's (`data` is sensitive): an error names the field and the
-        # rule, never the value, whatever the form's schema declares
-        validator = ArgumentValidator(form.schema, all_sensitive=True)
-        if len(self._validators) > 1000:
-            self._validators.clear()
-        self._validators[key] = (form.updated_at, validator)
-        return validator
 
     async def submit(self, args: dict[str, Any], ctx: TrustedContext) -> dict[str, Any]:
         """The handler of submit_form. Returns the stored submission's id, or the form's fields
@@ -149,7 +134,9 @@ class FormService:
         if data is None:
             return {"form": form.name, "status": "not submitted: call again with data for these fields",
                     **describe_fields(form.schema)}
-        problems = self._validator(ctx.tenant_id, form).errors(data)
+        # every answer is the contact's (`data` is sensitive): an error names the field and the
+        # rule, never the value, whatever the form's schema declares
+        problems = await validator_for(form.schema, all_sensitive=True).problems(data)
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise InvalidArguments(

@@ -33,6 +33,7 @@ from services.gateway.common import (
     parse_since,
     whole_number,
 )
+from services.tools.validation import schemas_checked
 from storage.repos.builtins import BuiltinRepos
 from storage.repos.notifications import NotFailed
 
@@ -70,7 +71,7 @@ def _form_view(form: Any) -> dict[str, Any]:
 
 async def put_form(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    schema = check_form(name, await decode_body(request, dict))
+    schema = await schemas_checked(check_form, name, await decode_body(request, dict))
     form = await _repos(request).forms.put(request[TENANT], name, schema)
     return json_response(_view(form))
 
@@ -81,12 +82,13 @@ async def get_form(request: web.Request) -> web.Response:
     if form is None:
         raise NotFound(f"form {name[:64]!r} does not exist for this tenant; create it with PUT /v1/forms/{{name}}",
                        kind="form", key=name)
-    return json_response(_form_view(form))
+    return json_response(await schemas_checked(_form_view, form))
 
 
 async def list_forms(request: web.Request) -> web.Response:
     forms = await _repos(request).forms.list(request[TENANT])
-    return json_response({"forms": [_form_view(f) for f in forms]})
+    # each form's verdict is kept by its schema's content: listing again checks nothing again
+    return json_response({"forms": await schemas_checked(lambda: [_form_view(f) for f in forms])})
 
 
 async def delete_form(request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from services.gateway.common import (
     parse_since,
     whole_number,
 )
+from services.tools.validation import schemas_checked
 from storage.repos.tools import ToolChanged
 
 #: the largest tool version (ce_tool_versions.version is a Postgres INTEGER)
@@ -56,8 +57,8 @@ async def create_tool(request: web.Request) -> web.Response:
         # a built-in wins over a tenant tool of its name, so such a tool would never run
         raise InvalidInput(f"name {body.name!r} is a built-in tool of the engine; choose another - at `$.name`",
                            path="$.name")
-    definition = definition_from_body(body, encrypt=encrypter(deps), policy=deps.webhook_policy,
-                                      contact_scope=await _contact_scope(deps, request[TENANT]))
+    definition = await schemas_checked(definition_from_body, body, encrypt=encrypter(deps), policy=deps.webhook_policy,
+                                       contact_scope=await _contact_scope(deps, request[TENANT]))
     data = msgspec.to_builtins(definition)
     version = await deps.tools.create(request[TENANT], definition.name, body.type, data)
     return json_response(tool_view(version.definition, version=version.version, extra={"published": True}), status=201)
@@ -92,8 +93,9 @@ async def patch_tool(request: web.Request) -> web.Response:
         # neither is lost, and the origin rule is judged on the version the write replaces.
         current = await deps.tools.get(tenant_id, name)
         merged, kept_auth = patched_body(current.definition, patch, policy=deps.webhook_policy)
-        definition = definition_from_body(merged, encrypt=encrypter(deps), policy=deps.webhook_policy,
-                                          contact_scope=await _contact_scope(deps, tenant_id))
+        definition = await schemas_checked(definition_from_body, merged, encrypt=encrypter(deps),
+                                           policy=deps.webhook_policy,
+                                           contact_scope=await _contact_scope(deps, tenant_id))
         data = msgspec.to_builtins(definition)
         if kept_auth and not data.get("auth_header_enc"):
             data["auth_header_enc"] = kept_auth

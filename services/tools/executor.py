@@ -203,7 +203,7 @@ class Executor:
 
     # -- stages 1-5: resolve, strip, validate, policy, approval -------------------------------
 
-    def prepare(
+    async def prepare(
         self,
         calls: list[ToolCall],
         *,
@@ -231,7 +231,7 @@ class Executor:
                                      f"the arguments nest more than {MAX_ARGUMENT_DEPTH} levels deep",
                                      advice="Call the tool again with the arguments its schema describes."))
             else:
-                p = self._prepare_one(c, catalog, config, session, scope, intent)
+                p = await self._prepare_one(c, catalog, config, session, scope, intent)
             if held_sensitive and i < len(held_sensitive) and held_sensitive[i]:
                 p = msgspec.structs.replace(p, held_sensitive=frozenset(held_sensitive[i]))
             if p.error is None and p.tool is not None:
@@ -243,7 +243,7 @@ class Executor:
             prepared.append(p)
         return BatchPlan(calls=prepared)
 
-    def _prepare_one(
+    async def _prepare_one(
         self, call: ToolCall, catalog: Catalog, config: BotConfig, session: SessionToolState, scope: dict[str, Any],
         intent: str | None,
     ) -> PreparedCall:
@@ -263,7 +263,7 @@ class Executor:
                 {k: v for k, v in scope.items() if k in d.parameters.get("properties", {})},
                 protected=d.protected_keys,
             ), d.parameters)
-            problems = tool.validator.errors(args)
+            problems = await tool.validator.problems(args)
         except RecursionError:
             args, problems = {}, ["the arguments nest too deeply"]
         unfilled = _unfilled_protected(d.parameters, d.protected_keys, scope)
@@ -440,7 +440,7 @@ class Executor:
                 lambda: self._attempts(tool, prepared.arguments, call_ctx, call_deadline),
                 owner=ctx.tenant_id, gate=gate,
             )
-            _check_output(tool, timed.value, prepared.sensitive)
+            await _check_output(tool, timed.value, prepared.sensitive)
         except ToolError as exc:
             # Measured as a success is: by the limiter (on the error, or the run whose output
             # broke its contract); the wall clock only for an error that never went through it.
@@ -631,7 +631,7 @@ def _ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> None:
+async def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> None:
     """A declared output schema is a contract: a result that breaks it is a failure, in-band.
     The problems never quote a value of the result under a sensitive or secret-looking name (the
     validator describes those by their rule; a string that still appears, in a sibling field or
@@ -643,7 +643,7 @@ def _check_output(tool: CompiledTool, value: Any, sensitive: frozenset[str]) -> 
     result = msgspec.to_builtins(value.result if isinstance(value, SetVariables) else value)
     if nests_deeper_than(result, MAX_VALUE_DEPTH):
         return  # not walked by the validator: `Executor._succeeded` refuses it, whatever its schema
-    problems = validator.errors(result)
+    problems = await validator.problems(result)
     if problems:
         values = sensitive_values(result, sensitive)
         raise OutputContractBroken(

@@ -42,7 +42,7 @@ from services.tools.context import TrustedContext
 from services.tools.errors import ToolError, UpstreamMalformed
 from services.tools.model import MAX_VALUE_DEPTH, Mutability, ToolBase
 from services.tools.registry import Catalog, CompiledTool
-from services.tools.validation import check_schema
+from services.tools.validation import check_schema, schemas_checked
 
 log = structlog.get_logger(__name__)
 
@@ -375,7 +375,9 @@ class McpCatalogSource:
         except Exception:
             log.exception("mcp_server_listing_crashed", server=server.name)
             return [], {key: f"mcp server {server.name!r} could not be listed: internal error"}, False
-        tools, problems = compile_server_tools(server, listed, self._connector, open_auth=open_auth)
+        # a server's input schemas are checked off the event loop when large (validation.schemas_checked)
+        tools, problems = await schemas_checked(
+            lambda: compile_server_tools(server, listed, self._connector, open_auth=open_auth))
         return tools, problems, True
 
 

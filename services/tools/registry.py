@@ -26,7 +26,7 @@ from services.tools.model import (
     WorkflowTool,
     model_facing_parameters,
 )
-from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
+from services.tools.validation import check_any_schema, check_schema, validator_for
 
 Handler = Callable[[dict[str, Any], TrustedContext], Awaitable[Any]]
 
@@ -136,10 +136,10 @@ class CompiledTool:
         self.handler = handler
         self.origin = origin  # "builtin" | "tenant"
         self.runs = runs  # what really executes, for operators ("GET https://.../{order_id}")
-        self.validator = ArgumentValidator(definition.parameters, sensitive=definition.sensitive)
+        self.validator = validator_for(definition.parameters, sensitive=definition.sensitive)
         schema = definition.output_schema
         self.output_validator = (
-            ArgumentValidator(schema, sensitive=definition.sensitive, subject="result") if schema else None
+            validator_for(schema, sensitive=definition.sensitive, subject="result") if schema else None
         )
         self.version = version
         #: what the model is offered of it, made once here (the offer is built every turn): the

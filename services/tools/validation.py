@@ -14,22 +14,38 @@ are: it is not checked, unless the caller asks for checked formats only (`checke
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import jsonschema
+import msgspec
 import re2
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
 import structlog
+from cachetools import LRUCache
 from jsonschema.exceptions import SchemaError, ValidationError
 
-from kernel.errors import InvalidInput
+from kernel.errors import InvalidInput, Overloaded
+from services import offload
 from services.tools.redaction import secret_name
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: a schema larger than this (encoded as JSON) is refused before anything reads it
+MAX_SCHEMA_BYTES = 64 * 1024
+#: a schema with more subschemas (objects, at any depth) than this is refused before anything
+#: reads it further: the dialect's own check costs about 0.3 ms per subschema (a 240 KB `anyOf`
+#: of `{}` took 12 s), so this bounds it at about 0.3 s, which runs off the loop (INLINE_NODES)
+MAX_SCHEMA_NODES = 1_000
+#: a schema of at most this many subschemas is checked on the event loop (about 4 ms); a larger
+#: one in the worker process (services.offload) when a caller can wait for it (`schemas_checked`)
+INLINE_NODES = 12
 
 #: deeper than this a schema is refused when saved (and the checker's recursion never reached)
 MAX_SCHEMA_DEPTH = 64
@@ -37,13 +53,15 @@ MAX_SCHEMA_DEPTH = 64
 #: it is used): a 2 KB schema whose `$defs` each use the one before twice unfolds to 2^n, and
 #: checking a call against it would hold the session host's loop for hours
 MAX_SCHEMA_EXPANSION = 10_000
-#: the keyword checks one value's check may run (about 0.4 s of the host's loop), plus
-#: CHECK_STEPS_PER_NODE for each object, list and scalar in the value (a long upstream result
-#: is checked whole): past it the check stops with an in-band problem. A schema that refers to
-#: itself twice per level (`allOf` of two `{"properties": {"a": {"$ref": "#"}}}`) doubles with
-#: each level of the value, which no count of the schema alone can see
+#: the keyword checks one value's check may run in all (1 to 10 µs each: up to about 1 s, in the
+#: worker process), whatever the value's size: past it the check stops with an in-band problem.
+#: A schema that refers to itself twice per level (`allOf` of two `{"properties": {"a": {"$ref":
+#: "#"}}}`) doubles with each level of the value, and a wide `anyOf` over a long upstream array
+#: multiplies, which no count of the schema alone can see
 MAX_CHECK_STEPS = 100_000
-CHECK_STEPS_PER_NODE = 100
+#: the keyword checks tried on the event loop first (a few ms at worst): nearly every value needs
+#: far fewer; one that needs more is checked again in the worker (`ArgumentValidator.problems`)
+INLINE_STEPS = 500
 #: keywords whose values are data, not schemas: never searched for refs or patterns
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 #: keywords whose values map names to schemas: the names are not keywords (a property may be
@@ -70,17 +88,25 @@ _UNREADABLE = ("the schema cannot be read: a keyword holds a value of a type it 
                "`$id`, `$anchor` and `$ref`, which must be strings) - at `{where}`")
 
 _ENDLESS = "the arguments nest too deeply, or the schema refers to itself without end: they cannot be checked"
-_TOO_MUCH = ("checking the {subject} took more than {steps:,} steps, so it was stopped: the schema refers to "
-             "itself more than once per level, and each level of the value doubles the work; send a less deeply "
-             "nested value, or have the tool's schema refer to itself once per level")
+_TOO_MUCH = ("checking the {subject} took more than {steps:,} steps, so it was stopped: the value is too large "
+             "for its schema (a wide anyOf over a long list, or a schema that refers to itself more than once per "
+             "level); send a smaller or less deeply nested value, or simplify the tool's schema")
+_TOO_SLOW = "checking the {subject} took too long ({why}), so it was not accepted; send a smaller value"
+_BUSY = "the {subject} could not be checked: this host is busy checking others; try again in a moment"
 #: the steps left to the check running now (None outside ArgumentValidator.errors)
 _steps_left: ContextVar[list[int] | None] = ContextVar("schema_steps_left", default=None)
 
 
 class _TooMuchWork(Exception):
     """A value's check ran past MAX_CHECK_STEPS keyword checks."""
+#: the memory one compiled pattern may use, its program and its matching cache together (RE2's
+#: own cap; its default is 8 MiB): a pattern that needs more is refused when saved
+RE2_MAX_MEM = 2 << 20
+#: compiled patterns kept per process, least recently used out: with RE2_MAX_MEM, at most 256 MiB
+RE2_CACHED_PATTERNS = 128
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False
+_RE2_OPTIONS.max_mem = RE2_MAX_MEM
 
 
 def _refuse(uri: str) -> referencing.Resource:
@@ -92,7 +118,7 @@ def _refuse(uri: str) -> referencing.Resource:
 NO_RETRIEVAL: referencing.Registry = referencing.Registry(retrieve=_refuse)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=RE2_CACHED_PATTERNS)
 def _regex(pattern: str) -> Any:
     """`pattern` compiled by RE2, which matches in linear time (Python's re backtracks: a tenant's
     `^(a+)+$` against 30 characters froze the host's loop for seconds); None when RE2 cannot run it."""
@@ -177,9 +203,10 @@ class ArgumentValidator:
     Values under `sensitive` or secret-looking names (services.tools.redaction, at any depth) are
     never repeated in its problems, nor, while one is present, the object as a whole; with
     `all_sensitive` no value is (a form's answers are all the contact's). `subject` names the
-    object in problems about it as a whole ("the result has more than 3 properties")."""
+    object in problems about it as a whole ("the result has more than 3 properties").
+    Made through `validator_for`, which keeps one per schema content."""
 
-    __slots__ = ("_all_sensitive", "_sensitive", "_subject", "_validator")
+    __slots__ = ("_all_sensitive", "_schema", "_sensitive", "_subject", "_validator")
 
     def __init__(self, schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset(),
                  all_sensitive: bool = False, subject: str = "arguments") -> None:
@@ -189,25 +216,46 @@ class ArgumentValidator:
         except Exception as exc:  # noqa: BLE001 - one stored before it was checked as now: `errors` says so
             log.warning("schema_unreadable", error=type(exc).__name__)
             self._validator = None
+        self._schema = schema
         self._sensitive = frozenset(sensitive)
         self._all_sensitive = all_sensitive
         self._subject = subject
 
-    def errors(self, arguments: dict[str, Any]) -> list[str]:
-        """Readable problems with `arguments`, most useful first; empty when valid. A schema
-        stored before it was checked as now (a `$ref` that resolves nowhere, one that refers to
-        itself without end, one whose check would run past MAX_CHECK_STEPS, a `$id` that is not
-        a string) is a problem here, never an exception."""
+    def errors(self, value: Any, *, steps: int = MAX_CHECK_STEPS) -> list[str]:
+        """Readable problems with `value`, most useful first; empty when valid. A schema stored
+        before it was checked as now (a `$ref` that resolves nowhere, one that refers to itself
+        without end, a `$id` that is not a string), or a check that would run past `steps`
+        keyword checks, is a problem here, never an exception. Runs where it is called: on an
+        event loop, `problems`."""
+        found = self._errors(value, steps)
+        return [_TOO_MUCH.format(subject=self._subject, steps=steps)] if found is None else found
+
+    async def problems(self, value: Any) -> list[str]:
+        """`errors`, never holding the event loop more than INLINE_STEPS keyword checks: a value
+        that needs more is checked again in the worker process (services.offload), up to
+        MAX_CHECK_STEPS, within its deadline."""
+        found = self._errors(value, INLINE_STEPS)
+        if found is not None:
+            return found
+        try:
+            return await offload.run(value_problems, self._schema, value, self._sensitive, self._all_sensitive,
+                                     self._subject)
+        except offload.NotFinished as exc:
+            return [_TOO_SLOW.format(subject=self._subject, why=exc)]
+        except Overloaded:
+            return [_BUSY.format(subject=self._subject)]
+
+    def _errors(self, value: Any, steps: int) -> list[str] | None:
+        """The problems with `value`; None when checking it ran past `steps` keyword checks."""
         if self._validator is None:
             return [_UNCHECKABLE]
-        steps = MAX_CHECK_STEPS + CHECK_STEPS_PER_NODE * _nodes(arguments)
         token = _steps_left.set([steps])
         try:
-            found = sorted(self._validator.iter_errors(arguments), key=_error_rank)
+            found = sorted(self._validator.iter_errors(value), key=_error_rank)
         except RecursionError:
             return [_ENDLESS]
         except _TooMuchWork:
-            return [_TOO_MUCH.format(subject=self._subject, steps=steps)]
+            return None
         except referencing.exceptions.Unresolvable as exc:
             ref = _shown(str(getattr(exc, "ref", "")))
             return [f"the schema's $ref {ref} cannot be checked: it refers to nothing in the schema"]
@@ -219,35 +267,159 @@ class ArgumentValidator:
         return [_describe(error, self._sensitive, self._all_sensitive, self._subject) for error in found]
 
 
-def _nodes(value: Any) -> int:
-    """How many objects, lists and scalars `value` holds, itself included; counted without
-    recursion, so no depth runs it out of stack."""
-    count, pending = 0, [value]
-    while pending:
-        node = pending.pop()
-        count += 1
-        if isinstance(node, dict):
-            pending.extend(node.values())
-        elif isinstance(node, list | tuple):
-            pending.extend(node)
-    return count
+#: validators by schema content and how they describe problems: a catalog loaded again compiles
+#: only the schemas that changed, and the worker process keeps its own
+_validators: LRUCache = LRUCache(maxsize=2048)
+
+
+def validator_for(schema: dict[str, Any], *, sensitive: frozenset[str] | tuple[str, ...] = frozenset(),
+                  all_sensitive: bool = False, subject: str = "arguments") -> ArgumentValidator:
+    """The ArgumentValidator of `schema` (see there), made once per schema content."""
+    key = (_digest(schema), frozenset(sensitive), all_sensitive, subject)
+    validator = _validators.get(key)
+    if validator is None:
+        validator = _validators[key] = ArgumentValidator(schema, sensitive=sensitive, all_sensitive=all_sensitive,
+                                                         subject=subject)
+    return validator
+
+
+def value_problems(schema: dict[str, Any], value: Any, sensitive: frozenset[str], all_sensitive: bool,
+                   subject: str) -> list[str]:
+    """`errors` of `value` against `schema`, up to MAX_CHECK_STEPS: what the worker process runs."""
+    return validator_for(schema, sensitive=sensitive, all_sensitive=all_sensitive, subject=subject).errors(value)
+
+
+def _digest(value: Any) -> bytes:
+    """A digest of `value`'s JSON (keys sorted): equal for equal schemas, whatever their key order."""
+    try:
+        encoded = msgspec.json.encode(value, order="sorted")
+    except Exception:  # noqa: BLE001 - not JSON (never from a request): its identity is its content
+        encoded = repr(value).encode()
+    return hashlib.blake2b(encoded, digest_size=16).digest()
+
+
+# -- checking a schema when it is saved -----------------------------------------------------------
+
+class SchemaNeedsWorker(Exception):
+    """Raised by `check_schema` within `schemas_checked`: this schema is too large to check on the
+    event loop; `schemas_checked` checks it in the worker process, then builds again."""
+
+    def __init__(self, schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
+        super().__init__(where)
+        self.schema, self.where, self.checked_formats_only = schema, where, checked_formats_only
+
+
+#: (message, path) of a schema's refusal; None when it is usable
+_Verdict = tuple[str, str | None] | None
+#: verdicts by schema content and place: a form listed again, a catalog loaded again, a tool saved
+#: again with the same schema is never checked again
+_verdicts: LRUCache = LRUCache(maxsize=4096)
+_MISSING = object()
+#: inside `schemas_checked`: a schema above INLINE_NODES is not checked here (SchemaNeedsWorker)
+_deferring: ContextVar[bool] = ContextVar("schemas_deferred", default=False)
+#: the most schemas one `schemas_checked` sends to the worker (a tool has two, a catalog hundreds)
+_MAX_DEFERRED = 2_000
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters", checked_formats_only: bool = False) -> None:
     """Raise InvalidInput naming what is wrong when `schema` is not a usable object schema.
     With `checked_formats_only` a `format` this engine does not check (`phone`) is refused too,
-    naming the ones it checks (otherwise it is an annotation, as JSON Schema says)."""
+    naming the ones it checks (otherwise it is an annotation, as JSON Schema says). On an event
+    loop, call it inside `schemas_checked`, which checks large schemas off the loop."""
     if not isinstance(schema, dict) or schema.get("type") != "object":
         raise InvalidInput(f"parameters must be a JSON-schema object (\"type\": \"object\") - at `{where}`", path=where)
-    _check(schema, where, checked_formats_only)
+    _settle(schema, where, checked_formats_only)
 
 
 def check_any_schema(schema: dict[str, Any], *, where: str, checked_formats_only: bool = False) -> None:
-    """Raise InvalidInput when `schema` is not a valid JSON schema (of any type); formats as
-    `check_schema`."""
+    """Raise InvalidInput when `schema` is not a valid JSON schema (of any type); formats and the
+    event loop as `check_schema`."""
     if not isinstance(schema, dict):
         raise InvalidInput(f"a JSON schema must be an object - at `{where}`", path=where)
-    _check(schema, where, checked_formats_only)
+    _settle(schema, where, checked_formats_only)
+
+
+async def schemas_checked(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`build(*args, **kwargs)`, whose `check_schema`s of schemas above INLINE_NODES subschemas run in the worker
+    process (services.offload) rather than on the event loop: each such schema stops `build`,
+    is checked there (its verdict cached), and `build` runs again, finding it. Raises what `build`
+    raises, InvalidInput for a schema whose check passed its deadline, Overloaded when the worker
+    has too much in hand."""
+    token = _deferring.set(True)
+    try:
+        for _ in range(_MAX_DEFERRED):
+            try:
+                return build(*args, **kwargs)
+            except SchemaNeedsWorker as need:
+                key = _verdict_key(need.schema, need.where, need.checked_formats_only)
+                try:
+                    verdict = await offload.run(schema_verdict, need.schema, need.where, need.checked_formats_only)
+                except offload.NotFinished as exc:
+                    raise InvalidInput(f"checking the schema took too long ({exc}); make it smaller or simpler "
+                                       f"- at `{need.where}`", path=need.where) from None
+                _verdicts[key] = verdict
+        raise InvalidInput("too many schemas to check at once; send fewer", path="$")
+    finally:
+        _deferring.reset(token)
+
+
+def schema_verdict(schema: dict[str, Any], where: str, checked_formats_only: bool) -> _Verdict:
+    """The dialect's check and the engine's (`_check`) as data, never cached: what the worker
+    process runs."""
+    try:
+        _check(schema, where, checked_formats_only)
+    except InvalidInput as exc:
+        return str(exc), exc.path
+    return None
+
+
+def _settle(schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
+    """Refuse a schema over budget at once, then raise its verdict: cached, made here (a small
+    schema, or outside `schemas_checked`), or made in the worker (SchemaNeedsWorker)."""
+    nodes = _bounded_count(schema, where)
+    key = _verdict_key(schema, where, checked_formats_only)
+    verdict = _verdicts.get(key, _MISSING)
+    if verdict is _MISSING:
+        if nodes > INLINE_NODES and _deferring.get():
+            raise SchemaNeedsWorker(schema, where, checked_formats_only)
+        verdict = _verdicts[key] = schema_verdict(schema, where, checked_formats_only)
+    if verdict is not None:
+        message, path = verdict
+        raise InvalidInput(message, path=path)
+
+
+def _verdict_key(schema: dict[str, Any], where: str, checked_formats_only: bool) -> tuple[bytes, str, bool]:
+    return _digest(schema), where, checked_formats_only
+
+
+def _bounded_count(schema: dict[str, Any], where: str) -> int:
+    """How many objects `schema` holds at any depth (itself included), refusing it first when its
+    JSON is over MAX_SCHEMA_BYTES, or, counting without recursion, when it nests deeper than a
+    schema may (twice MAX_SCHEMA_DEPTH levels of objects and lists: `_schema_nodes` then says
+    exactly where) or the count passes MAX_SCHEMA_NODES. Nothing else reads it before."""
+    try:
+        size = len(msgspec.json.encode(schema))
+    except Exception:  # noqa: BLE001 - not JSON: `_check` says what it cannot read
+        size = 0
+    if size > MAX_SCHEMA_BYTES:
+        raise InvalidInput(f"the schema is {size:,} bytes of JSON, more than the {MAX_SCHEMA_BYTES:,} allowed; "
+                           f"make it smaller - at `{where}`", path=where)
+    count, pending = 0, [(schema, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if depth > 2 * MAX_SCHEMA_DEPTH:
+            raise InvalidInput(f"the schema nests too deeply (more than {MAX_SCHEMA_DEPTH} levels) - at `{where}`",
+                               path=where)
+        if isinstance(node, dict):
+            count += 1
+            if count > MAX_SCHEMA_NODES:
+                raise InvalidInput(f"the schema has more than {MAX_SCHEMA_NODES:,} subschemas; make it smaller "
+                                   f"(list fewer alternatives, or describe the value more simply) - at `{where}`",
+                                   path=where)
+            pending.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list):
+            pending.extend((value, depth + 1) for value in node)
+    return count
 
 
 def _check(schema: dict[str, Any], where: str, checked_formats_only: bool = False) -> None:
@@ -398,8 +570,9 @@ def _check_node(node: dict, path: str, resolver: referencing.Resolver) -> None:
                            f"additionalProperties a schema - at `{path}.patternProperties`", path=f"{path}.patternProperties")
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _regex(pattern) is None:
-        raise InvalidInput(f"the pattern {_shown(pattern)} uses a lookaround or backreference, or is not a valid "
-                           f"regular expression; patterns are matched in linear time (RE2 syntax) - at `{path}.pattern`",
+        raise InvalidInput(f"the pattern {_shown(pattern)} uses a lookaround or backreference, is not a valid "
+                           f"regular expression, or needs more than {RE2_MAX_MEM >> 20} MiB to run; patterns are "
+                           f"matched in linear time (RE2 syntax) - at `{path}.pattern`",
                            path=f"{path}.pattern")
     for keyword in ("$ref", "$dynamicRef"):
         ref = node.get(keyword)

@@ -151,8 +151,8 @@ async def through_the_executor(svc, ctx: TrustedContext, call_id: str, args: dic
     svc.register(registry)
     catalog = build_catalog(DEFINITIONS, [], registry=registry, backend=None)
     executor = Executor()
-    plan = executor.prepare([ToolCall(id=call_id, name="submit_form", arguments=args)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id=call_id, name="submit_form", arguments=args)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope={})
     (outcome,) = await executor.execute(plan, ctx, approved=True)
     return outcome
 

@@ -111,8 +111,8 @@ async def _no_builtins(tenant_id: str) -> tuple:
 async def _call(catalogs: TenantCatalogs, tenant_id: str, tool: str, args: dict[str, Any]) -> ToolOutcome:
     env = await catalogs.env_for(tenant_id)
     executor = Executor()
-    plan = executor.prepare([ToolCall(id=f"toolu_{tool}", name=tool, arguments=args)], catalog=env.catalog,
-                            config=env.config, session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id=f"toolu_{tool}", name=tool, arguments=args)], catalog=env.catalog,
+                                  config=env.config, session=SessionToolState(), scope={})
     context = TrustedContext(tenant_id=tenant_id, session_id="s1", message_id="m1", contact_id="c1",
                              idempotency_key=f"m1:{tool}")
     (outcome,) = await executor.execute(plan, context, approved=True)

@@ -145,8 +145,8 @@ async def _run_in_band(tool: WebhookTool, args: dict[str, Any], backend: Webhook
     """One call through the executor, as a session runs it: the outcome the model would read."""
     catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(), backend=backend)
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name=tool.name, arguments=args)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id="c1", name=tool.name, arguments=args)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope={})
     [outcome] = await executor.execute(plan, _ctx())
     return outcome
 

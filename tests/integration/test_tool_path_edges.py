@@ -119,8 +119,8 @@ def webhook_catalog(client: WebhookClient, *tools: WebhookTool) -> Catalog:
 
 async def run_one(catalog: Catalog, name: str, arguments: dict[str, Any], context: TrustedContext | None = None):
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name=name, arguments=arguments)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope=SCOPE)
+    plan = await executor.prepare([ToolCall(id="c1", name=name, arguments=arguments)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope=SCOPE)
     [outcome] = await executor.execute(plan, context or ctx(), approved=True)
     return plan.calls[0], outcome
 

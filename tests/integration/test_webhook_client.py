@@ -759,8 +759,8 @@ async def test_a_body_echoing_the_credentials_reaches_the_model_and_the_record_r
     catalog = build_catalog([], [(tool, 1)], registry=HandlerRegistry(),
                             backend=WebhookToolBackend(client, secret_box=box))
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name="lookup", arguments={})], catalog=catalog, config=BotConfig(),
-                            session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id="c1", name="lookup", arguments={})], catalog=catalog, config=BotConfig(),
+                                  session=SessionToolState(), scope={})
     [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t1", session_id="s1", message_id="m1"))
     assert upstream.requests[-1]["headers"]["Authorization"] == secret  # sent as configured
     assert outcome.success, outcome.content

@@ -154,7 +154,7 @@ async def run(
         backend=WebhookToolBackend(client, secret_box=BOX),
     )
     executor = Executor()
-    plan = executor.prepare(
+    plan = await executor.prepare(
         [ToolCall(id="c1", name=tool.name, arguments=args)],
         catalog=catalog,
         config=BotConfig(),

@@ -131,7 +131,7 @@ async def through_executor(svc: BuiltinServices, ctx: TrustedContext, tool: str,
     svc.register(registry)
     catalog = build_catalog(BUILTIN_DEFINITIONS, [], registry=registry, backend=None)
     executor = Executor()
-    plan = executor.prepare([ToolCall(id=call_id, name=tool, arguments=args)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id=call_id, name=tool, arguments=args)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope={})
     (outcome,) = await executor.execute(plan, ctx, approved=True)
     return outcome

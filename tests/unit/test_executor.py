@@ -48,7 +48,7 @@ def call(name: str, call_id: str = "call-1", **arguments: Any) -> ToolCall:
     return ToolCall(id=call_id, name=name, arguments=arguments)
 
 
-def plan_for(
+async def plan_for(
     executor: Executor,
     catalog: Catalog,
     *calls: ToolCall,
@@ -56,7 +56,7 @@ def plan_for(
     session: SessionToolState = NO_STATE,
     scope: dict[str, Any] | None = None,
 ) -> BatchPlan:
-    return executor.prepare(
+    return await executor.prepare(
         list(calls), catalog=catalog, config=config or BotConfig(), session=session, scope=scope or {}
     )
 
@@ -70,7 +70,7 @@ async def run(
     **prepare: Any,
 ) -> list[ToolOutcome]:
     executor = executor or Executor()
-    plan = plan_for(executor, catalog, *calls, **prepare)
+    plan = await plan_for(executor, catalog, *calls, **prepare)
     return await executor.execute(plan, ctx, approved=approved)
 
 
@@ -249,17 +249,17 @@ def _approval_catalog(*handlers: FakeHandler) -> Catalog:
     )
 
 
-def test_prepare_marks_write_tools_as_needing_approval() -> None:
+async def test_prepare_marks_write_tools_as_needing_approval() -> None:
     executor = Executor()
-    plan = plan_for(executor, _approval_catalog(), call("lookup", "c1"), call("cancel_order", "c2"),
-                    call("add_note", "c3"))
+    plan = await plan_for(executor, _approval_catalog(), call("lookup", "c1"), call("cancel_order", "c2"),
+                          call("add_note", "c3"))
     assert [p.needs_approval for p in plan.calls] == [False, True, False]
     assert plan.needs_approval is True
-    assert plan_for(executor, _approval_catalog(), call("lookup"), call("add_note", "c2")).needs_approval is False
+    assert (await plan_for(executor, _approval_catalog(), call("lookup"), call("add_note", "c2"))).needs_approval is False
 
 
-def test_a_call_that_fails_its_checks_does_not_ask_for_approval() -> None:
-    plan = plan_for(Executor(), _approval_catalog(), call("cancel_order", q=5))
+async def test_a_call_that_fails_its_checks_does_not_ask_for_approval() -> None:
+    plan = await plan_for(Executor(), _approval_catalog(), call("cancel_order", q=5))
     assert plan.calls[0].error is not None
     assert plan.needs_approval is False
 
@@ -267,7 +267,7 @@ def test_a_call_that_fails_its_checks_does_not_ask_for_approval() -> None:
 async def test_executing_an_unapproved_batch_that_needs_approval_raises() -> None:
     cancel = FakeHandler("cancel_order")
     executor = Executor()
-    plan = plan_for(executor, _approval_catalog(cancel), call("cancel_order"))
+    plan = await plan_for(executor, _approval_catalog(cancel), call("cancel_order"))
     with pytest.raises(ValueError, match="this batch needs approval before it runs"):
         await executor.execute(plan, CTX)
     assert cancel.count == 0
@@ -276,7 +276,7 @@ async def test_executing_an_unapproved_batch_that_needs_approval_raises() -> Non
 async def test_a_mixed_write_batch_runs_nothing_before_approval_and_everything_after() -> None:
     lookup, cancel, note = FakeHandler("lookup"), FakeHandler("cancel_order"), FakeHandler("add_note")
     executor = Executor()
-    plan = plan_for(
+    plan = await plan_for(
         executor, _approval_catalog(lookup, cancel, note),
         call("add_note", "c1"), call("cancel_order", "c2"), call("lookup", "c3"),
     )
@@ -298,10 +298,10 @@ async def test_a_read_only_batch_runs_without_approval() -> None:
     assert lookup.count == 1
 
 
-def test_deny_returns_approval_denied_for_every_call_and_runs_nothing() -> None:
+async def test_deny_returns_approval_denied_for_every_call_and_runs_nothing() -> None:
     lookup, cancel, note = FakeHandler("lookup"), FakeHandler("cancel_order"), FakeHandler("add_note")
     executor = Executor()
-    plan = plan_for(
+    plan = await plan_for(
         executor, _approval_catalog(lookup, cancel, note),
         call("cancel_order", "c1"), call("add_note", "c2"), call("lookup", "c3"),
     )
@@ -319,30 +319,30 @@ def test_deny_returns_approval_denied_for_every_call_and_runs_nothing() -> None:
     assert (lookup.count, cancel.count, note.count) == (0, 0, 0)
 
 
-def test_deny_keeps_a_calls_own_check_failure() -> None:
+async def test_deny_keeps_a_calls_own_check_failure() -> None:
     executor = Executor()
-    plan = plan_for(executor, _approval_catalog(), call("cancel_order", "c1"), call("nope", "c2"))
+    plan = await plan_for(executor, _approval_catalog(), call("cancel_order", "c1"), call("nope", "c2"))
     outcomes = executor.deny(plan, CTX, reason="declined")
     assert [o.error_kind for o in outcomes] == ["approval_denied", "unknown_tool"]
 
 
-def test_plan_summary_asks_about_each_runnable_call_with_sensitive_values_redacted_and_no_description() -> None:
+async def test_plan_summary_asks_about_each_runnable_call_with_sensitive_values_redacted_and_no_description() -> None:
     executor = Executor()
     catalog = make_catalog(
         python_tool("pay", mutability="write", sensitive=("card",), description="Charge the card on file."),
         python_tool("lookup"),
     )
-    plan = plan_for(executor, catalog, call("pay", "c1", card="4111"), call("lookup", "c2", q="x"),
-                           call("nope", "c3"))
+    plan = await plan_for(executor, catalog, call("pay", "c1", card="4111"), call("lookup", "c2", q="x"),
+                          call("nope", "c3"))
     assert plan.summary() == [f"Run pay with card={REDACTED}?", "Run lookup with q=x?"]
 
 
-def test_plan_summary_fills_a_tools_approval_prompt_from_the_arguments_as_the_approver_sees_them() -> None:
+async def test_plan_summary_fills_a_tools_approval_prompt_from_the_arguments_as_the_approver_sees_them() -> None:
     catalog = make_catalog(python_tool(
         "pay", mutability="write", sensitive=("card",), approval_prompt="Charge {amount} to card {card}? ({memo})",
     ))
     # the memo repeats the card number: the approver's copy scrubs it there too
-    plan = plan_for(Executor(), catalog, call("pay", amount=40, card="4111222233334444", memo="for 4111222233334444"))
+    plan = await plan_for(Executor(), catalog, call("pay", amount=40, card="4111222233334444", memo="for 4111222233334444"))
     assert plan.summary() == [f"Charge 40 to card {REDACTED}? (for {REDACTED})"]
 
 
@@ -407,8 +407,8 @@ async def test_progress_goes_to_the_batch_that_asked_for_it_when_two_batches_run
             seen[batch].append(prepared.call.id)
         return on_progress
 
-    plan_a = plan_for(executor, catalog, call("a_read", "a1"), call("a_write", "a2"))
-    plan_b = plan_for(executor, catalog, call("b_read", "b1"))
+    plan_a = await plan_for(executor, catalog, call("a_read", "a1"), call("a_write", "a2"))
+    plan_b = await plan_for(executor, catalog, call("b_read", "b1"))
     a = asyncio.create_task(executor.execute(plan_a, CTX, on_progress=reporter("a")))
     await asyncio.sleep(0.05)
     b = asyncio.create_task(executor.execute(plan_b, CTX, on_progress=reporter("b")))
@@ -430,7 +430,7 @@ async def test_a_batch_stopped_half_way_keeps_the_outcomes_of_calls_that_finishe
         python_tool("booked", mutability="write", requires_approval=False), handlers=handlers,
     )
     executor = Executor()
-    plan = plan_for(executor, catalog, call("booked", "w1"), call("quick", "r1"), call("stuck", "r2"))
+    plan = await plan_for(executor, catalog, call("booked", "w1"), call("quick", "r1"), call("stuck", "r2"))
     finished: dict[str, ToolOutcome] = {}
     task = asyncio.create_task(executor.execute(plan, CTX, finished=finished))
     for _ in range(50):
@@ -444,10 +444,10 @@ async def test_a_batch_stopped_half_way_keeps_the_outcomes_of_calls_that_finishe
     assert finished["w1"].record.tool_name == "booked"
 
 
-def test_interrupted_gives_every_call_its_finished_outcome_or_one_saying_it_may_have_run() -> None:
+async def test_interrupted_gives_every_call_its_finished_outcome_or_one_saying_it_may_have_run() -> None:
     executor = Executor()
     catalog = make_catalog(python_tool("quick"), python_tool("stuck"), handlers=(FakeHandler("quick"), FakeHandler("stuck")))
-    plan = plan_for(executor, catalog, call("quick", "r1"), call("stuck", "r2"), call("nope", "r3"))
+    plan = await plan_for(executor, catalog, call("quick", "r1"), call("stuck", "r2"), call("nope", "r3"))
     done = ToolOutcome(call_id="r1", name="quick", success=True, content="{}", record=executor.interrupted(
         plan, CTX, {})[0].record)
     outcomes = executor.interrupted(plan, CTX, {"r1": done})
@@ -477,7 +477,7 @@ async def test_turn_deadline_already_past_rejects_the_call_before_it_starts() ->
     clock = FakeClock(start=50.0)
     handler = FakeHandler("lookup")
     executor = Executor(clock=clock)
-    plan = plan_for(executor, make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup"))
+    plan = await plan_for(executor, make_catalog(python_tool("lookup"), handlers=(handler,)), call("lookup"))
     [outcome] = await executor.execute(plan, CTX, deadline=clock.now)
     assert outcome.error_kind == "queue_timeout"  # busy, not broken: the breaker ignores it
     assert not outcome.counts_for_breaker
@@ -689,7 +689,7 @@ async def test_an_output_contract_problem_quoting_a_whole_list_result_leaves_its
 
 async def test_the_plan_summary_hides_secret_looking_arguments_too() -> None:
     catalog = make_catalog(python_tool("login", mutability="write", description="Sign in."))
-    plan = plan_for(Executor(), catalog, call("login", password="hunter22", q="ana"))
+    plan = await plan_for(Executor(), catalog, call("login", password="hunter22", q="ana"))
     assert plan.summary() == [f"Run login with password={REDACTED}, q=ana?"]
 
 
@@ -772,14 +772,14 @@ async def test_idempotency_key_is_stable_per_message_and_call_across_a_resumed_o
     handler = FakeHandler("book")
     executor = Executor()
     catalog = make_catalog(python_tool("book", mutability="write"), handlers=(handler,))
-    plan = plan_for(executor, catalog, call("book", "toolu_1", q="a"))
+    plan = await plan_for(executor, catalog, call("book", "toolu_1", q="a"))
     await executor.execute(plan, CTX, approved=True)
     # the turn is resumed (e.g. after a restart): the same call executes again
     await executor.execute(plan, CTX, approved=True)
     # a re-run of the message where the model names the same call differently
-    await executor.execute(plan_for(executor, catalog, call("book", "toolu_2", q="a")), CTX, approved=True)
+    await executor.execute(await plan_for(executor, catalog, call("book", "toolu_2", q="a")), CTX, approved=True)
     # a different call of the same message, and the same call of another message
-    await executor.execute(plan_for(executor, catalog, call("book", "toolu_3", q="b")), CTX, approved=True)
+    await executor.execute(await plan_for(executor, catalog, call("book", "toolu_3", q="b")), CTX, approved=True)
     other_message = TrustedContext(tenant_id="tenant-a", session_id="sess-1", message_id="msg-2")
     await executor.execute(plan, other_message, approved=True)
     keys = [ctx.idempotency_key for _args, ctx in handler.calls]
@@ -796,7 +796,7 @@ async def test_idempotency_keys_of_two_sessions_or_tenants_differ_when_their_mes
     catalog = make_catalog(python_tool("place_order", mutability="write"), handlers=(handler,))
     for tenant, session in (("tenant-a", "alice"), ("tenant-a", "bob"), ("tenant-b", "alice")):
         ctx = TrustedContext(tenant_id=tenant, session_id=session, message_id="1", idempotency_key="1")
-        await executor.execute(plan_for(executor, catalog, call("place_order", item="coffee")), ctx, approved=True)
+        await executor.execute(await plan_for(executor, catalog, call("place_order", item="coffee")), ctx, approved=True)
     keys = [ctx.idempotency_key for _args, ctx in handler.calls]
     assert len(set(keys)) == 3 and all(k.startswith("1:") for k in keys)
 
@@ -811,7 +811,7 @@ async def test_a_definition_names_the_arguments_that_make_a_call_the_same_call()
                            handlers=(escalate, submit))
 
     async def key(c: ToolCall, ctx: TrustedContext = CTX) -> str:
-        await executor.execute(plan_for(executor, catalog, c), ctx, approved=True)
+        await executor.execute(await plan_for(executor, catalog, c), ctx, approved=True)
         handler = escalate if c.name == "escalate" else submit
         return handler.calls[-1][1].idempotency_key
 
@@ -837,10 +837,10 @@ async def test_a_tools_concurrency_slots_are_per_tenant_not_shared_across_the_ho
     executor = Executor(limiter=ResourceLimiter(default_limit=8))
     ctx_a = TrustedContext(tenant_id="tenant-a", session_id="s", message_id="m")
     ctx_b = TrustedContext(tenant_id="tenant-b", session_id="s", message_id="m")
-    busy = [asyncio.create_task(executor.execute(plan_for(executor, cat_a, call("check_order", f"c{i}")), ctx_a))
+    busy = [asyncio.create_task(executor.execute(await plan_for(executor, cat_a, call("check_order", f"c{i}")), ctx_a))
             for i in range(9)]
     await asyncio.sleep(0.01)
-    [out] = await executor.execute(plan_for(executor, cat_b, call("check_order", "b1")), ctx_b)
+    [out] = await executor.execute(await plan_for(executor, cat_b, call("check_order", "b1")), ctx_b)
     gate.set()
     results = await asyncio.wait_for(asyncio.gather(*busy), 10)
     assert out.success, out.error

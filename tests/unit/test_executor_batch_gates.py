@@ -47,8 +47,8 @@ def _intent_catalog() -> tuple[Catalog, dict[str, FakeHandler]]:
 async def test_a_call_to_a_tool_outside_the_turns_intent_is_refused_in_band_and_runs_nothing() -> None:
     catalog, handlers = _intent_catalog()
     executor = Executor()
-    plan = executor.prepare([call("delete_account", "c1", q="me")], catalog=catalog, config=ORDERS,
-                            session=SessionToolState(), scope={}, intent="orders")
+    plan = await executor.prepare([call("delete_account", "c1", q="me")], catalog=catalog, config=ORDERS,
+                                  session=SessionToolState(), scope={}, intent="orders")
     assert not plan.needs_approval
     [outcome] = await executor.execute(plan, CTX)
     assert (outcome.success, outcome.error_kind, outcome.counts_for_breaker) == (False, "policy_denied", False)
@@ -67,8 +67,8 @@ async def test_a_call_to_a_tool_outside_the_turns_intent_is_refused_in_band_and_
 async def test_a_tool_the_offer_would_include_for_the_intent_runs(name: str, intent: str | None) -> None:
     catalog, handlers = _intent_catalog()
     executor = Executor()
-    plan = executor.prepare([call(name, "c1")], catalog=catalog, config=ORDERS,
-                            session=SessionToolState(), scope={}, intent=intent)
+    plan = await executor.prepare([call(name, "c1")], catalog=catalog, config=ORDERS,
+                                  session=SessionToolState(), scope={}, intent=intent)
     [outcome] = await executor.execute(plan, CTX)
     assert outcome.success, outcome.content
     assert handlers[name].count == 1
@@ -83,8 +83,8 @@ async def test_a_one_shot_tool_called_twice_in_one_batch_runs_once_and_the_secon
         python_tool("capture_lead", mutability="write", completes_variable="lead_captured"), handlers=(handler,)
     )
     executor = Executor()
-    plan = executor.prepare([call("capture_lead", "a", q="ana@example.com"), call("capture_lead", "b", q="ana@example.com")],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([call("capture_lead", "a", q="ana@example.com"), call("capture_lead", "b", q="ana@example.com")],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     assert [p.error is None for p in plan.calls] == [True, False]
     assert [p.needs_approval for p in plan.calls] == [True, False]  # the refused call asks no approver
     first, second = await executor.execute(plan, CTX, approved=True)
@@ -103,8 +103,8 @@ async def test_a_one_shot_tool_whose_first_call_in_the_batch_was_refused_may_sti
         handlers=(handler,),
     )
     executor = Executor()
-    plan = executor.prepare([call("capture_lead", "a"), call("capture_lead", "b", q="ana")],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([call("capture_lead", "a"), call("capture_lead", "b", q="ana")],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     first, second = await executor.execute(plan, CTX)
     assert (first.error_kind, second.success) == ("invalid_arguments", True)
     assert handler.count == 1
@@ -121,8 +121,8 @@ async def _two_calls_behind_max_parallel(wait_s: float, *, timeout_ms: int) -> t
     handler = FakeHandler("lookup", gate=release)
     catalog = make_catalog(python_tool("lookup", max_parallel=1, timeout_ms=timeout_ms), handlers=(handler,))
     executor = Executor(clock=clock)
-    plan = executor.prepare([call("lookup", "c1", q="a"), call("lookup", "c2", q="b")],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([call("lookup", "c1", q="a"), call("lookup", "c2", q="b")],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     task = asyncio.create_task(executor.execute(plan, CTX))
     await spin(lambda: handler.count == 1)
     for _ in range(10):
@@ -162,8 +162,8 @@ async def _fail_behind_a_shared_resource(failing: FakeHandler) -> ToolOutcome:
         handlers=(holder, failing),
     )
     executor = Executor(clock=clock, limiter=ResourceLimiter(default_limit=1, clock=clock))
-    plan = executor.prepare([call("hold", "c1"), call(failing.name, "c2")],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([call("hold", "c1"), call(failing.name, "c2")],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     task = asyncio.create_task(executor.execute(plan, CTX))
     await spin(lambda: holder.count == 1)
     for _ in range(10):
@@ -201,8 +201,8 @@ async def test_a_queue_timeout_records_how_long_it_waited() -> None:
         handlers=(holder, waiter),
     )
     executor = Executor(clock=clock, limiter=ResourceLimiter(default_limit=1, clock=clock))
-    plan = executor.prepare([call("hold", "c1"), call("late", "c2")],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([call("hold", "c1"), call("late", "c2")],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     task = asyncio.create_task(executor.execute(plan, CTX))
     await spin(lambda: holder.count == 1)
     for _ in range(10):

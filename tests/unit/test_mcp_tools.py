@@ -132,7 +132,7 @@ def test_only_the_tenant_makes_a_tool_read_and_destructive_is_always_a_write(
     assert mutability_for(tool, ["t"] if tenant_says_read else []) == expected
 
 
-def test_a_write_tool_of_an_mcp_server_is_held_for_approval_whatever_its_hints_say() -> None:
+async def test_a_write_tool_of_an_mcp_server_is_held_for_approval_whatever_its_hints_say() -> None:
     record = server(read_only_tools=("lookup",))
     tools, problems = compiled(record, info("lookup"), info("wipe", read_only_hint=True),
                                info("purge", destructive_hint=True))
@@ -143,9 +143,9 @@ def test_a_write_tool_of_an_mcp_server_is_held_for_approval_whatever_its_hints_s
     assert by_name["shop__wipe"].definition.needs_approval is True
     assert by_name["shop__purge"].definition.needs_approval is True
     assert by_name["shop__wipe"].definition.hints == {"readOnlyHint": True}  # kept for operators only
-    plan = Executor().prepare([ToolCall(id="c1", name="shop__wipe", arguments={"ref": "x"})],
-                              catalog=Catalog(by_name, {}), config=BotConfig(),
-                              session=SessionToolState(), scope={})
+    plan = await Executor().prepare([ToolCall(id="c1", name="shop__wipe", arguments={"ref": "x"})],
+                                    catalog=Catalog(by_name, {}), config=BotConfig(),
+                                    session=SessionToolState(), scope={})
     assert plan.needs_approval
 
 

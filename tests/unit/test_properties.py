@@ -216,7 +216,8 @@ def test_the_executor_turns_any_model_arguments_into_a_plan_without_raising(sche
     executor = Executor()
     # the model's arguments arrive as whatever JSON it produced: not always an object
     call = ToolCall(id="c1", name="t", arguments=arguments)  # type: ignore[arg-type]
-    plan = executor.prepare([call], catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = asyncio.run(executor.prepare([call], catalog=catalog, config=BotConfig(), session=SessionToolState(),
+                                        scope={}))
     [prepared] = plan.calls
     if prepared.error is not None:
         assert isinstance(prepared.error, InvalidArguments) and prepared.error.reason.startswith("invalid arguments")
@@ -275,8 +276,8 @@ def test_protected_keys_from_the_model_never_reach_the_handler_and_the_trusted_a
     catalog = make_catalog(python_tool("lookup", parameters=schema), handlers=(handler,))
     executor = Executor()
     scope = {"tenant_id": "tn_A", "tenantId": "tn_A", "account_id": "tn_A", "accountId": "tn_A"}
-    plan = executor.prepare([ToolCall(id="c1", name="lookup", arguments=model_args)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope=scope)
+    plan = asyncio.run(executor.prepare([ToolCall(id="c1", name="lookup", arguments=model_args)], catalog=catalog,
+                                        config=BotConfig(), session=SessionToolState(), scope=scope))
     [outcome] = asyncio.run(executor.execute(plan, _ctx()))
     assert outcome.success, outcome.content
     [(received, ctx)] = handler.calls

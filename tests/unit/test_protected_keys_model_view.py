@@ -150,7 +150,7 @@ async def test_a_required_protected_key_the_model_was_not_shown_is_filled_and_va
     assert "account_id" not in spec.input_schema["properties"]
     executor = Executor()
     scope = {"account_id": "tn_A"}
-    plan = executor.prepare(
+    plan = await executor.prepare(
         [ToolCall(id="c1", name="orders", arguments={"q": "lamp", "account_id": "tn_B"})],
         catalog=catalog,
         config=BotConfig(),

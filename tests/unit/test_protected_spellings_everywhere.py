@@ -253,8 +253,8 @@ async def run_one(catalog, arguments: dict[str, Any], scope: dict[str, Any]):
     from services.tools.context import TrustedContext
 
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name="lookup", arguments=arguments)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope=scope)
+    plan = await executor.prepare([ToolCall(id="c1", name="lookup", arguments=arguments)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope=scope)
     [outcome] = await executor.execute(plan, TrustedContext(tenant_id="tn_A", session_id="s", scope=scope),
                                        approved=True)
     return outcome

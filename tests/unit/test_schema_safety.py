@@ -12,7 +12,12 @@ import time
 import pytest
 
 from kernel.errors import InvalidInput
-from services.tools.validation import ArgumentValidator, check_any_schema, check_schema
+from services.tools.validation import (
+    MAX_CHECK_STEPS,
+    ArgumentValidator,
+    check_any_schema,
+    check_schema,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +175,8 @@ async def test_a_root_rule_error_keeps_a_sensitive_value_out_of_the_model_and_th
     schema = {**obj(card={"type": "string"}, amount={"type": "integer"}), "anyOf": [{"required": ["amount"]}]}
     catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": CARD})],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": CARD})],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t", session_id="s", message_id="m"))
     assert "'anyOf' rule: 'amount' is required" in outcome.content
     assert CARD not in outcome.content and CARD not in (outcome.record.error or "")
@@ -188,8 +193,8 @@ async def test_a_tools_sensitive_arguments_stay_out_of_its_in_band_error_and_rec
     schema = obj(card={"type": "string", "pattern": "^[0-9]{16}$"})
     catalog = make_catalog(python_tool("pay", parameters=schema, sensitive=("card",)))
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": "4111-1111-1111-1111 cvv 123"})],
-                            catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
+    plan = await executor.prepare([ToolCall(id="c1", name="pay", arguments={"card": "4111-1111-1111-1111 cvv 123"})],
+                                  catalog=catalog, config=BotConfig(), session=SessionToolState(), scope={})
     [outcome] = await executor.execute(plan, TrustedContext(tenant_id="t", session_id="s", message_id="m"))
     assert not outcome.success and "does not match its pattern" in outcome.content
     assert "4111" not in outcome.content and "4111" not in (outcome.record.error or "")
@@ -249,19 +254,24 @@ def test_a_schema_that_refers_to_itself_twice_per_level_is_stopped_in_band():
     validator = ArgumentValidator(schema)
     assert validator.errors(_deep(6)) == []  # 2^6: cheap, checked
     [problem] = validator.errors(_deep(40))
-    assert problem.startswith("checking the arguments took more than 104,100 steps") and "refers to itself" in problem
+    assert problem.startswith("checking the arguments took more than 100,000 steps") and "refers to itself" in problem
     [problem] = ArgumentValidator(schema, subject="result").errors(_deep(40))
     assert problem.startswith("checking the result took")
 
 
-def test_a_long_value_gets_steps_in_proportion_to_its_size():
-    # an upstream's long result is checked whole: the budget grows with the value, not only the schema
+def test_a_long_value_is_checked_whole_within_an_absolute_budget_and_stopped_past_it():
+    # an upstream's long result is checked whole up to MAX_CHECK_STEPS in all, whatever its size:
+    # a longer one is stopped in-band (it once got steps in proportion to its size: a wide anyOf
+    # over a 40 KB array then held a host's loop for 10 s)
     schema = {"type": "object", "properties": {"rows": {"type": "array", "items": {
         "type": "object", "properties": {f"f{i}": {"type": "string", "minLength": 1} for i in range(10)}}}}}
-    rows = [{f"f{i}": "x" for i in range(10)} for _ in range(5_000)]  # ~270,000 keyword checks
+    rows = [{f"f{i}": "x" for i in range(10)} for _ in range(1_000)]  # ~54,000 keyword checks
     assert ArgumentValidator(schema, subject="result").errors({"rows": rows}) == []
     rows[-1]["f9"] = ""
-    assert ArgumentValidator(schema).errors({"rows": rows}) == ["'rows.4999.f9': '' should be non-empty"]
+    assert ArgumentValidator(schema).errors({"rows": rows}) == ["'rows.999.f9': '' should be non-empty"]
+    longer = [{f"f{i}": "x" for i in range(10)} for _ in range(5_000)]  # ~270,000
+    [problem] = ArgumentValidator(schema, subject="result").errors({"rows": longer})
+    assert problem.startswith(f"checking the result took more than {MAX_CHECK_STEPS:,} steps")
 
 
 def test_refs_used_a_few_times_and_recursive_schemas_are_accepted():
@@ -275,5 +285,6 @@ def test_refs_used_a_few_times_and_recursive_schemas_are_accepted():
 
 def test_a_chain_of_refs_longer_than_can_be_followed_is_refused_not_a_crash():
     defs = {"d0": {"type": "string"}} | {f"d{i}": {"$ref": f"#/$defs/d{i - 1}"} for i in range(1, 3000)}
-    with pytest.raises(InvalidInput, match=r"chain too deeply|nests too deeply"):
+    # refused by the size budgets before anything follows it (a chain of a thousand, by its count)
+    with pytest.raises(InvalidInput, match=r"chain too deeply|nests too deeply|allowed|subschemas"):
         check_schema({"type": "object", "properties": {"q": {"$ref": "#/$defs/d2999"}}, "$defs": defs})

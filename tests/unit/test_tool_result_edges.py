@@ -45,8 +45,8 @@ def nested(levels: int, leaf: Any = 1) -> Any:
 
 async def run_one(catalog, name: str, arguments: dict[str, Any], scope: dict[str, Any] | None = None):
     executor = Executor()
-    plan = executor.prepare([ToolCall(id="c1", name=name, arguments=arguments)], catalog=catalog,
-                            config=BotConfig(), session=SessionToolState(), scope=scope or {})
+    plan = await executor.prepare([ToolCall(id="c1", name=name, arguments=arguments)], catalog=catalog,
+                                  config=BotConfig(), session=SessionToolState(), scope=scope or {})
     [outcome] = await executor.execute(plan, CTX, approved=True)
     return outcome
 

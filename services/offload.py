@@ -1,0 +1,117 @@
+"""CPU-bound work that would hold an event loop, run in a worker process with a deadline.
+
+A tenant chooses the schemas its tools and forms declare, and an upstream chooses the results
+those schemas check: either can make one check cost seconds of CPU. On the gateway's loop that
+is every tenant's request waiting; on a session host's, every session on it (and a host blocked
+long enough is declared hung). Such work goes to one worker process per serving process (pebble's
+`ProcessPool`, started on first use with `spawn`: the parent holds threads and sockets a fork
+would copy), which is killed and replaced when a task passes its deadline. The worker runs at a
+lower priority (nice 10): on a busy machine the serving processes beside it come first.
+
+Only work that may be slow comes here: callers do what they can inline within a small budget
+first (services.tools.validation), so the common case never pays the round trip (about 0.1 ms
+plus pickling). At most `MAX_PENDING` tasks wait or run at once per process; past that the
+caller is told to come back (`Overloaded`, 503 with `Retry-After`), not queued without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+import pebble
+import structlog
+
+from kernel.errors import Overloaded
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: tasks waiting for or running in this process's worker at once; one more is refused
+MAX_PENDING = 32
+#: the longest one task may take before its worker is killed, the worker's start (1-3 s, once
+#: per process) included: a check bounded by its own budget ends well before (about 1 s); this
+#: is the backstop for what no budget foresaw
+DEADLINE_S = 10.0
+#: how soon a refused caller is told to retry
+RETRY_AFTER_S = 1.0
+
+
+class NotFinished(Exception):
+    """The task ran past its deadline (its worker was killed), its worker died under it, or its
+    arguments could not be sent (pickled) to it."""
+
+
+_lock = threading.Lock()
+_pool: pebble.ProcessPool | None = None
+_pending = 0
+
+
+def _worker_pool() -> pebble.ProcessPool:
+    global _pool
+    with _lock:
+        if _pool is None or not _pool.active:
+            _pool = pebble.ProcessPool(max_workers=1, initializer=_yield_cpu,
+                                       context=multiprocessing.get_context("spawn"))
+        return _pool
+
+
+def _unpacked(payload: bytes) -> Any:
+    """In the worker: the call `run` packed."""
+    fn, args = pickle.loads(payload)
+    return fn(*args)
+
+
+def _yield_cpu() -> None:
+    """In the worker: the serving processes beside it come first for the CPU."""
+    os.nice(10)
+
+
+async def run(fn: Callable[..., T], *args: Any, deadline_s: float | None = None) -> T:
+    """`fn(*args)` in the worker process (`fn` and its arguments must pickle: a module-level
+    function and plain data). Raises NotFinished past `deadline_s` (DEADLINE_S) or when the
+    arguments cannot be sent, Overloaded when MAX_PENDING tasks are already in hand, and
+    whatever `fn` raises."""
+    global _pending
+    deadline_s = DEADLINE_S if deadline_s is None else deadline_s
+    if _pending >= MAX_PENDING:
+        raise Overloaded(f"{MAX_PENDING} schema checks are already in hand here; retry shortly",
+                         retry_after=RETRY_AFTER_S, reason="host_busy")
+    _pending += 1
+    try:
+        try:  # here, not in the pool's thread: a value that cannot be sent there would never come back
+            payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as exc:
+            raise NotFinished(f"the work could not be sent to the worker ({type(exc).__name__})") from None
+        # from a thread: the first task starts the worker, a fork and exec of 0.1-0.2 s
+        future = await asyncio.to_thread(_worker_pool().schedule, _unpacked, args=(payload,), timeout=deadline_s)
+        try:
+            return await asyncio.wrap_future(future)
+        except FutureTimeout:
+            log.warning("offload_deadline", task=getattr(fn, "__name__", "?"), deadline_s=deadline_s)
+            raise NotFinished(f"the work ran past its {deadline_s:g} s deadline and was stopped") from None
+        except pebble.ProcessExpired as exc:
+            log.warning("offload_worker_died", task=getattr(fn, "__name__", "?"), exitcode=exc.exitcode)
+            raise NotFinished("the worker doing it stopped before it finished") from None
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+    finally:
+        _pending -= 1
+
+
+def shutdown() -> None:
+    """Stop this process's worker (it is started again on the next `run`)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.stop()
+        pool.join(timeout=5)
