@@ -11,7 +11,7 @@ import ipaddress
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -65,6 +65,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     flush_interval_ms: float = 5.0
     approval_ttl_s: float = 900.0
     otlp_endpoint: str | None = None
+    #: the bearer token GET /metrics asks of a scraper; unset: it answers loopback peers only
+    metrics_token: str | None = None
     tenant_rate: float = 100.0  # messages/s per tenant per gateway (0: unlimited)
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
@@ -89,7 +91,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """Every field as a repr may show it: secrets replaced, a URL's password too."""
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            if name == "anthropic_api_key" and value:
+            if name in ("anthropic_api_key", "metrics_token") and value:
                 value = _REDACTED
             elif name == "secret_keys":
                 value = tuple(_REDACTED for _ in value)
@@ -160,6 +162,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             flush_interval_ms=_float(get, "CE_FLUSH_INTERVAL_MS", 5.0, maximum=FLUSH_INTERVAL_MS_MAX),
             approval_ttl_s=_approval_ttl(get),
             otlp_endpoint=get("CE_OTLP_ENDPOINT"),
+            metrics_token=_metrics_token(get),
             tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
@@ -309,6 +312,18 @@ def _check_database_url(url: str) -> None:
             "DATABASE_URL names no host; use postgresql://user:password@host:5432/dbname",
             variable="DATABASE_URL",
         )
+
+
+#: the shortest operator token for GET /metrics: guessing one must be out of reach
+METRICS_TOKEN_MIN = 24
+
+
+def _metrics_token(get: Callable[[str], str | None]) -> str | None:
+    token = get("CE_METRICS_TOKEN")
+    if token is not None and (len(token) < METRICS_TOKEN_MIN or any(c.isspace() for c in token)):
+        raise ConfigError(f"CE_METRICS_TOKEN must be at least {METRICS_TOKEN_MIN} characters without spaces "
+                          "(e.g. `openssl rand -hex 32`)", variable="CE_METRICS_TOKEN")
+    return token
 
 
 def _check_allow_entry(entry: str) -> None:

@@ -110,6 +110,8 @@ class GatewayDeps:
     key_lookups: dict[str, asyncio.Future] = field(default_factory=dict)
     #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
     webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
+    #: the bearer token GET /metrics asks of a scraper (CE_METRICS_TOKEN); None: loopback peers only
+    metrics_token: str | None = None
 
 
 DEPS = web.AppKey("deps", GatewayDeps)

@@ -50,7 +50,7 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("POST", "/v1/contact-tokens"): ("200", (*_V1, *_BODY, "409")),  # 409: the tenant verifies no contact
     ("GET", "/healthz"): ("200", ("422",)),
     ("GET", "/readyz"): ("200", ("422", "503")),
-    ("GET", "/metrics"): ("200", ("422",)),
+    ("GET", "/metrics"): ("200", ("401", "403", "422")),  # an operator token, or a loopback peer
     # services.gateway.builtin_routes
     ("GET", "/v1/forms"): ("200", _V1),
     ("PUT", "/v1/forms/{name}"): ("200", (*_V1, *_BODY)),

@@ -182,6 +182,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
                               concurrency=settings.tenant_concurrency),
         webhook_policy=policy_from_entries(settings.webhook_allow),
+        metrics_token=settings.metrics_token,
     )
 
     async def ready() -> bool:
