@@ -71,6 +71,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
     host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
+    #: connections a gateway holds at once; beyond, 503 + Retry-After; 0: its file limit less a reserve
+    gateway_max_connections: int = 0
     #: turns run but not yet written (Postgres away) a host holds before it refuses new ones (503
     #: storage_unavailable); 0: twice host_max_inflight (actors.host)
     host_max_unwritten: int = 0
@@ -167,6 +169,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
             host_max_inflight=max_inflight,
+            gateway_max_connections=_int(get, "CE_GATEWAY_MAX_CONNECTIONS", 0, minimum=0),
             host_max_unwritten=_max_unwritten(get, max_inflight),
             host_max_unwritten_per_session=_int(
                 get, "CE_HOST_MAX_UNWRITTEN_PER_SESSION", UNWRITTEN_PER_SESSION_MAX,

@@ -123,6 +123,8 @@ def _responses(method: str, path: str, ok_schema: dict | None = None) -> dict[st
     status, errors = ANSWERS.get((method.upper(), path), _DEFAULT)
     if path.startswith("/v1/") and (method.upper(), path) not in CHAT_ROUTES:
         errors = (*errors, "403")  # a chat key on a route it may not use
+    if "503" not in errors:
+        errors = (*errors, "503")  # any route: past the gateway's connection limit (CE_GATEWAY_MAX_CONNECTIONS)
     responses: dict[str, Any] = {
         status: {"description": "deleted"} if status == "204" else
         {"description": "ok", "content": {"application/json": {"schema": ok_schema or {"type": "object"}}}}}

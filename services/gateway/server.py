@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
+import resource
 import socket
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -14,7 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from kernel.errors import ConfigError
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
+from services.gateway.common import GatewayDeps, problem
 from services.gateway.feed import AgentFeed
 from services.gateway.limits import TenantLimiter
 from services.settings import Settings
@@ -39,6 +42,69 @@ DRAIN_TIMEOUT_S = 30.0
 #: what still runs is cancelled. aiohttp waits it twice (for the handler, then again after
 #: cancelling the request's body), hence the drain is counted here and not with it.
 SHUTDOWN_WRITE_S = 2.0
+#: file descriptors a gateway keeps for what it opens besides its clients' connections (its
+#: Postgres pool, Ray, lanes to hosts, logs): the connection limit from the file limit leaves them
+FD_RESERVE = 256
+#: the listen backlog where the kernel's cap cannot be read
+DEFAULT_BACKLOG = 4096
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
+#: how soon a client refused past the connection limit is told to retry
+FULL_RETRY_AFTER_S = 1
+
+
+def listen_backlog(path: Path = SOMAXCONN) -> int:
+    """The backlog the gateway listens with: the kernel's cap (`net.core.somaxconn`; asking for
+    more is cut to it). aiohttp's default of 128 let a burst of 600 clients overflow the queue
+    while the loop was busy with turns, and they were reset instead of answered. asyncio also
+    accepts up to this many connections per wake-up, so accepting never lags the queue."""
+    try:
+        return max(128, int(path.read_text().strip()))
+    except (OSError, ValueError):
+        return DEFAULT_BACKLOG
+
+
+def connection_limit(configured: int) -> int:
+    """The connections a gateway holds at once (CE_GATEWAY_MAX_CONNECTIONS), 0: its file limit
+    less FD_RESERVE: past it a new client gets 503 with Retry-After rather than an accept that
+    fails for want of a descriptor."""
+    if configured > 0:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1_000_000
+    return max(64, soft - FD_RESERVE)
+
+
+class _ConnectionCap:
+    """Past `limit` open connections, a request on one of the newer connections is answered at
+    once: 503, Retry-After, and the connection closed (never a reset, never a turn); the oldest
+    `limit` are served as usual. Counted in ce_refused_total{reason="gateway_connections"}."""
+
+    def __init__(self, limit: int, refused: Any) -> None:
+        self.limit = limit
+        self.server: web.Server | None = None
+        self._refused = refused
+
+    def _over(self, request: web.Request) -> bool:
+        # aiohttp's own table of open connections, oldest first (`Server.connections` copies it
+        # into a list on every read: too dear per request with thousands of watchers open)
+        open_now = getattr(self.server, "_connections", None)
+        if open_now is None:
+            open_now = self.server.connections if self.server is not None else ()
+        if len(open_now) <= self.limit:
+            return False
+        return request.protocol not in set(itertools.islice(open_now, self.limit))
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._over(request):
+            self._refused.labels("gateway_connections").inc()
+            response = problem(503, "Service Unavailable",
+                               f"this gateway holds its limit of {self.limit:,} connections; retry shortly "
+                               "(another gateway may have room)", headers={"Retry-After": str(FULL_RETRY_AFTER_S)})
+            response.force_close()
+            return response
+        return await handler(request)
 
 
 class _InFlight:
@@ -138,6 +204,16 @@ class Gateway:
         self.deps = deps
         self.url = url
 
+    @property
+    def connections(self) -> int:
+        """The client connections open now."""
+        server = self._runner.server
+        return len(server.connections) if server is not None else 0
+
+    def listening_sockets(self) -> list[socket.socket]:
+        """The sockets the gateway listens on."""
+        return [sock for site in self._runner.sites for sock in site._server.sockets]
+
     async def close(self, *, hurry: asyncio.Event | None = None) -> None:
         """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most, or until
         `hurry` is set: a second Ctrl-C), close."""
@@ -198,12 +274,16 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
     in_flight = _InFlight()
     # outermost: a request still in its auth lookup (or rate limit) is in flight too
     app.middlewares.insert(0, in_flight.middleware)
+    # before it: a request past the connection limit is answered without being in flight
+    cap = _ConnectionCap(connection_limit(settings.gateway_max_connections), deps.metrics.refused)
+    app.middlewares.insert(0, cap.middleware)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_S, logger=http_server_logger())
     host = host or settings.host
     port = settings.port if port is None else port
     try:
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        cap.server = runner.server
+        site = web.TCPSite(runner, host, port, backlog=listen_backlog())
         try:
             await site.start()
         except OSError as exc:
