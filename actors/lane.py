@@ -16,8 +16,9 @@ address carries a random token, the connection's first frame must present it, an
 that does not is closed before any call is read from it. A peer without the token gets little
 of the host: a first frame declared longer than MAX_HELLO is refused on its length prefix (the
 host never waits for its body), the hello must come within HELLO_TIMEOUT_S, and a connection
-beyond MAX_PENDING_HELLOS still waiting for theirs is closed at once. The lane is no wider than
-Ray's own ports on the same node.
+beyond MAX_PENDING_HELLOS (or MAX_PENDING_HELLOS_PER_PEER from its address) still waiting for
+theirs is closed at once. The lane is no wider than Ray's own ports on the same node. A host
+answers an accepted hello (HELLO_ACK) and the gateway sends no call before that answer.
 
 When no connection can be made (LaneUnreachable) nothing was sent and the caller uses Ray's path.
 When a connection fails, every call waiting on it raises LaneBroken: the caller does not know
@@ -67,6 +68,9 @@ MAX_HELLO = 256
 #: connections a host holds that have not presented their token yet; past it a new one is closed
 #: at once (gateways present it as they connect, so only a flood of strangers waits here)
 MAX_PENDING_HELLOS = 64
+#: of those, how many one peer address may hold: a stranger flooding a host from one address
+#: cannot take every slot from the gateways
+MAX_PENDING_HELLOS_PER_PEER = 8
 #: TCP keepalive on both ends of a lane: after KEEPALIVE_IDLE_S without a packet from the peer,
 #: a probe every KEEPALIVE_INTERVAL_S, and KEEPALIVE_PROBES unanswered ones drop the connection;
 #: data sent and not acknowledged for USER_TIMEOUT_S drops it too (Linux's TCP_USER_TIMEOUT,
@@ -139,6 +143,9 @@ _END = object()
 _encode = msgspec.msgpack.Encoder().encode
 _call_decoder = msgspec.msgpack.Decoder(_Call)
 _reply_decoder = msgspec.msgpack.Decoder(_Reply)
+#: the host's answer to an accepted hello (HELLO_ACK): a reply to no call (ids start at 1), which a
+#: gateway of an earlier version reads as one whose caller went and drops
+_ACK = _encode(_Reply(id=0))
 _hello_decoder = msgspec.msgpack.Decoder(str)
 
 
@@ -178,6 +185,11 @@ Dispatch = Callable[[str, list[Any]], Awaitable[bytes]]
 StreamDispatch = Callable[[str, list[Any]], AsyncIterator[bytes]]
 #: the feature a host's address lists when its lane carries streamed turns
 STREAM = "stream"
+#: the feature a host's address lists when it answers an accepted hello with an empty reply: a
+#: gateway sends no call before it, so a host that closes the connection before (its pending
+#: hellos full, its token changed) is unreachable, and the turn goes through Ray, rather than a
+#: broken lane whose turn may have run
+HELLO_ACK = "hello_ack"
 
 
 class LaneServer:
@@ -198,6 +210,7 @@ class LaneServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._running: set[asyncio.Task] = set()
         self._awaiting_hello = 0  # connections that have not presented the token yet
+        self._awaiting_by_peer: dict[str, int] = {}  # of those, by peer address
         self._turned_away = False  # a connection was closed for MAX_PENDING_HELLOS (logged once per flood)
         self.calls = 0  # calls run of the `counted` methods (every method when None), for the host's stats
         self._counted = counted
@@ -205,7 +218,7 @@ class LaneServer:
     async def start(self, host: str, features: tuple[str, ...] = ()) -> LaneAddress:
         self._server = await asyncio.start_server(self._serve, host=host, port=0)
         port = self._server.sockets[0].getsockname()[1]
-        return LaneAddress(host=host, port=port, token=self._token, features=features)
+        return LaneAddress(host=host, port=port, token=self._token, features=(*features, HELLO_ACK))
 
     async def close(self) -> None:
         """Stop accepting, let running calls write their replies (up to CLOSE_GRACE_S), then
@@ -221,10 +234,15 @@ class LaneServer:
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._awaiting_hello >= MAX_PENDING_HELLOS:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else str(peername)
+        full = (f"{MAX_PENDING_HELLOS} connections are waiting for their hello"
+                if self._awaiting_hello >= MAX_PENDING_HELLOS else
+                f"{MAX_PENDING_HELLOS_PER_PEER} connections from this address are waiting for their hello"
+                if self._awaiting_by_peer.get(peer, 0) >= MAX_PENDING_HELLOS_PER_PEER else None)
+        if full is not None:
             if not self._turned_away:
-                log.warning("lane_refused", peer=str(writer.get_extra_info("peername")),
-                            reason=f"{MAX_PENDING_HELLOS} connections are waiting for their hello")
+                log.warning("lane_refused", peer=peer, reason=full)
             self._turned_away = True
             writer.close()  # nothing read
             return
@@ -232,14 +250,19 @@ class LaneServer:
         _keep_alive(writer.get_extra_info("socket"))
         try:
             self._awaiting_hello += 1
+            self._awaiting_by_peer[peer] = self._awaiting_by_peer.get(peer, 0) + 1
             try:
                 admitted = await self._admit(reader, writer)
             finally:
                 self._awaiting_hello -= 1
+                left = self._awaiting_by_peer.pop(peer) - 1
+                if left:
+                    self._awaiting_by_peer[peer] = left
                 if self._awaiting_hello == 0:
                     self._turned_away = False
             if not admitted:
                 return  # not a gateway: nothing was read beyond the hello (at most MAX_HELLO bytes)
+            writer.write(frame(_ACK))  # HELLO_ACK: the gateway may send its calls
             while True:
                 call = _call_decoder.decode(await read_frame(reader))
                 if call.method == PING:  # the loop that reads it is alive: that is the answer
@@ -390,11 +413,27 @@ class LaneClient:
                     raise LaneUnreachable(self._unreachable) from exc
                 _keep_alive(writer.get_extra_info("socket"))
                 writer.write(frame(_encode(self.address.token)))
+                if HELLO_ACK in self.address.features:
+                    await self._acknowledged(reader, writer)
                 self._writer = writer
                 self._heard = asyncio.get_running_loop().time()
                 self._reader_task = asyncio.create_task(self._read(reader))
                 self._watch_task = asyncio.create_task(self._watch())
             return self._writer
+
+    async def _acknowledged(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Wait for the host's answer to the hello (HELLO_ACK); nothing was sent before it, so a
+        host that closes or says nothing first is unreachable, not a broken lane."""
+        try:
+            ack = await asyncio.wait_for(read_frame(reader, MAX_HELLO), HELLO_TIMEOUT_S + CONNECT_TIMEOUT_S)
+            if ack != _ACK:
+                raise ValueError("the host answered the hello with something else")
+        except (asyncio.IncompleteReadError, OSError, TimeoutError, ValueError) as exc:
+            writer.close()
+            self.broken = True
+            self._unreachable = ("the host's lane did not take this gateway's hello: "
+                                 f"{str(exc) or type(exc).__name__}")
+            raise LaneUnreachable(self._unreachable) from exc
 
     async def _watch(self) -> None:
         """Ping a host that has said nothing for PROBE_QUIET_S while calls wait on it; find it

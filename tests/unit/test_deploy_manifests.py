@@ -175,12 +175,13 @@ def gateway_routes() -> set[str]:
 def test_the_kubernetes_manifests_parse_into_the_expected_kinds_and_kustomize_lists_them_all():
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in k8s_docs())
     assert kinds == [
-        ("Deployment", "chat-engine-gateway"), ("PodDisruptionBudget", "chat-engine-gateway"),
-        ("RayCluster", "chat-engine"), ("Secret", "chat-engine"), ("Secret", "chat-engine-ray-auth"),
+        ("Deployment", "chat-engine-gateway"), ("NetworkPolicy", "chat-engine-session-hosts"),
+        ("PodDisruptionBudget", "chat-engine-gateway"), ("RayCluster", "chat-engine"), ("Secret", "chat-engine"), ("Secret", "chat-engine-ray-auth"),
         ("Service", "chat-engine-gateway"),
     ]
     assert all(d["apiVersion"] == {"RayCluster": "ray.io/v1", "Deployment": "apps/v1", "Service": "v1",
-                                   "Secret": "v1", "PodDisruptionBudget": "policy/v1"}[d["kind"]] for d in k8s_docs())
+                                   "Secret": "v1", "PodDisruptionBudget": "policy/v1",
+                                   "NetworkPolicy": "networking.k8s.io/v1"}[d["kind"]] for d in k8s_docs())
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(f.name for f in K8S.glob("*.yaml") if f.name != "kustomization.yaml")
     assert kustomization["images"] == [{"name": "chat-engine", "newName": "chat-engine", "newTag": VERSION}]
@@ -368,3 +369,20 @@ def test_the_operations_guide_names_only_metrics_the_gateway_exports_and_real_co
         with pytest.raises(SystemExit) as exit_:  # argparse: --help exits 0, an unknown command 2
             main([command, "--help"])
         assert exit_.value.code == 0, f"OPERATIONS.md names 'chat-engine {command}', which the CLI lacks"
+
+
+def test_only_gateways_and_the_ray_clusters_own_pods_reach_the_session_hosts_lanes():
+    # a lane listens on a port its host picks: the policy admits by peer, every other pod is kept out
+    policy = one("NetworkPolicy")
+    hosts = one("RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= hosts.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert "ports" not in rule
+    admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace or address ranges
+    gateway = one("Deployment", "chat-engine-gateway")["spec"]["template"]["metadata"]["labels"]
+    head = one("RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert sorted(a["app.kubernetes.io/component"] for a in admitted) == ["gateway", "ray-head", "session-hosts"]
+    for labels in (gateway, head, hosts):
+        assert any(a.items() <= labels.items() for a in admitted), labels

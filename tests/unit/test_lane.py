@@ -16,8 +16,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors.lane import (
+    _ACK,
+    HELLO_ACK,
     MAX_FRAME,
     MAX_HELLO,
+    MAX_PENDING_HELLOS_PER_PEER,
     STREAM,
     LaneAddress,
     LaneBroken,
@@ -124,7 +127,7 @@ async def test_an_oversized_frame_closes_the_connection(lane):
     reader, writer = await asyncio.open_connection(client.address.host, client.address.port)
     writer.write(frame(msgspec.msgpack.encode(client.address.token)))
     writer.write((MAX_FRAME + 1).to_bytes(4, "big"))
-    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert await asyncio.wait_for(reader.read(), 5) == frame(_ACK)  # the hello taken, then closed
     writer.close()
     assert host.calls == []
 
@@ -222,6 +225,49 @@ async def test_past_the_pending_hello_cap_a_new_connection_is_closed_at_once(lan
     await asyncio.sleep(0.1)
     assert msgspec.json.decode(await client.call("send", "in"))["args"] == ["in"]
     assert [args for _, args in host.calls] == [["in"]]
+
+
+async def test_one_address_cannot_hold_every_pending_hello_slot(lane, monkeypatch):
+    # a stranger on a worker node held the 64 pre-hello slots, and every gateway was turned away
+    host, _, client = lane
+    monkeypatch.setattr("actors.lane.HELLO_TIMEOUT_S", 30.0)
+    host_, port = client.address.host, client.address.port
+    silent = [await asyncio.open_connection(host_, port, local_addr=("127.0.0.9", 0))
+              for _ in range(MAX_PENDING_HELLOS_PER_PEER)]
+    try:
+        reader, writer = await asyncio.open_connection(host_, port, local_addr=("127.0.0.9", 0))
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # one too many from that address: closed unread
+        writer.close()
+        # a gateway from another address gets in while they are held
+        reader, writer = await asyncio.open_connection(host_, port, local_addr=("127.0.0.10", 0))
+        writer.write(frame(msgspec.msgpack.encode(client.address.token)))
+        assert await asyncio.wait_for(read_frame(reader), 5) == _ACK
+        writer.close()
+        assert msgspec.json.decode(await client.call("send", "in"))["args"] == ["in"]
+        assert [args for _, args in host.calls] == [["in"]]
+    finally:
+        for _, w in silent:
+            w.close()
+
+
+async def test_a_host_that_closes_before_taking_the_hello_is_unreachable_not_broken(lane, monkeypatch):
+    # before, the gateway sent its call with the hello, and the close read as a broken lane: the
+    # turn was retried through Ray once, then answered 503. Nothing was sent: Ray's path it is.
+    host, _, client = lane
+    monkeypatch.setattr("actors.lane.MAX_PENDING_HELLOS", 0)  # the host turns every connection away
+    with pytest.raises(LaneUnreachable, match="did not take this gateway's hello"):
+        await client.call("send", "x")
+    assert client.broken and host.calls == []
+    with pytest.raises(LaneUnreachable):  # and says so to every later caller, having sent nothing
+        await client.call("send", "y")
+
+
+async def test_a_gateway_of_an_earlier_version_reads_past_the_hello_answer(lane):
+    host, _, client = lane
+    earlier = LaneClient(msgspec.structs.replace(client.address, features=()))  # knows no HELLO_ACK
+    assert msgspec.json.decode(await earlier.call("send", "old"))["args"] == ["old"]  # the ack is dropped
+    assert host.calls == [("send", ["old"])]
+    earlier.close()
 
 
 def _tcp_options() -> list[tuple[int, int, int]]:
@@ -803,7 +849,8 @@ async def test_a_host_of_an_earlier_version_answers_a_ping_with_an_error_which_i
     host = Host()
     host.gates["long"] = asyncio.Event()
     server = EarlierServer(host.dispatch, frozenset({"send"}))
-    client = LaneClient(await server.start("127.0.0.1"))
+    # nor did it answer the hello (HELLO_ACK), nor say it would
+    client = LaneClient(msgspec.structs.replace(await server.start("127.0.0.1"), features=()))
     call = asyncio.create_task(client.call("send", "long"))
     await asyncio.sleep(1.2)  # past PROBE_QUIET_S + PING_TIMEOUT_S
     assert not call.done() and not client.stalled
@@ -900,7 +947,7 @@ async def _events(client: LaneClient, text: str) -> list[str]:
 
 async def test_a_streamed_call_yields_each_event_as_the_host_does_beside_plain_calls(streaming_lane):
     host, _, client = streaming_lane
-    assert client.address.features == (STREAM,)
+    assert client.address.features == (STREAM, HELLO_ACK)
     events = client.stream("stream", "one wait two three")
     assert msgspec.json.decode(await anext(events))["word"] == "one"  # before the host has the rest
     assert msgspec.json.decode(await client.call("send", "between")) == {"method": "send", "args": ["between"]}
