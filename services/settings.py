@@ -70,6 +70,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_rate: float = 100.0  # messages/s per tenant per gateway (0: unlimited)
     tenant_burst: float = 200.0
     tenant_concurrency: int = 256  # turns in flight per tenant per gateway (0: unlimited)
+    admin_write_rate: float = 10.0  # configuration writes/s per tenant per gateway (0: unlimited)
+    admin_write_burst: float = 100.0
     host_max_inflight: int = 256  # turns admitted at once per session host; beyond: 503
     #: connections a gateway holds at once; beyond, 503 + Retry-After; 0: its file limit less a reserve
     gateway_max_connections: int = 0
@@ -168,6 +170,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             tenant_rate=_float(get, "CE_TENANT_RATE", 100.0),
             tenant_burst=_float(get, "CE_TENANT_BURST", 200.0),
             tenant_concurrency=_int(get, "CE_TENANT_CONCURRENCY", 256, minimum=0),
+            admin_write_rate=_float(get, "CE_ADMIN_WRITE_RATE", 10.0),
+            admin_write_burst=_float(get, "CE_ADMIN_WRITE_BURST", 100.0),
             host_max_inflight=max_inflight,
             gateway_max_connections=_int(get, "CE_GATEWAY_MAX_CONNECTIONS", 0, minimum=0),
             host_max_unwritten=_max_unwritten(get, max_inflight),

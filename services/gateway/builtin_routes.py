@@ -30,11 +30,13 @@ from services.gateway.common import (
     TENANT,
     decode_body,
     json_response,
+    page_of,
+    paged,
     parse_since,
     whole_number,
 )
 from services.tools.validation import schemas_checked
-from storage.repos.builtins import BuiltinRepos
+from storage.repos.builtins import MAX_FORMS_PER_TENANT, MAX_SERVICES_PER_TENANT, BuiltinRepos
 from storage.repos.notifications import NotFailed
 
 _LIMIT_MAX = 1000
@@ -86,9 +88,12 @@ async def get_form(request: web.Request) -> web.Response:
 
 
 async def list_forms(request: web.Request) -> web.Response:
-    forms = await _repos(request).forms.list(request[TENANT])
+    limit, cursor = page_of(request, default=MAX_FORMS_PER_TENANT)  # by default, every one
+    forms, next_cursor = paged(await _repos(request).forms.list(request[TENANT], after=cursor, limit=limit + 1),
+                               limit, lambda form: form.name)
     # each form's verdict is kept by its schema's content: listing again checks nothing again
-    return json_response({"forms": await schemas_checked(lambda: [_form_view(f) for f in forms])})
+    return json_response({"forms": await schemas_checked(lambda: [_form_view(f) for f in forms]),
+                          "next_cursor": next_cursor})
 
 
 async def delete_form(request: web.Request) -> web.Response:
@@ -120,8 +125,11 @@ async def get_service(request: web.Request) -> web.Response:
 
 
 async def list_services(request: web.Request) -> web.Response:
-    services = await _repos(request).appointments.list_services(request[TENANT])
-    return json_response({"services": [_view(s) for s in services]})
+    limit, cursor = page_of(request, default=MAX_SERVICES_PER_TENANT)  # by default, every one
+    services, next_cursor = paged(
+        await _repos(request).appointments.list_services(request[TENANT], after=cursor, limit=limit + 1),
+        limit, lambda service: service.name)
+    return json_response({"services": [_view(s) for s in services], "next_cursor": next_cursor})
 
 
 async def delete_service(request: web.Request) -> web.Response:

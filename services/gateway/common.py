@@ -31,7 +31,7 @@ from kernel.errors import (
     Unauthorized,
 )
 from kernel.records import SessionEvent
-from services.gateway.limits import TenantLimiter
+from services.gateway.limits import TenantLimiter, TenantRate
 from services.gateway.metrics import GatewayMetrics
 from services.nesting import MAX_JSON_DEPTH, raw_nests_deeper_than
 from services.tools.ssrf import DestinationPolicy
@@ -112,6 +112,10 @@ class GatewayDeps:
     webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
     #: the bearer token GET /metrics asks of a scraper (CE_METRICS_TOKEN); None: loopback peers only
     metrics_token: str | None = None
+    #: a tenant's configuration writes (CONFIG_ROUTES' POST, PUT, PATCH, DELETE) per second at this
+    #: gateway (CE_ADMIN_WRITE_RATE); unlimited unless set
+    admin_writes: TenantRate = field(default_factory=lambda: TenantRate(
+        rate=0, burst=1, reason="admin_rate", what="rate of configuration writes"))
 
 
 DEPS = web.AppKey("deps", GatewayDeps)
@@ -126,6 +130,10 @@ CHAT_ROUTES = frozenset({
     ("GET", "/v1/sessions/{session_id}/events"),
     ("GET", "/v1/sessions/{session_id}/ws"),
 })
+#: what a configuration write is: a POST, PUT, PATCH or DELETE under one of these (a tenant's
+#: tools, forms, services, MCP servers, bot config), limited by GatewayDeps.admin_writes
+CONFIG_PREFIXES = ("/v1/tools", "/v1/forms", "/v1/appointment-services", "/v1/mcp-servers", "/v1/bot-config")
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 REQUEST_ID = web.RequestKey("ce_request_id", str)
 MESSAGE_ID = web.RequestKey("ce_message_id", str)  # the turn's message id, the client's or made up here
 
@@ -217,6 +225,29 @@ def whole_number(raw: str, *, name: str, low: int, high: int, at: str) -> int:
     if len(digits) > len(str(high)) or not low <= int(digits) <= high:
         raise OutOfRange(message, path=at)
     return int(digits)
+
+
+#: the most items one page of a list route holds (`?limit=`)
+PAGE_MAX = 1000
+
+
+def page_of(request: web.Request, *, default: int) -> tuple[int, str]:
+    """A list route's `?limit=` (1 to PAGE_MAX; `default` when absent) and `?cursor=` (the
+    `next_cursor` of the page before; "" for the first page). Raises InvalidInput naming them."""
+    raw = request.query.get("limit")
+    limit = default if raw is None else whole_number(raw, name="limit", low=1, high=PAGE_MAX, at="?limit")
+    cursor = request.query.get("cursor", "")
+    if len(cursor) > 256 or "\x00" in cursor:
+        raise InvalidInput("cursor must be the next_cursor of the page before - at `?cursor`", path="?cursor")
+    return limit, cursor
+
+
+def paged(rows: list[Any], limit: int, cursor_of: Callable[[Any], str]) -> tuple[list[Any], str | None]:
+    """`rows` (fetched with `limit + 1`) cut to one page, and the cursor of the next page (None
+    when this is the last)."""
+    if len(rows) <= limit:
+        return rows, None
+    return rows[:limit], cursor_of(rows[limit - 1])
 
 
 _TOO_DEEP_BODY = (f"the body nests arrays or objects too deeply (more than {MAX_JSON_DEPTH} levels); "

@@ -25,15 +25,49 @@ class _Bucket:
 MAX_BUCKETS = 4096
 
 
+class TenantRate:
+    """A token bucket per tenant: `rate` a second, `burst` at once (0: unlimited). `take` spends a
+    token or raises Overloaded(`reason`: a 429 with Retry-After) saying what is limited (`what`)."""
+
+    def __init__(self, *, rate: float, burst: float, reason: str, what: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._burst = max(burst, 1.0)
+        self._reason = reason
+        self._what = what
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, tenant_id: str) -> None:
+        if self._rate <= 0:
+            return
+        now = self._clock()
+        bucket = self._buckets.get(tenant_id)
+        if bucket is None:
+            bucket = self._buckets[tenant_id] = _Bucket(self._burst, now)
+        bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.stamp) * self._rate)
+        bucket.stamp = now
+        if bucket.tokens < 1.0:
+            wait = (1.0 - bucket.tokens) / self._rate
+            raise Overloaded(f"this tenant is over its {self._what} ({self._rate:g}/s); slow down and retry",
+                             retry_after=wait, reason=self._reason)
+        bucket.tokens -= 1.0
+        if len(self._buckets) > MAX_BUCKETS:
+            self._drop_full(now)
+
+    def _drop_full(self, now: float) -> None:
+        """Forget the buckets that have refilled: a new one starts full, so nothing changes."""
+        full = [t for t, b in self._buckets.items() if b.tokens + (now - b.stamp) * self._rate >= self._burst]
+        for tenant_id in full:
+            del self._buckets[tenant_id]
+
+
 class TenantLimiter:
     def __init__(
         self, *, rate: float, burst: float, concurrency: int, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._rate = rate
-        self._burst = max(burst, 1.0)
+        self._rate = TenantRate(rate=rate, burst=burst, reason="tenant_rate", what="message rate", clock=clock)
         self._concurrency = concurrency
-        self._clock = clock
-        self._buckets: dict[str, _Bucket] = {}
         self._inflight: dict[str, int] = {}
 
     def inflight(self, tenant_id: str) -> int:
@@ -50,22 +84,7 @@ class TenantLimiter:
                 f"this tenant has {current} turns in progress (the limit); wait for replies, then retry",
                 retry_after=1.0, reason="tenant_concurrency",
             )
-        if self._rate > 0:
-            now = self._clock()
-            bucket = self._buckets.get(tenant_id)
-            if bucket is None:
-                bucket = self._buckets[tenant_id] = _Bucket(self._burst, now)
-            bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.stamp) * self._rate)
-            bucket.stamp = now
-            if bucket.tokens < 1.0:
-                wait = (1.0 - bucket.tokens) / self._rate
-                raise Overloaded(
-                    f"this tenant is over its message rate ({self._rate:g}/s); slow down and retry",
-                    retry_after=wait, reason="tenant_rate",
-                )
-            bucket.tokens -= 1.0
-            if len(self._buckets) > MAX_BUCKETS:
-                self._drop_full(now)
+        self._rate.take(tenant_id)
         self._inflight[tenant_id] = current + 1
         try:
             yield
@@ -75,9 +94,3 @@ class TenantLimiter:
                 self._inflight[tenant_id] = left
             else:
                 del self._inflight[tenant_id]
-
-    def _drop_full(self, now: float) -> None:
-        """Forget the buckets that have refilled: a new one starts full, so nothing changes."""
-        full = [t for t, b in self._buckets.items() if b.tokens + (now - b.stamp) * self._rate >= self._burst]
-        for tenant_id in full:
-            del self._buckets[tenant_id]

@@ -14,11 +14,13 @@ from aiohttp import web
 
 from services.gateway.common import (
     CHAT_ROUTES,
+    CONFIG_PREFIXES,
     DEPS,
     KEY_KIND,
     MESSAGE_ID,
     REQUEST_ID,
     TENANT,
+    WRITE_METHODS,
     GatewayDeps,
     count_refusal,
     failure,
@@ -103,6 +105,8 @@ async def auth_middleware(request: web.Request, handler):
         return problem(403, "Forbidden", f"this is a {kind} key: it may only send messages and approvals to a "
                        f"session, read the session and watch its events; {request.method} {request.path} needs "
                        "an admin key ('chat-engine tenant add-key NAME --kind admin')")
+    if request.method in WRITE_METHODS and request.path.startswith(CONFIG_PREFIXES):
+        deps.admin_writes.take(tenant_id)  # Overloaded: 429 admin_rate with Retry-After
     return await handler(request)
 
 

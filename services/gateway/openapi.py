@@ -141,8 +141,6 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
     """The document: the typed core below, plus every other route the app serves (`routes`:
     (method, path, summary)) with its parameters, so nothing the gateway answers is missing."""
     doc = _core_document()
-    if not routes:
-        return doc
     paths = {k: dict(v) for k, v in doc["paths"].items()}
     for method, path, summary in routes:
         m = method.lower()
@@ -155,7 +153,22 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
         if _reads_body(method, path):
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
         paths.setdefault(path, {})[m] = op
+    for path in PAGED:
+        if "get" in paths.get(path, {}):
+            get = paths[path]["get"] = dict(paths[path]["get"])
+            get["parameters"] = [*get["parameters"], *_PAGE_PARAMS]
     return {**doc, "paths": paths}
+
+
+#: list routes that answer a page: `?limit=` and `?cursor=` in, `next_cursor` out
+PAGED = ("/v1/tools", "/v1/tools/{name}/versions", "/v1/forms", "/v1/appointment-services")
+_PAGE_PARAMS = (
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+     "description": "items on this page (by default every one the tenant may have)"},
+    {"name": "cursor", "in": "query", "required": False, "schema": {"type": "string", "maxLength": 256},
+     "description": "the next_cursor of the page before"},
+)
 
 
 @cache

@@ -19,7 +19,7 @@ from kernel.errors import ConfigError
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps, problem
 from services.gateway.feed import AgentFeed
-from services.gateway.limits import TenantLimiter
+from services.gateway.limits import TenantLimiter, TenantRate
 from services.settings import Settings
 from services.tools.crypto import SecretBox
 from services.tools.ssrf import policy_from_entries
@@ -259,6 +259,8 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
                               concurrency=settings.tenant_concurrency),
         webhook_policy=policy_from_entries(settings.webhook_allow),
         metrics_token=settings.metrics_token,
+        admin_writes=TenantRate(rate=settings.admin_write_rate, burst=settings.admin_write_burst,
+                                reason="admin_rate", what="rate of configuration writes"),
     )
 
     async def ready() -> bool:

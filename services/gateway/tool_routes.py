@@ -26,17 +26,21 @@ from services.gateway.common import (
     decode_body,
     encrypter,
     json_response,
+    page_of,
+    paged,
     parse_since,
     whole_number,
 )
 from services.tools.validation import schemas_checked
-from storage.repos.tools import ToolChanged
+from storage.repos.tools import MAX_TOOLS_PER_TENANT, MAX_VERSIONS_KEPT, ToolChanged
 
 #: the largest tool version (ce_tool_versions.version is a Postgres INTEGER)
 MAX_TOOL_VERSION = 2**31 - 1
 #: merges of a tool PATCH into the live version, each redone when a change was published meanwhile
 #: (storage.repos.tools.ToolChanged); past the last, 409 asks for the PATCH to be sent again
 PATCH_ATTEMPTS = 5
+#: versions on one page by default: every one kept (the live one and the newest MAX_VERSIONS_KEPT)
+VERSIONS_PAGE = MAX_VERSIONS_KEPT + 1
 RESERVED_TOOL_NAMES = frozenset({"contract"})  # fixed segments under /v1/tools/
 BUILTIN_TOOL_NAMES = frozenset(d.name for d in BUILTIN_DEFINITIONS)
 
@@ -72,8 +76,10 @@ async def _contact_scope(deps: Any, tenant_id: str) -> frozenset[str]:
 
 async def list_tools(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
-    rows = await deps.tools.list_published(request[TENANT])
-    return json_response({"tools": [_published_view(r) for r in rows]})
+    limit, cursor = page_of(request, default=MAX_TOOLS_PER_TENANT)  # by default, every one
+    rows, next_cursor = paged(await deps.tools.list_published(request[TENANT], after=cursor, limit=limit + 1),
+                              limit, lambda row: row.name)
+    return json_response({"tools": [_published_view(r) for r in rows], "next_cursor": next_cursor})
 
 
 async def get_tool(request: web.Request) -> web.Response:
@@ -123,11 +129,15 @@ async def delete_tool(request: web.Request) -> web.Response:
 
 async def tool_versions(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
-    versions = await deps.tools.versions(request[TENANT], request.match_info["name"])
+    limit, cursor = page_of(request, default=VERSIONS_PAGE)
+    after = whole_number(cursor, name="cursor", low=0, high=MAX_TOOL_VERSION, at="?cursor") if cursor else 0
+    versions, next_cursor = paged(
+        await deps.tools.versions(request[TENANT], request.match_info["name"], after=after, limit=limit + 1),
+        limit, lambda v: str(v.version))
     return json_response({"versions": [
         tool_view(v.definition, version=v.version, extra={"created_at": v.created_at, "published": v.published})
         for v in versions
-    ]})
+    ], "next_cursor": next_cursor})
 
 
 async def publish_tool(request: web.Request) -> web.Response:

@@ -33,6 +33,7 @@ from storage.errors import translate
 from storage.pool import storable_text as _text
 from storage.repos.catalog_sync import NOTIFY_CHANGE, announce_change
 from storage.repos.notifications import NewNotification, NotificationRepo, insert_notification
+from storage.repos.quotas import TenantCap, claim_slot
 
 # ------------------------------------------------------------------------------------ records
 
@@ -364,15 +365,29 @@ class LeadRepo:
 # -------------------------------------------------------------------------------------- forms
 
 
+#: the most forms a tenant may have (each is read by its sessions' hosts, and listed whole)
+MAX_FORMS_PER_TENANT = 100
+_FORM_CAP = TenantCap(kind="forms", one="form", many="forms", table="ce_forms", lock=0x63652D66,  # "ce-f"
+                      advice="delete forms it no longer uses (DELETE /v1/forms/{name}) and save this one again")
+#: the most bookable services a tenant may have
+MAX_SERVICES_PER_TENANT = 100
+_SERVICE_CAP = TenantCap(kind="appointment_services", one="appointment service", many="appointment services",
+                         table="ce_appointment_services", lock=0x63652D73,  # "ce-s"
+                         advice="delete services it no longer offers (DELETE /v1/appointment-services/{name}) "
+                         "and save this one again")
+
+
 class FormRepo:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
     async def put(self, tenant_id: str, name: str, schema: dict[str, Any]) -> FormRecord:
         """Create or replace the form `name` (its JSON schema). Announced as a catalog change:
-        the first form adds submit_form to the tenant's catalog."""
+        the first form adds submit_form to the tenant's catalog. Raises LimitReached (409) when
+        it would be a new form past MAX_FORMS_PER_TENANT; replacing one is never refused for it."""
         with translate("saving a form"):
             async with self._pool.acquire() as conn, conn.transaction():
+                await claim_slot(conn, _FORM_CAP, tenant_id, name, MAX_FORMS_PER_TENANT)
                 row = await conn.fetchrow(
                     "INSERT INTO ce_forms (tenant_id, name, schema) VALUES ($1, $2, $3) "
                     "ON CONFLICT (tenant_id, name) DO UPDATE SET schema = EXCLUDED.schema, updated_at = now() "
@@ -391,11 +406,13 @@ class FormRepo:
             )
         return None if row is None else FormRecord(**dict(row))
 
-    async def list(self, tenant_id: str) -> list[FormRecord]:
+    async def list(self, tenant_id: str, *, after: str = "", limit: int | None = None) -> list[FormRecord]:
+        """The tenant's forms named after `after`, by name, at most `limit`."""
         with translate("listing forms"):
             rows = await self._pool.fetch(
-                "SELECT name, schema, created_at, updated_at FROM ce_forms WHERE tenant_id = $1 ORDER BY name",
-                tenant_id,
+                "SELECT name, schema, created_at, updated_at FROM ce_forms WHERE tenant_id = $1 AND name > $2 "
+                "ORDER BY name LIMIT $3",
+                tenant_id, _text(after), limit,
             )
         return [FormRecord(**dict(r)) for r in rows]
 
@@ -461,9 +478,11 @@ class AppointmentRepo:
 
     async def put_service(self, tenant_id: str, service: ServiceRecord) -> ServiceRecord:
         """Create or replace a bookable service. Announced as a catalog change: the first service
-        adds the booking tools to the tenant's catalog."""
+        adds the booking tools to the tenant's catalog. Raises LimitReached (409) when it would be
+        a new service past MAX_SERVICES_PER_TENANT; replacing one is never refused for it."""
         with translate("saving an appointment service"):
             async with self._pool.acquire() as conn, conn.transaction():
+                await claim_slot(conn, _SERVICE_CAP, tenant_id, service.name, MAX_SERVICES_PER_TENANT)
                 await conn.execute(
                     "INSERT INTO ce_appointment_services (tenant_id, name, duration_minutes, timezone, opening_hours) "
                     "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, name) DO UPDATE SET "
@@ -484,12 +503,13 @@ class AppointmentRepo:
             )
         return None if row is None else msgspec.convert(dict(row), ServiceRecord)
 
-    async def list_services(self, tenant_id: str) -> list[ServiceRecord]:
+    async def list_services(self, tenant_id: str, *, after: str = "", limit: int | None = None) -> list[ServiceRecord]:
+        """The tenant's services named after `after`, by name, at most `limit`."""
         with translate("listing appointment services"):
             rows = await self._pool.fetch(
                 "SELECT name, duration_minutes, timezone, opening_hours FROM ce_appointment_services "
-                "WHERE tenant_id = $1 ORDER BY name",
-                tenant_id,
+                "WHERE tenant_id = $1 AND name > $2 ORDER BY name LIMIT $3",
+                tenant_id, _text(after), limit,
             )
         return [msgspec.convert(dict(r), ServiceRecord) for r in rows]
 

@@ -1,7 +1,8 @@
 """ToolRepo: tenant tools as versioned data (ce_tool_versions) with one live row each
 (ce_custom_tools, seed 000's table), plus the catalog change notifications.
 
-Every version ever written is kept; the live row is the published version with seed 000's columns
+The live version and the newest MAX_VERSIONS_KEPT versions of each tool are kept (older ones are
+pruned as new ones are stored); the live row is the published version with seed 000's columns
 filled from its definition. Each change sends `NOTIFY ce_catalog, '<tenant_id>'` in the same
 transaction, so it is delivered only if the change commits; `listen_catalog` subscribes to it.
 
@@ -26,6 +27,11 @@ from storage.repos.notify import ChannelListener, listen
 from storage.repos.quotas import TenantCap, claim_slot
 
 CATALOG_CHANNEL = "ce_catalog"
+
+#: versions kept per tool besides the live one: storing a new version prunes those older than
+#: the newest MAX_VERSIONS_KEPT (never the live one). Every version held its whole definition, up
+#: to 256 KB, forever, and one listing returned them all: thousands of PATCHes made a gigabyte.
+MAX_VERSIONS_KEPT = 50
 
 #: The most live tools (enabled or not) a tenant may have; their versions and the history of
 #: deleted tools do not count. Every live tool is compiled into the tenant's catalog on each
@@ -158,6 +164,7 @@ class ToolRepo:
                     str(uuid.uuid4()), tenant_id, name, *cols, type, version, d,
                 )
                 row = await _insert_version(conn, tenant_id, name, version, d)
+                await _prune_versions(conn, tenant_id, name)
                 await conn.execute(NOTIFY_CHANGE, tenant_id)
         await announce_change(self._pool)
         return _version(row, published=True)
@@ -201,6 +208,7 @@ class ToolRepo:
                         tenant_id, name, *cols, type_, version, d,
                     )
                     await conn.execute(NOTIFY_CHANGE, tenant_id)
+                await _prune_versions(conn, tenant_id, name)
         if publish:
             await announce_change(self._pool)
         return _version(row, published=publish)
@@ -245,12 +253,12 @@ class ToolRepo:
         await announce_change(self._pool)
         return _published(row)
 
-    async def list_published(self, tenant_id: str) -> list[PublishedTool]:
-        """The tenant's live tools (enabled or not), by name."""
+    async def list_published(self, tenant_id: str, *, after: str = "", limit: int | None = None) -> list[PublishedTool]:
+        """The tenant's live tools (enabled or not) named after `after`, by name, at most `limit`."""
         with translate("listing tools"):
             rows = await self._pool.fetch(
-                f"SELECT {_LIVE_COLUMNS} FROM ce_custom_tools WHERE tenant_id = $1 ORDER BY name",
-                tenant_id,
+                f"SELECT {_LIVE_COLUMNS} FROM ce_custom_tools WHERE tenant_id = $1 AND name > $2 ORDER BY name LIMIT $3",
+                tenant_id, after, limit,
             )
         return [_published(r) for r in rows]
 
@@ -265,10 +273,11 @@ class ToolRepo:
             raise _not_found(name)
         return _published(row)
 
-    async def versions(self, tenant_id: str, name: str) -> list[ToolVersion]:
-        """Every stored version of `name`, oldest first; `published` marks the live one.
+    async def versions(self, tenant_id: str, name: str, *, after: int = 0, limit: int | None = None) -> list[ToolVersion]:
+        """The stored versions of `name` numbered above `after`, oldest first, at most `limit`;
+        `published` marks the live one.
 
-        Raises NotFound when the tenant never had a tool of that name.
+        Raises NotFound when the tenant has no stored version of that name.
         """
         with translate("listing tool versions"):
             rows = await self._pool.fetch(
@@ -276,9 +285,12 @@ class ToolRepo:
                 "(t.version IS NOT DISTINCT FROM v.version) AS published "
                 "FROM ce_tool_versions v LEFT JOIN ce_custom_tools t "
                 "ON t.tenant_id = v.tenant_id AND t.name = v.name "
-                "WHERE v.tenant_id = $1 AND v.name = $2 ORDER BY v.version",
-                tenant_id, name,
+                "WHERE v.tenant_id = $1 AND v.name = $2 AND v.version > $3 ORDER BY v.version LIMIT $4",
+                tenant_id, name, after, limit,
             )
+            if not rows and after > 0 and await self._pool.fetchval(
+                    "SELECT true FROM ce_tool_versions WHERE tenant_id = $1 AND name = $2 LIMIT 1", tenant_id, name):
+                return []  # a page past the last
         if not rows:
             raise _not_found(name)
         return [_version(r, published=r["published"]) for r in rows]
@@ -326,6 +338,16 @@ async def _next_version(conn: asyncpg.Connection, tenant_id: str, name: str) -> 
     return await conn.fetchval(
         "SELECT coalesce(max(version), 0) + 1 FROM ce_tool_versions WHERE tenant_id = $1 AND name = $2",
         tenant_id, name,
+    )
+
+
+async def _prune_versions(conn: asyncpg.Connection, tenant_id: str, name: str) -> None:
+    """Drop the versions of `name` older than its newest MAX_VERSIONS_KEPT, the live one never."""
+    await conn.execute(
+        "DELETE FROM ce_tool_versions v WHERE v.tenant_id = $1 AND v.name = $2 "
+        "AND v.version <= (SELECT max(version) FROM ce_tool_versions WHERE tenant_id = $1 AND name = $2) - $3 "
+        "AND v.version IS DISTINCT FROM (SELECT version FROM ce_custom_tools WHERE tenant_id = $1 AND name = $2)",
+        tenant_id, name, MAX_VERSIONS_KEPT,
     )
 
 

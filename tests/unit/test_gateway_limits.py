@@ -77,4 +77,4 @@ def test_buckets_that_refilled_are_forgotten_past_the_bound(monkeypatch):
         pass
     with limiter.admit("e"):  # past the bound: the full ones go, the fresh ones stay
         pass
-    assert sorted(limiter._buckets) == ["d", "e"]
+    assert sorted(limiter._rate._buckets) == ["d", "e"]
