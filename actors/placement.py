@@ -45,6 +45,7 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
+from actors.actor_quota import ActorQuota
 from actors.lane import (
     PING_TIMEOUT_S,
     STREAM,
@@ -191,6 +192,9 @@ class Placement:
         self._handles: dict[str, Any] = {}  # shard host name -> handle
         # dedicated: session actor name -> (handle, when last routed to), least recently first
         self._sessions: OrderedDict[str, tuple[Any, float]] = OrderedDict()
+        # dedicated: the sessions whose actors this gateway keeps alive, bounded (actors/actor_quota.py)
+        self._quota = ActorQuota(total=settings.dedicated_max_actors,
+                                 per_tenant=settings.dedicated_max_actors_per_tenant, ttl=settings.idle_seconds)
         self._missing: dict[str, float] = {}  # shard host name -> when a turn first found it missing
         # Turns go to a shard host over its lane (actors/lane.py) when it has one: name -> client,
         # None for a host without a lane; the lookups under way, so that a burst asks once.
@@ -399,6 +403,8 @@ class Placement:
         for attempt in (0, 1):
             # routed again on the retry: the host may have died because a rescale retired it
             name = self.actor_name(tenant_id, session_id)
+            if self._mode == "dedicated":
+                self._quota.admit(tenant_id, name)  # before any call could create its actor
             self._refuse_if_unresponsive(name)  # Ray's path to a hung host would hang as well
             handle = self._routed_handle(name)
             seen = self._lanes.get(name) if turn else None  # the host's lane as this call found it

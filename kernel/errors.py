@@ -62,11 +62,12 @@ class Overloaded(ChatEngineError):
     """Admission refused; retry after `retry_after` seconds.
 
     `reason` says who refused: the caller's own excess ("mailbox", "tenant_rate",
-    "tenant_concurrency", "admin_rate": HTTP 429) or the engine's capacity or health ("host_busy",
-    "shutting_down", "unsaved", "restarting", "storage_unavailable", "host_unresponsive": HTTP 503).
+    "tenant_concurrency", "admin_rate", "tenant_actors": HTTP 429) or the engine's capacity or
+    health ("host_busy", "gateway_connections", "dedicated_full", "shutting_down", "unsaved",
+    "restarting", "storage_unavailable", "host_unresponsive": HTTP 503).
     """
 
-    CALLER_REASONS = frozenset({"mailbox", "tenant_rate", "tenant_concurrency", "admin_rate"})
+    CALLER_REASONS = frozenset({"mailbox", "tenant_rate", "tenant_concurrency", "admin_rate", "tenant_actors"})
 
     def __init__(self, message: str, *, retry_after: float = 1.0, reason: str = "host_busy") -> None:
         super().__init__(message)

@@ -80,6 +80,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     host_max_unwritten: int = 0
     host_max_unwritten_per_session: int = UNWRITTEN_PER_SESSION_MAX  # likewise, of one session
     host_max_sessions: int = 10_000  # live sessions per host; beyond, the least recently used passivate
+    #: dedicated placement: session actors a gateway keeps alive, in all and of one tenant (0: no bound)
+    dedicated_max_actors: int = 1_000
+    dedicated_max_actors_per_tenant: int = 250
     host_lane: bool = True  # gateways send turns to shard hosts over their lane, not Ray's task path
     catalog_check: CatalogCheck = "notify"  # "read": every turn reads its tenant's catalog stamp
     log_format: Literal["console", "json"] = "console"
@@ -179,6 +182,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 get, "CE_HOST_MAX_UNWRITTEN_PER_SESSION", UNWRITTEN_PER_SESSION_MAX,
                 minimum=UNWRITTEN_PER_SESSION_MIN, maximum=UNWRITTEN_PER_SESSION_MAX),
             host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
+            dedicated_max_actors=_int(get, "CE_DEDICATED_MAX_ACTORS", 1_000, minimum=0),
+            dedicated_max_actors_per_tenant=_int(get, "CE_DEDICATED_MAX_ACTORS_PER_TENANT", 250, minimum=0),
             host_lane=_switch(get, "CE_HOST_LANE", True),
             catalog_check=_catalog_check(get),
             log_format=log_format,  # type: ignore[arg-type]
