@@ -41,15 +41,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import os
 import secrets
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import structlog
+
+from kernel.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
@@ -181,6 +186,7 @@ def _keep_alive(sock: Any) -> None:
                 sock.setsockopt(level, option, value)
 
 
+_FROM_ENV = object()  # LaneServer/LaneClient `tls`: from Ray's settings (`lane_tls`)
 Dispatch = Callable[[str, list[Any]], Awaitable[bytes]]
 StreamDispatch = Callable[[str, list[Any]], AsyncIterator[bytes]]
 #: the feature a host's address lists when its lane carries streamed turns
@@ -190,6 +196,44 @@ STREAM = "stream"
 #: hellos full, its token changed) is unreachable, and the turn goes through Ray, rather than a
 #: broken lane whose turn may have run
 HELLO_ACK = "hello_ack"
+#: the feature a host's address lists when its lane speaks TLS (`lane_tls`): a gateway connects
+#: with its own TLS context, or finds the lane unreachable (Ray's path) when it has none
+TLS = "tls"
+
+
+class LaneTLS(NamedTuple):
+    """The lane's TLS contexts: the host's (its certificate, clients' verified) and the gateway's."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+@functools.cache
+def lane_tls() -> LaneTLS | None:
+    """TLS for lanes from Ray's own TLS settings, as the operator set them for the cluster
+    (`RAY_USE_TLS=1`, `RAY_TLS_SERVER_CERT`, `RAY_TLS_SERVER_KEY`, `RAY_TLS_CA_CERT`), or None
+    when Ray runs without TLS. Both ends present the node's certificate and verify the other's
+    against the CA (mutual TLS, as Ray's gRPC does); host names are not checked: a lane's
+    address is a node's IP, and the CA is the cluster's own. Read once per process."""
+    if os.environ.get("RAY_USE_TLS", "0").strip().lower() not in ("1", "true"):
+        return None
+    cert, key, ca = (os.environ.get(v, "").strip() for v in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY",
+                                                                "RAY_TLS_CA_CERT"))
+    if not (cert and key and ca):
+        raise ConfigError("RAY_USE_TLS is on: RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY and RAY_TLS_CA_CERT "
+                          "must name the node's certificate, its key and the cluster's CA", variable="RAY_USE_TLS")
+    return tls_contexts(cert, key, ca)
+
+
+def tls_contexts(cert: str, key: str, ca: str) -> LaneTLS:
+    """Mutual-TLS contexts for both ends of a lane from PEM files."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    server.load_cert_chain(cert, key)
+    server.verify_mode = ssl.CERT_REQUIRED
+    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    client.load_cert_chain(cert, key)
+    client.check_hostname = False  # a node's IP; the chain is still verified against the CA
+    return LaneTLS(server=server, client=client)
 
 
 class LaneServer:
@@ -200,7 +244,8 @@ class LaneServer:
     """
 
     def __init__(self, dispatch: Dispatch, methods: frozenset[str], *, stream: StreamDispatch | None = None,
-                 streams: frozenset[str] = frozenset(), counted: frozenset[str] | None = None) -> None:
+                 streams: frozenset[str] = frozenset(), counted: frozenset[str] | None = None,
+                 tls: LaneTLS | None | object = _FROM_ENV) -> None:
         self._dispatch = dispatch
         self._stream = stream
         self._streams = streams if stream is not None else frozenset()
@@ -214,11 +259,16 @@ class LaneServer:
         self._turned_away = False  # a connection was closed for MAX_PENDING_HELLOS (logged once per flood)
         self.calls = 0  # calls run of the `counted` methods (every method when None), for the host's stats
         self._counted = counted
+        self._tls = lane_tls() if tls is _FROM_ENV else tls
 
     async def start(self, host: str, features: tuple[str, ...] = ()) -> LaneAddress:
-        self._server = await asyncio.start_server(self._serve, host=host, port=0)
+        tls = self._tls
+        self._server = await asyncio.start_server(
+            self._serve, host=host, port=0, ssl=tls.server if tls is not None else None,
+            ssl_handshake_timeout=HELLO_TIMEOUT_S if tls is not None else None)
         port = self._server.sockets[0].getsockname()[1]
-        return LaneAddress(host=host, port=port, token=self._token, features=(*features, HELLO_ACK))
+        features = (*features, HELLO_ACK, *((TLS,) if tls is not None else ()))
+        return LaneAddress(host=host, port=port, token=self._token, features=features)
 
     async def close(self) -> None:
         """Stop accepting, let running calls write their replies (up to CLOSE_GRACE_S), then
@@ -340,8 +390,9 @@ class LaneClient:
     asks the host for its address again (a restarted host listens on another port). While the
     host is unresponsive (`stalled`, see the module's notes) calls raise LaneStalled."""
 
-    def __init__(self, address: LaneAddress) -> None:
+    def __init__(self, address: LaneAddress, *, tls: LaneTLS | None | object = _FROM_ENV) -> None:
         self.address = address
+        self._tls = lane_tls() if tls is _FROM_ENV else tls
         self.broken = False
         self.stalled = False
         self._writer: asyncio.StreamWriter | None = None
@@ -404,9 +455,15 @@ class LaneClient:
         async with self._connecting:
             self._check()  # a caller that waited for another's failed connect is told it is unreachable
             if self._writer is None:
+                if TLS in self.address.features and self._tls is None:
+                    self.broken = True
+                    self._unreachable = ("the host's lane speaks TLS and this gateway has no TLS settings "
+                                         "(RAY_USE_TLS and its files)")
+                    raise LaneUnreachable(self._unreachable)
+                tls = self._tls.client if TLS in self.address.features and self._tls is not None else None
                 try:
                     reader, writer = await asyncio.wait_for(
-                        asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
+                        asyncio.open_connection(self.address.host, self.address.port, ssl=tls), CONNECT_TIMEOUT_S)
                 except (OSError, TimeoutError) as exc:
                     self.broken = True
                     self._unreachable = f"cannot connect to the host's lane: {str(exc) or type(exc).__name__}"
