@@ -57,7 +57,9 @@ def ray(monkeypatch) -> FakeRay:
 
 
 def dedicated(idle_seconds: float = 300.0, prefix: str = "") -> Placement:
-    return Placement(Settings(placement="dedicated", idle_seconds=idle_seconds, host_lane=False), prefix=prefix)
+    # no bound on live actors here (tests/unit/test_actor_quota.py has those): thousands of sessions
+    return Placement(Settings(placement="dedicated", idle_seconds=idle_seconds, host_lane=False,
+                              dedicated_max_actors=0, dedicated_max_actors_per_tenant=0), prefix=prefix)
 
 
 async def test_a_gateway_keeps_the_handles_of_the_sessions_it_routed_most_recently_and_no_more(ray, monkeypatch):
