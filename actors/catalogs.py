@@ -55,7 +55,7 @@ class TenantCatalogs:
         tools: Any,  # storage ToolRepo
         configs: Any,  # storage BotConfigRepo
         registry: HandlerRegistry,
-        backend_for: Callable[[BotConfig], ToolBackend],
+        backend_for: Callable[..., ToolBackend],  # (config) or (config, egress allowances)
         builtins: Callable[[str], Awaitable[Iterable[ToolDefinition]]],  # the built-ins a tenant is offered
         llm: Any,
         executor: Any,
@@ -68,7 +68,9 @@ class TenantCatalogs:
         approval_ttl_s: float = 900.0,
         handoffs: Any = None,  # actors.session.HandoffDesk: the built-in handoff service
         contacts_for: Callable[[str, BotConfig], Any] | None = None,  # the tenant's ContactVerifier
+        egress: Any = None,  # storage EgressRepo: the destinations an operator allowed each tenant
     ) -> None:
+        self._egress = egress
         self._workflows = workflows
         self._approval_keys = approval_keys
         self._approval_ttl_s = approval_ttl_s
@@ -194,11 +196,17 @@ class TenantCatalogs:
             asyncio.get_running_loop().call_later(self._mcp.retry_after_s, self.invalidate, tenant_id)
         return with_mcp_tools(catalog, loaded.tools, loaded.problems)
 
+    async def _allowances(self, tenant_id: str) -> tuple[tuple[str, int], ...]:
+        """The tenant's egress allowances as (entry, port) pairs; none without a repository."""
+        if self._egress is None:
+            return ()
+        return tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+
     async def _load(self, tenant_id: str) -> TurnEnv:
         self.reloads += 1
-        config_data, rows, mcp, builtins = await asyncio.gather(
+        config_data, rows, mcp, builtins, egress = await asyncio.gather(
             self._configs.get(tenant_id), self._tools.list_published(tenant_id), self._load_mcp(tenant_id),
-            self._builtins(tenant_id),
+            self._builtins(tenant_id), self._allowances(tenant_id),
         )
         config = botconfig_from_dict(config_data)
         definitions = []
@@ -209,9 +217,9 @@ class TenantCatalogs:
                 log.error("tool_definition_unreadable", tool_name=row.name, error=str(exc))
         # compiled off the event loop where a schema is large, and only what changed since the
         # last load (verdicts and validators are kept by schema content)
+        backend = self._backend_for(config, egress) if egress else self._backend_for(config)
         catalog = await schemas_checked(lambda: build_catalog(
-            builtins, definitions, registry=self._registry, backend=self._backend_for(config),
-            workflows=self._workflows,
+            builtins, definitions, registry=self._registry, backend=backend, workflows=self._workflows,
         ))
         catalog = self._with_mcp(tenant_id, catalog, mcp)
         return TurnEnv(

@@ -45,6 +45,7 @@ from storage.repos import (
     listen_catalog,
 )
 from storage.repos.catalog_sync import fence_number
+from storage.repos.egress import EgressRepo
 from storage.repos.jobs import JobRepo
 from storage.repos.mcp_servers import McpServerRepo
 
@@ -129,7 +130,7 @@ class Runtime:
             builtins=builtins, llm=rt.llm, executor=rt.executor, workflows=rt.workflows,
             approval_keys=approval_keys(settings.secret_keys), approval_ttl_s=settings.approval_ttl_s,
             main_model=settings.main_model, cheap_model=settings.cheap_model,
-            handoffs=rt.builtin_services.handoff,
+            handoffs=rt.builtin_services.handoff, egress=EgressRepo(rt.pool),
         )
         rt._install_mcp()
         if listen:
@@ -158,10 +159,10 @@ class Runtime:
     def _install_builtins(self):
         return install_builtins(self)
 
-    def _backend_for(self, config: BotConfig) -> ToolBackend:
+    def _backend_for(self, config: BotConfig, egress: tuple[tuple[str, int], ...] = ()) -> ToolBackend:
         """The tool backend of a tenant's catalog: its webhooks, and its bindings sent to the bot
-        config's backend with its auth header. Called while the catalog loads, so it never
-        raises: a header the keys cannot open (CE_SECRET_KEY rotated without the key it was
+        config's backend with its auth header, each call checked against CE_WEBHOOK_ALLOW and the
+        tenant's `egress` allowances. Called while the catalog loads, so it never raises: a header the keys cannot open (CE_SECRET_KEY rotated without the key it was
         saved under) fails each binding call in-band, as a webhook tool's does; every other tool
         of the tenant works."""
         headers: dict[str, str] = {}
@@ -177,8 +178,14 @@ class Runtime:
                         headers["Authorization"] = self.secret_box.decrypt(config.backend.auth_header_enc)
                     except SecretDecryptError:
                         unopened = BACKEND_HEADER_UNDECRYPTABLE
+        policy = None
+        if egress:
+            try:
+                policy = self.webhooks.policy.for_tenant(egress)
+            except ConfigError:  # stored before a check refused it: the operator-wide policy alone
+                log.warning("egress_allowance_unreadable", allowances=len(egress))
         backend = WebhookToolBackend(self.webhooks, secret_box=self.secret_box,
-                                     binding_base_url=base_url, binding_headers=headers)
+                                     binding_base_url=base_url, binding_headers=headers, policy=policy)
         if unopened is None:
             return backend
         log.warning("backend_auth_header_undecryptable", keys_set=self.secret_box is not None)

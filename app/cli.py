@@ -1,7 +1,9 @@
 """`chat-engine`: run | serve | scale N | restart-hosts | migrate | tenant ... | chat | contract.
 
 `tenant` is create NAME | keys NAME | add-key NAME [--kind admin|chat] | revoke-key NAME KEY_ID: API keys are shown
-once, when made; afterwards only by id and dates.
+once, when made; afterwards only by id and dates. `tenant egress NAME | allow-egress NAME ENTRY
+[--port N] | revoke-egress NAME ENTRY [--port N]`: destinations (a CIDR or a host name) that one
+tenant's tools may reach despite the SSRF guard, besides CE_WEBHOOK_ALLOW's for every tenant.
 
 The entrypoint reads Settings from the environment once and configures logging once. Bad
 configuration ends with one sentence saying what to set or install, and exit status 2.
@@ -21,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -33,10 +35,12 @@ from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
 from services.logging import configure_logging
 from services.settings import Settings
+from services.tools.ssrf import parse_allow_entry
 from storage.embedded import start_embedded
 from storage.migrate import migrate
 from storage.pool import create_pool
 from storage.repos import TenantRepo
+from storage.repos.egress import EgressRepo
 
 if TYPE_CHECKING:
     from kernel.records import Tenant
@@ -74,6 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     p_revoke = tsub.add_parser("revoke-key", help="revoke one of a tenant's API keys (ids: 'tenant keys NAME')")
     p_revoke.add_argument("name", help="the tenant's name")
     p_revoke.add_argument("key_id", help="the key's id, as 'chat-engine tenant keys NAME' lists it")
+    p_egress = tsub.add_parser("egress", help="list the destinations a tenant's tools may reach despite the SSRF guard")
+    p_egress.add_argument("name", help="the tenant's name")
+    allow_help = ("let a tenant's webhook tools and backend bindings reach a destination the SSRF guard refuses "
+                  "(a private range of its own backend, say)")
+    for verb, what in (("allow-egress", allow_help), ("revoke-egress", "take an egress allowance away from a tenant")):
+        p_allow = tsub.add_parser(verb, help=what)
+        p_allow.add_argument("name", help="the tenant's name")
+        p_allow.add_argument("entry", help="a CIDR (10.20.0.0/16, 10.20.0.5) or a host name (erp.internal)")
+        p_allow.add_argument("--port", type=_port, default=0, help="only this port (default: any port)")
     p_chat = sub.add_parser("chat", help="interactive terminal client of the gateway")
     p_chat.add_argument("--session", default=None)
     p_chat.add_argument("--url", default=None, help="gateway URL (default: CE_URL from .data/demo.env)")
@@ -117,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
                 asyncio.run(_tenant_add_key(settings, args.name, args.kind))
             elif args.tenant_command == "revoke-key":
                 asyncio.run(_tenant_revoke_key(settings, args.name, args.key_id))
+            elif args.tenant_command == "egress":
+                asyncio.run(_tenant_egress(settings, args.name))
+            elif args.tenant_command in ("allow-egress", "revoke-egress"):
+                asyncio.run(_tenant_change_egress(settings, args.name, args.entry, args.port,
+                                                  allow=args.tenant_command == "allow-egress"))
         elif args.command == "chat":
             url, key = _client_target(settings, args.url, args.key)
             asyncio.run(chat(url, key, args.session or f"cli-{uuid.uuid4().hex[:8]}"))
@@ -267,10 +285,18 @@ async def _migrate(settings: Settings) -> None:
 async def _tenant_repo(settings: Settings) -> AsyncIterator[TenantRepo]:
     """A TenantRepo on a migrated database (DATABASE_URL, else the embedded Postgres under
     CE_DATA_DIR), closed on the way out."""
+    async with _migrated_pool(settings) as pool:
+        yield TenantRepo(pool)
+
+
+@asynccontextmanager
+async def _migrated_pool(settings: Settings) -> AsyncIterator[Any]:
+    """A pool on a migrated database (DATABASE_URL, else the embedded Postgres under
+    CE_DATA_DIR), closed on the way out."""
     pg, pool = await _open_pool(settings)
     try:
         await migrate(pool)
-        yield TenantRepo(pool)
+        yield pool
     finally:
         await pool.close()
         if pg is not None and pg.started:  # never the Postgres of a running `chat-engine run`
@@ -355,6 +381,42 @@ async def _tenant_revoke_key(settings: Settings, name: str, key_id: str) -> None
     if not live:
         print(f"tenant {tenant.name!r} has no active key left: its clients are locked out until you run "
               f"'chat-engine tenant add-key {tenant.name}'", file=sys.stderr)
+
+
+def _port(raw: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be a whole number from 1 to 65535 (0: any), got {raw!r}")
+    return port
+
+
+async def _tenant_egress(settings: Settings, name: str) -> None:
+    """Print the tenant's egress allowances (JSON)."""
+    async with _migrated_pool(settings) as pool:
+        tenant = await _tenant_named(TenantRepo(pool), name)
+        held = await EgressRepo(pool).list(tenant.id)
+    print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "egress": held}).decode())
+
+
+async def _tenant_change_egress(settings: Settings, name: str, entry: str, port: int, *, allow: bool) -> None:
+    """Grant or revoke one egress allowance (`entry` checked and stored in its canonical form).
+    Raises ConfigError for an entry that is neither a CIDR nor a host name, NotFound for a
+    revoke of one the tenant does not hold."""
+    canonical = str(parse_allow_entry(entry.strip(), variable="ENTRY"))
+    async with _migrated_pool(settings) as pool:
+        tenant = await _tenant_named(TenantRepo(pool), name)
+        egress = EgressRepo(pool)
+        changed = await (egress.allow if allow else egress.revoke)(tenant.id, canonical, port)
+    if not allow and not changed:
+        raise NotFound(f"tenant {tenant.name!r} holds no egress allowance {canonical!r}"
+                       f"{f' on port {port}' if port else ''}; list them with 'chat-engine tenant egress "
+                       f"{tenant.name}'", kind="egress", key=canonical)
+    print(msgspec.json.encode({"tenant_id": tenant.id, "name": tenant.name, "entry": canonical, "port": port,
+                               "allowed" if allow else "revoked": True, "changed": changed}).decode())
+    print("session hosts load the tenant's tools again with it (a catalog change)", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

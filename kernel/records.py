@@ -48,6 +48,14 @@ class KeyHolder(msgspec.Struct, frozen=True, kw_only=True):
     kind: KeyKind
 
 
+class EgressAllowance(msgspec.Struct, frozen=True, kw_only=True):
+    """A destination an operator allowed one tenant's tools to reach despite the SSRF guard: a
+    CIDR or a host name, on `port` (0: any port)."""
+
+    entry: str
+    port: int = 0
+
+
 class ToolVersion(msgspec.Struct, frozen=True, kw_only=True):
     tenant_id: str
     name: str

@@ -110,6 +110,8 @@ class GatewayDeps:
     key_lookups: dict[str, asyncio.Future] = field(default_factory=dict)
     #: the SSRF guard's allowlist: URLs whose IP-literal host it would refuse are refused at registration
     webhook_policy: DestinationPolicy = field(default_factory=DestinationPolicy)
+    #: storage EgressRepo: the destinations an operator allowed each tenant (`tenant_policy`)
+    egress: Any = None
     #: the bearer token GET /metrics asks of a scraper (CE_METRICS_TOKEN); None: loopback peers only
     metrics_token: str | None = None
     #: a tenant's configuration writes (CONFIG_ROUTES' POST, PUT, PATCH, DELETE) per second at this
@@ -225,6 +227,14 @@ def whole_number(raw: str, *, name: str, low: int, high: int, at: str) -> int:
     if len(digits) > len(str(high)) or not low <= int(digits) <= high:
         raise OutOfRange(message, path=at)
     return int(digits)
+
+
+async def tenant_policy(deps: GatewayDeps, tenant_id: str) -> DestinationPolicy:
+    """What a tenant's tool URLs (webhooks, its backend's base URL) are checked against:
+    CE_WEBHOOK_ALLOW with the egress allowances an operator granted that tenant."""
+    if deps.egress is None:
+        return deps.webhook_policy
+    return deps.webhook_policy.for_tenant((a.entry, a.port) for a in await deps.egress.list(tenant_id))
 
 
 #: the most items one page of a list route holds (`?limit=`)

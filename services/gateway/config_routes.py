@@ -31,7 +31,14 @@ from services.gateway.bodies import (
     check_credential_stays,
     check_url,
 )
-from services.gateway.common import DEPS, TENANT, decode_body, encrypter, json_response
+from services.gateway.common import (
+    DEPS,
+    TENANT,
+    decode_body,
+    encrypter,
+    json_response,
+    tenant_policy,
+)
 from services.tools.model import ACCOUNT_KEYS, held_spellings
 
 #: a scope key is a parameter name (a binding's `scope` entry, a URL hole)
@@ -92,7 +99,7 @@ async def put_bot_config(request: web.Request) -> web.Response:
     body: BotConfigIn = await decode_body(request, BotConfigIn)
     check_bot_config(body)
     if body.backend is not None:
-        check_url(body.backend.base_url, field="backend.base_url", policy=deps.webhook_policy)
+        check_url(body.backend.base_url, field="backend.base_url", policy=await tenant_policy(deps, request[TENANT]))
     if body.notification_webhook:
         check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
     previous = await deps.configs.get(request[TENANT]) or {}

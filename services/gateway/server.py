@@ -26,6 +26,7 @@ from services.tools.ssrf import policy_from_entries
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.builtins import HandoffRepo
+from storage.repos.egress import EgressRepo
 from storage.repos.jobs import JobRepo
 
 log = structlog.get_logger(__name__)
@@ -258,7 +259,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         limiter=TenantLimiter(rate=settings.tenant_rate, burst=settings.tenant_burst,
                               concurrency=settings.tenant_concurrency),
         webhook_policy=policy_from_entries(settings.webhook_allow),
-        metrics_token=settings.metrics_token,
+        metrics_token=settings.metrics_token, egress=EgressRepo(pool),
         admin_writes=TenantRate(rate=settings.admin_write_rate, burst=settings.admin_write_burst,
                                 reason="admin_rate", what="rate of configuration writes"),
     )

@@ -29,6 +29,7 @@ from services.gateway.common import (
     page_of,
     paged,
     parse_since,
+    tenant_policy,
     whole_number,
 )
 from services.tools.validation import schemas_checked
@@ -61,7 +62,8 @@ async def create_tool(request: web.Request) -> web.Response:
         # a built-in wins over a tenant tool of its name, so such a tool would never run
         raise InvalidInput(f"name {body.name!r} is a built-in tool of the engine; choose another - at `$.name`",
                            path="$.name")
-    definition = await schemas_checked(definition_from_body, body, encrypt=encrypter(deps), policy=deps.webhook_policy,
+    definition = await schemas_checked(definition_from_body, body, encrypt=encrypter(deps),
+                                       policy=await tenant_policy(deps, request[TENANT]),
                                        contact_scope=await _contact_scope(deps, request[TENANT]))
     data = msgspec.to_builtins(definition)
     version = await deps.tools.create(request[TENANT], definition.name, body.type, data)
@@ -98,9 +100,9 @@ async def patch_tool(request: web.Request) -> web.Response:
         # a change published meanwhile (another PATCH, a rollback) is merged into again, so
         # neither is lost, and the origin rule is judged on the version the write replaces.
         current = await deps.tools.get(tenant_id, name)
-        merged, kept_auth = patched_body(current.definition, patch, policy=deps.webhook_policy)
-        definition = await schemas_checked(definition_from_body, merged, encrypt=encrypter(deps),
-                                           policy=deps.webhook_policy,
+        policy = await tenant_policy(deps, tenant_id)
+        merged, kept_auth = patched_body(current.definition, patch, policy=policy)
+        definition = await schemas_checked(definition_from_body, merged, encrypt=encrypter(deps), policy=policy,
                                            contact_scope=await _contact_scope(deps, tenant_id))
         data = msgspec.to_builtins(definition)
         if kept_auth and not data.get("auth_header_enc"):
@@ -158,7 +160,10 @@ async def tool_contract(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     if deps.contract is None:
         raise NotFound("the contract report is not available in this process", kind="route", key="contract")
-    return json_response(await deps.contract(request[TENANT]))
+    report = await deps.contract(request[TENANT])
+    if deps.egress is not None:  # what an operator let this tenant's tools reach beyond the guard
+        report = {**report, "egress": msgspec.to_builtins(await deps.egress.list(request[TENANT]))}
+    return json_response(report)
 
 
 async def tool_analytics(request: web.Request) -> web.Response:

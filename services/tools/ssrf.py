@@ -171,16 +171,21 @@ class CheckedDestination(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class DestinationPolicy:
-    """The operator's exceptions to the guard: `CE_WEBHOOK_ALLOW` entries, CIDRs or host names.
+    """The exceptions to the guard: the operator's `CE_WEBHOOK_ALLOW` entries (`allow`, for every
+    tenant, any port) and one tenant's egress allowances (`tenant`: (entry, port) pairs an
+    operator granted that tenant alone, `chat-engine tenant allow-egress`; port 0: any port).
 
     A host name entry allows that exact host (case-insensitive), whatever it resolves to. A CIDR
     entry allows any address inside it (an IPv4 CIDR also covers the IPv4-mapped IPv6 form).
-    Raises ConfigError naming the entry when one is neither.
+    Raises ConfigError naming the entry when one is neither, or a CIDR with host bits set.
     """
 
     allow: tuple[str, ...] = ()
+    tenant: tuple[tuple[str, int], ...] = ()
     networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False)
     host_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    _tenant_networks: tuple[tuple[IPNetwork, int], ...] = field(init=False, repr=False, compare=False)
+    _tenant_hosts: frozenset[tuple[str, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         networks: list[IPNetwork] = []
@@ -189,38 +194,63 @@ class DestinationPolicy:
             entry = raw.strip()
             if not entry:
                 continue
-            try:
-                networks.append(ipaddress.ip_network(entry))
-                continue
-            except ValueError:
-                if "/" in entry and _host_bits_set(entry):
-                    # strict=False would widen 10.0.0.1/0 to 0.0.0.0/0: allow everything
-                    raise ConfigError(
-                        f"CE_WEBHOOK_ALLOW entry {entry!r} has host bits set; write the network itself "
-                        f"({ipaddress.ip_network(entry, strict=False)}) or the one address without a prefix",
-                        variable="CE_WEBHOOK_ALLOW",
-                    ) from None
-            name = _normalise_host_name(entry)
-            if name is None:
-                raise ConfigError(
-                    f"CE_WEBHOOK_ALLOW entry {entry!r} is neither a CIDR (10.0.0.0/8) nor a host name",
-                    variable="CE_WEBHOOK_ALLOW",
-                )
-            names.add(name)
+            parsed = parse_allow_entry(entry, variable="CE_WEBHOOK_ALLOW")
+            if isinstance(parsed, str):
+                names.add(parsed)
+            else:
+                networks.append(parsed)
+        tenant_networks: list[tuple[IPNetwork, int]] = []
+        tenant_hosts: set[tuple[str, int]] = set()
+        for entry, port in self.tenant:
+            parsed = parse_allow_entry(entry, variable="egress allowance")
+            if isinstance(parsed, str):
+                tenant_hosts.add((parsed, port))
+            else:
+                tenant_networks.append((parsed, port))
         # frozen dataclass: derived fields are set once here, never again
         object.__setattr__(self, "networks", tuple(networks))
         object.__setattr__(self, "host_names", frozenset(names))
+        object.__setattr__(self, "_tenant_networks", tuple(tenant_networks))
+        object.__setattr__(self, "_tenant_hosts", frozenset(tenant_hosts))
 
-    def allows_host(self, host: str) -> bool:
-        return host.lower().rstrip(".") in self.host_names
+    def for_tenant(self, allowances: Iterable[tuple[str, int]]) -> DestinationPolicy:
+        """This operator-wide policy with one tenant's egress allowances added."""
+        allowances = tuple(allowances)
+        return self if not allowances else DestinationPolicy(allow=self.allow, tenant=allowances)
 
-    def covers(self, address: IPAddress) -> bool:
+    def allows_host(self, host: str, port: int | None = None) -> bool:
+        name = host.lower().rstrip(".")
+        return name in self.host_names or (name, 0) in self._tenant_hosts or (
+            port is not None and (name, port) in self._tenant_hosts)
+
+    def covers(self, address: IPAddress, port: int | None = None) -> bool:
         candidates: list[IPAddress] = [address]
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             candidates.append(address.ipv4_mapped)
-        return any(
-            a in net for a in candidates for net in self.networks if a.version == net.version
-        )
+        if any(a in net for a in candidates for net in self.networks if a.version == net.version):
+            return True
+        return any(a in net for a in candidates for net, allowed in self._tenant_networks
+                   if a.version == net.version and allowed in (0, port))
+
+
+def parse_allow_entry(entry: str, *, variable: str) -> IPNetwork | str:
+    """An allow entry as the network it names or the host name (normalised); ConfigError naming
+    `variable` when it is neither, or a CIDR with host bits set (`strict=False` would widen
+    10.0.0.1/0 to 0.0.0.0/0: allow everything)."""
+    try:
+        return ipaddress.ip_network(entry)
+    except ValueError:
+        if "/" in entry and _host_bits_set(entry):
+            raise ConfigError(
+                f"{variable} entry {entry!r} has host bits set; write the network itself "
+                f"({ipaddress.ip_network(entry, strict=False)}) or the one address without a prefix",
+                variable=variable,
+            ) from None
+    name = _normalise_host_name(entry)
+    if name is None:
+        raise ConfigError(f"{variable} entry {entry!r} is neither a CIDR (10.0.0.0/8) nor a host name",
+                          variable=variable)
+    return name
 
 
 def _host_bits_set(entry: str) -> bool:
@@ -338,7 +368,7 @@ async def check_destination(
                 advice="Tell the customer you cannot reach the service right now.",
             )
 
-    host_allowed = policy.allows_host(host)
+    host_allowed = policy.allows_host(host, port)
     for text in addresses:
         try:
             address = ipaddress.ip_address(text)
@@ -346,7 +376,7 @@ async def check_destination(
             raise blocked(
                 "unparseable address", f"host {host!r} resolved to a non-IP value"
             ) from None
-        if host_allowed or policy.covers(address):
+        if host_allowed or policy.covers(address, port):
             continue
         rule = refusal_rule(address)
         if rule is not None:
@@ -371,7 +401,8 @@ def literal_refusal(url: str, policy: DestinationPolicy) -> str | None:
     Pure; used where a URL is registered, so a tenant learns at once rather than at the first call.
     """
     try:
-        host = urlsplit(url).hostname
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
     except ValueError:
         return "malformed url"
     if not host:
@@ -379,7 +410,7 @@ def literal_refusal(url: str, policy: DestinationPolicy) -> str | None:
     literal = _parse_ip_literal(host)
     if literal is None:
         return None if _normalise_host_name(host) is not None else "malformed url"
-    if policy.covers(literal):
+    if policy.covers(literal, port if port is not None else _ALLOWED_SCHEMES.get(parts.scheme.lower())):
         return None
     return refusal_rule(literal)
 

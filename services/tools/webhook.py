@@ -222,6 +222,11 @@ class WebhookClient:
         self._user_agent = user_agent
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def policy(self) -> DestinationPolicy:
+        """The operator-wide exceptions to the guard this client checks every call against."""
+        return self._policy
+
     async def start(self) -> None:
         """Open the shared session (idempotent)."""
         if self._session is not None:
@@ -264,8 +269,11 @@ class WebhookClient:
         timeout_s: float,
         idempotency_key: str | None = None,
         tool_name: str | None = None,
+        policy: DestinationPolicy | None = None,
     ) -> WebhookResponse:
-        """Render, check, send and decode one request, all within `timeout_s` seconds.
+        """Render, check, send and decode one request, all within `timeout_s` seconds; the
+        destination is checked against `policy` (a tenant's: DestinationPolicy.for_tenant), else
+        the client's own.
 
         Returns the 2xx answer with its JSON (None for an empty body). Raises InvalidArguments,
         DestinationBlocked (before any connection), UpstreamTimeout, UpstreamUnreachable,
@@ -305,7 +313,7 @@ class WebhookClient:
             try:
                 async with asyncio.timeout(timeout_s):
                     destination = await check_destination(
-                        rendered.url, self._resolver, self._policy
+                        rendered.url, self._resolver, policy or self._policy
                     )
                     response = await self._send(
                         session,
@@ -350,6 +358,7 @@ class WebhookClient:
         timeout_s: float | None = None,
         *,
         idempotency_key: str | None = None,
+        policy: DestinationPolicy | None = None,
     ) -> WebhookResponse:
         """Call a tenant webhook tool (seed 000) with the model's (already validated) arguments.
 
@@ -392,7 +401,7 @@ class WebhookClient:
         except ToolError as error:
             error.tool_name = error.tool_name or tool.name
             raise
-        return await self._call_tool(tool, tool.webhook_url, clean, headers, timeout_s, idempotency_key)
+        return await self._call_tool(tool, tool.webhook_url, clean, headers, timeout_s, idempotency_key, policy)
 
     async def call_binding(
         self,
@@ -404,6 +413,7 @@ class WebhookClient:
         timeout_s: float | None = None,
         *,
         idempotency_key: str | None = None,
+        policy: DestinationPolicy | None = None,
     ) -> WebhookResponse:
         """Call a declarative backend binding (seed 001) at `base_url` + `tool.path`.
 
@@ -418,7 +428,7 @@ class WebhookClient:
             error.tool_name = error.tool_name or tool.name
             raise
         return await self._call_tool(
-            tool, join_base(base_url, tool.path), backend_args, headers, timeout_s, idempotency_key
+            tool, join_base(base_url, tool.path), backend_args, headers, timeout_s, idempotency_key, policy
         )
 
     # ------------------------------------------------------------------ internals
@@ -426,6 +436,7 @@ class WebhookClient:
     async def _call_tool(
         self, tool: WebhookTool | BackendBindingTool, url_template: str, args: Mapping[str, Any],
         headers: Mapping[str, str], timeout_s: float | None, idempotency_key: str | None,
+        policy: DestinationPolicy | None = None,
     ) -> WebhookResponse:
         """`call` for one tool: its method, its time budget, and its name on any error. Its 2xx
         JSON is the tool's result: one nested more than MAX_VALUE_DEPTH levels is UpstreamMalformed
@@ -435,7 +446,7 @@ class WebhookClient:
             response = await self.call(
                 url_template=url_template, method=tool.method, args=args, headers=headers,
                 timeout_s=_budget(tool.timeout_ms, timeout_s), idempotency_key=idempotency_key,
-                tool_name=tool.name,
+                tool_name=tool.name, policy=policy,
             )
             if nests_deeper_than(response.json, MAX_VALUE_DEPTH):
                 structlog.get_logger(__name__).info(
@@ -629,8 +640,10 @@ class WebhookToolBackend:
         secret_box: SecretBox | None,
         binding_base_url: BaseUrl = None,
         binding_headers: Mapping[str, str] | None = None,
+        policy: DestinationPolicy | None = None,
     ) -> None:
         self._client = client
+        self._policy = policy  # the tenant's (its egress allowances); None: the client's own
         self._secret_box = secret_box
         self._binding_base_url = binding_base_url
         self._binding_headers = dict(binding_headers or {})
@@ -645,7 +658,7 @@ class WebhookToolBackend:
     ) -> Any:
         """The JSON answer of `tool`'s webhook. Raises the ToolErrors of `WebhookClient.call_webhook`."""
         response = await self._client.call_webhook(
-            tool, args, self._secret_box, timeout_s, idempotency_key=idempotency_key
+            tool, args, self._secret_box, timeout_s, idempotency_key=idempotency_key, policy=self._policy
         )
         return response.json
 
@@ -679,6 +692,7 @@ class WebhookToolBackend:
             self._binding_headers,
             timeout_s,
             idempotency_key=idempotency_key,
+            policy=self._policy,
         )
         return response.json
 

@@ -64,7 +64,10 @@ _STAMP = (
     "|| EXISTS (SELECT 1 FROM ce_appointment_services WHERE tenant_id = $1)::text "
     # the MCP servers it registered (their tools join the catalog): any create, update or delete
     "|| '|' || coalesce((SELECT string_agg(name || ':' || updated_at::text, ',' ORDER BY name) "
-    "FROM ce_mcp_servers WHERE tenant_id = $1), ''))"
+    "FROM ce_mcp_servers WHERE tenant_id = $1), '') "
+    # the egress allowances an operator granted it (its tools' destinations)
+    "|| '|' || coalesce((SELECT string_agg(entry || ':' || port, ',' ORDER BY entry, port) "
+    "FROM ce_tenant_egress WHERE tenant_id = $1), ''))"
 )
 
 
@@ -311,7 +314,8 @@ class ToolRepo:
     async def catalog_stamp(self, tenant_id: str) -> str:
         """A fingerprint of everything a tenant's catalog is built from: its live tools (name,
         version, switch, last change), its bot config's last change, whether it has forms and
-        appointment services (which built-ins it is offered), and its MCP server registrations.
+        appointment services (which built-ins it is offered), its MCP server registrations and
+        its egress allowances.
         Any committed write through this module, BotConfigRepo, McpServerRepo, or the first/last
         form or service changes it. One statement of indexed reads: a turn makes it every time."""
         with translate("checking the tool catalog"):
