@@ -1845,6 +1845,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-seconds", type=float, default=8.0)
     p.add_argument("--profile-python", default=None,
                    help="directory: a pyinstrument report of way a's timed phase (slows that way down)")
+    p.add_argument("--neighbours", action="store_true",
+                   help="only the noisy-neighbour run (bench/neighbours.py): tenant B's latency alone and while "
+                        "tenant A sends hostile loads; writes .data/bench-neighbours.json")
+    p.add_argument("--neighbours-rate", type=float, default=20.0, help="tenant B's messages per second")
+    p.add_argument("--neighbours-seconds", type=float, default=20.0, help="each phase's length")
+    p.add_argument("--neighbours-sessions", type=int, default=16, help="tenant B's sessions")
+    p.add_argument("--neighbours-burst", type=int, default=1000, help="clients in each of tenant A's bursts")
     p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
     p.add_argument("--output", default=None, help="default: .data/bench.json")
     p.add_argument("--results-dir", default=str(RESULTS_DIR),
@@ -1929,7 +1936,12 @@ def main(argv: list[str] | None = None) -> int:
     # an SSE watcher is a socket in the gateway (this process); Postgres, Ray and the hosts started
     # from here inherit the limit (ray.init raises its caller's to the hard limit too, up to 65,536)
     raise_open_files()
-    return asyncio.run(main_async(parse_args(argv)))
+    args = parse_args(argv)
+    if args.neighbours:
+        from bench import neighbours
+
+        return neighbours.main(args)
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

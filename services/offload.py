@@ -17,6 +17,7 @@ caller is told to come back (`Overloaded`, 503 with `Retry-After`), not queued w
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import pickle
@@ -90,6 +91,11 @@ async def run(fn: Callable[..., T], *args: Any, deadline_s: float | None = None)
             payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as exc:
             raise NotFinished(f"the work could not be sent to the worker ({type(exc).__name__})") from None
+        if multiprocessing.current_process().daemon:
+            # a daemonic process may not start one (multiprocessing's rule): the work runs on a
+            # thread instead, bounded by its own budget, and the event loop still takes turns
+            _say_no_worker()
+            return await asyncio.to_thread(_unpacked, payload)
         # from a thread: the first task starts the worker, a fork and exec of 0.1-0.2 s
         future = await asyncio.to_thread(_worker_pool().schedule, _unpacked, args=(payload,), timeout=deadline_s)
         try:
@@ -105,6 +111,11 @@ async def run(fn: Callable[..., T], *args: Any, deadline_s: float | None = None)
             raise
     finally:
         _pending -= 1
+
+
+@functools.cache
+def _say_no_worker() -> None:
+    log.warning("offload_on_a_thread", reason="a daemonic process cannot start the worker process")
 
 
 def shutdown() -> None:

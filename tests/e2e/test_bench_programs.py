@@ -106,3 +106,22 @@ def test_the_load_test_runs_every_scenario_writes_its_csvs_and_says_where_the_kn
         counts = {row["Name"]: int(row["Request Count"]) for row in csv.DictReader(f)}
     for scenario in ("order lookup", "lead capture", "booking (held)", "failing tool"):
         assert counts.get(scenario, 0) > 0, counts
+
+
+def test_the_noisy_neighbour_run_reports_tenant_b_alone_and_beside_tenant_a_and_what_a_got(tmp_path):
+    out = tmp_path / "neighbours.json"
+    done = _run(["bench.measure", "--neighbours", "--data-dir", str(tmp_path / "data"), "--output", str(out),
+                 "--neighbours-rate", "5", "--neighbours-seconds", "2", "--neighbours-sessions", "4",
+                 "--neighbours-burst", "50"], tmp_path, timeout=540)
+    doc = json.loads(out.read_text())
+    for phase in ("b_alone", "b_with_neighbours"):
+        part = doc[phase]
+        assert part["messages"] > 0 and part["answered"] + sum(part["errors"].values()) == part["messages"]
+        assert part["p50_ms"] <= part["p99_ms"]
+    assert doc["b_alone"]["errors"] == {}, doc["b_alone"]
+    assert isinstance(doc["b_p99_ratio"], float) and isinstance(doc["b_errors_with_neighbours"], int)
+    # every hostile load ran, and each was answered over HTTP (a refusal is an answer, a reset is not)
+    assert set(doc["a"]["statuses"]) == {"giant_schemas", "wide_schemas", "heavy_outputs", "version_flood", "burst"}
+    assert doc["a"]["connection_failures"] == {}, doc["a"]
+    assert doc["a"]["statuses"]["burst"] and all(s.isdigit() for s in doc["a"]["statuses"]["burst"])
+    assert "| with A's loads |" in done.stdout and "B's p99 with neighbours / alone" in done.stdout
