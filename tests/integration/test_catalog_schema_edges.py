@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -27,21 +26,16 @@ from actors.runtime import Runtime
 from services.botconfig import botconfig_from_dict
 from services.gateway.app import build_app
 from services.gateway.common import GatewayDeps
-from services.settings import Settings
-from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, generate_key
 from services.tools.errors import InvalidArguments, ToolError
-from services.tools.executor import Executor, ToolCall, ToolOutcome
 from services.tools.model import BackendBindingTool
 from services.tools.registry import HandlerRegistry
 from services.tools.ssrf import DestinationPolicy
-from services.tools.toolset import SessionToolState
-from services.tools.webhook import WebhookClient
 from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
 from tests.support.builtin_services import ctx, services
+from tests.support.catalogs import loopback_runtime, no_builtins, through_catalog
 from tests.support.gateways import FakeRouter
-from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 
 OLD_KEY, NEW_KEY = generate_key(), generate_key()
 BACKEND_SECRET = "Bearer sk_backend_saved_under_the_old_key"
@@ -93,30 +87,8 @@ async def backend() -> AsyncIterator[Backend]:
 @pytest_asyncio.fixture
 async def runtime() -> AsyncIterator[Runtime]:
     """A host's runtime holding only the new key, its webhook client on loopback only."""
-    sockets = LoopbackOnlySockets()
-    rt = Runtime(Settings(secret_keys=(NEW_KEY,)))
-    rt.secret_box = SecretBox([NEW_KEY])
-    rt.webhooks = WebhookClient(policy=DestinationPolicy(allow=("127.0.0.1/32",)), resolver=MapResolver(),
-                                socket_factory=sockets)
-    await rt.webhooks.start()
-    yield rt
-    await rt.webhooks.close()
-    assert sockets.refused == [], "a client tried to connect off loopback"
-
-
-async def _no_builtins(tenant_id: str) -> tuple:
-    return ()
-
-
-async def _call(catalogs: TenantCatalogs, tenant_id: str, tool: str, args: dict[str, Any]) -> ToolOutcome:
-    env = await catalogs.env_for(tenant_id)
-    executor = Executor()
-    plan = await executor.prepare([ToolCall(id=f"toolu_{tool}", name=tool, arguments=args)], catalog=env.catalog,
-                                  config=env.config, session=SessionToolState(), scope={})
-    context = TrustedContext(tenant_id=tenant_id, session_id="s1", message_id="m1", contact_id="c1",
-                             idempotency_key=f"m1:{tool}")
-    (outcome,) = await executor.execute(plan, context, approved=True)
-    return outcome
+    async with loopback_runtime(DestinationPolicy(allow=("127.0.0.1/32",)), keys=(NEW_KEY,)) as rt:
+        yield rt
 
 
 async def test_a_backend_auth_header_the_keys_no_longer_open_fails_only_the_bindings_in_band(
@@ -137,14 +109,14 @@ async def test_a_backend_auth_header_the_keys_no_longer_open_fails_only_the_bind
     })
     catalogs = TenantCatalogs(
         tools=tools, configs=configs, registry=HandlerRegistry(), backend_for=runtime._backend_for,
-        builtins=_no_builtins, llm=None, executor=None, main_model="m", cheap_model="c",
+        builtins=no_builtins, llm=None, executor=None, main_model="m", cheap_model="c",
     )
 
     env = await catalogs.env_for(tenant.id)  # raised SecretDecryptError before: every message failed
     assert sorted(env.catalog.names()) == ["check_order", "whoami"] and env.catalog.problems == {}
-    order = await _call(catalogs, tenant.id, "check_order", {"order_id": "A1"})
+    order = await through_catalog(catalogs, tenant.id, "check_order", {"order_id": "A1"})
     assert order.success and json.loads(order.content)["status"] == "shipped", order
-    binding = await _call(catalogs, tenant.id, "whoami", {})
+    binding = await through_catalog(catalogs, tenant.id, "whoami", {})
     assert not binding.success
     assert "backend auth header of the bot config cannot be decrypted" in binding.error
     assert "an admin must enter backend.auth_header in the bot config again" in binding.error
@@ -156,7 +128,7 @@ async def test_a_backend_auth_header_the_keys_no_longer_open_fails_only_the_bind
     await configs.put(tenant.id, {"backend": {"base_url": backend.base,
                                               "auth_header_enc": runtime.secret_box.encrypt(BACKEND_SECRET)}})
     catalogs.invalidate(tenant.id)
-    again = await _call(catalogs, tenant.id, "whoami", {})
+    again = await through_catalog(catalogs, tenant.id, "whoami", {})
     assert again.success and json.loads(again.content) == {"authorized": True}, again
 
 

@@ -12,13 +12,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kernel.errors import ConfigError, Forbidden, Unauthorized
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
 from services.gateway.ops_routes import metrics_refusal
 from services.settings import Settings
-from services.tools.crypto import SecretBox, generate_key
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
 from storage.repos.jobs import JobRepo
-from tests.support.gateways import FakeRouter
+from tests.support.gateways import repo_deps
 
 TOKEN = "metrics-operator-token-0123456789abcdef"
 
@@ -59,9 +56,7 @@ def test_the_metrics_token_is_read_and_never_shown():
 
 @pytest_asyncio.fixture
 async def gateway(pool) -> AsyncIterator[TestClient]:
-    deps = GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]),
-                       jobs=JobRepo(pool), metrics_token=TOKEN)
+    deps = repo_deps(pool, jobs=JobRepo(pool), metrics_token=TOKEN)
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
         yield client
 

@@ -12,22 +12,18 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from actors.catalogs import TenantCatalogs
-from services import offload
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
 from services.tools import validation
-from services.tools.crypto import SecretBox, generate_key
 from services.tools.registry import HandlerRegistry
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from storage.repos import BotConfigRepo, ToolRepo
 from storage.repos.jobs import JobRepo
-from tests.support.gateways import FakeRouter
+from tests.support.gateways import repo_deps
+from tests.support.offload_spy import spy_on_offload
 
 
 @pytest_asyncio.fixture
 async def gw(pool, make_tenant) -> AsyncIterator[tuple[TestClient, dict[str, str]]]:
-    deps = GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]),
-                       jobs=JobRepo(pool))
+    deps = repo_deps(pool, jobs=JobRepo(pool))
     _, key = await make_tenant("schema-budget")
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
         yield client, {"Authorization": f"Bearer {key.api_key}"}
@@ -36,17 +32,11 @@ async def gw(pool, make_tenant) -> AsyncIterator[tuple[TestClient, dict[str, str
 @pytest.fixture
 def offloaded(monkeypatch) -> list[str]:
     """What went to the (real) worker process; a schema's check never runs in this one."""
-    sent: list[str] = []
-    real = offload.run
-
-    async def spy(fn, *args, **kwargs):
-        sent.append(fn.__name__)
-        return await real(fn, *args, **kwargs)
+    sent = spy_on_offload(monkeypatch)
 
     def here(*args, **kwargs):
         raise AssertionError("a large schema was checked on the serving process's loop")
 
-    monkeypatch.setattr(offload, "run", spy)
     real_check = validation._check
 
     def small_only(schema, *args, **kwargs):

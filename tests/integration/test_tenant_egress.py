@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -18,23 +17,15 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from actors.catalogs import TenantCatalogs
 from actors.runtime import Runtime
-from services.botconfig import BotConfig
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
-from services.settings import Settings
-from services.tools.context import TrustedContext
-from services.tools.crypto import SecretBox, generate_key
-from services.tools.executor import Executor, ToolCall
 from services.tools.registry import HandlerRegistry
 from services.tools.ssrf import DestinationPolicy
-from services.tools.toolset import SessionToolState
-from services.tools.webhook import WebhookClient
 from storage.pool import create_pool
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
+from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
 from storage.repos.egress import EgressRepo
+from tests.support.catalogs import loopback_runtime, no_builtins, through_catalog
 from tests.support.cli import run_cli
-from tests.support.gateways import FakeRouter, problem_of
-from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
+from tests.support.gateways import problem_of, repo_deps
 
 
 @pytest_asyncio.fixture
@@ -55,28 +46,8 @@ async def upstream() -> AsyncIterator[int]:
 
 @pytest_asyncio.fixture
 async def runtime() -> AsyncIterator[Runtime]:
-    sockets = LoopbackOnlySockets()
-    rt = Runtime(Settings())
-    rt.secret_box = None
-    rt.webhooks = WebhookClient(policy=DestinationPolicy(), resolver=MapResolver(), socket_factory=sockets)
-    await rt.webhooks.start()
-    yield rt
-    await rt.webhooks.close()
-    assert sockets.refused == [], "a client tried to connect off loopback"
-
-
-async def _no_builtins(tenant_id: str) -> tuple:
-    return ()
-
-
-async def _call(catalogs: TenantCatalogs, tenant_id: str, tool: str, args: dict[str, Any]):
-    env = await catalogs.env_for(tenant_id)
-    executor = Executor()
-    plan = await executor.prepare([ToolCall(id="c1", name=tool, arguments=args)], catalog=env.catalog,
-                                  config=BotConfig(), session=SessionToolState(), scope={})
-    [outcome] = await executor.execute(plan, TrustedContext(tenant_id=tenant_id, session_id="s1", message_id="m1"),
-                                       approved=True)
-    return outcome
+    async with loopback_runtime(DestinationPolicy()) as rt:
+        yield rt
 
 
 def _order_tool(port: int) -> dict:
@@ -90,32 +61,30 @@ async def test_an_allowance_opens_a_destination_to_one_tenant_on_one_port_only(p
     for tenant in (mine, theirs):
         await tools.create(tenant.id, "check_order", "webhook", _order_tool(upstream))
     catalogs = TenantCatalogs(tools=tools, configs=BotConfigRepo(pool), registry=HandlerRegistry(),
-                              backend_for=runtime._backend_for, builtins=_no_builtins, llm=None, executor=None,
+                              backend_for=runtime._backend_for, builtins=no_builtins, llm=None, executor=None,
                               main_model="m", cheap_model="c", egress=egress)
 
-    refused = await _call(catalogs, mine.id, "check_order", {"id": "A1"})
+    refused = await through_catalog(catalogs, mine.id, "check_order", {"id": "A1"})
     assert not refused.success and "destination not allowed" in (refused.error or ""), refused
 
     assert await egress.allow(mine.id, "127.0.0.1/32", upstream)
     catalogs.invalidate(mine.id)
-    ok = await _call(catalogs, mine.id, "check_order", {"id": "A1"})
+    ok = await through_catalog(catalogs, mine.id, "check_order", {"id": "A1"})
     assert ok.success and json.loads(ok.content) == {"order": "A1", "status": "shipped"}, ok
-    other = await _call(catalogs, theirs.id, "check_order", {"id": "A1"})  # the other tenant: still refused
+    other = await through_catalog(catalogs, theirs.id, "check_order", {"id": "A1"})  # the other tenant: still refused
     assert not other.success and "destination not allowed" in (other.error or "")
 
     await egress.revoke(mine.id, "127.0.0.1/32", upstream)
     assert await egress.allow(mine.id, "127.0.0.1/32", upstream + 1)  # another port only
     catalogs.invalidate(mine.id)
-    wrong_port = await _call(catalogs, mine.id, "check_order", {"id": "A1"})
+    wrong_port = await through_catalog(catalogs, mine.id, "check_order", {"id": "A1"})
     assert not wrong_port.success and "destination not allowed" in (wrong_port.error or "")
 
 
 async def test_the_gateway_checks_a_tenants_urls_with_its_allowances_and_the_report_lists_them(pool, make_tenant):
     (mine, key), (_, other_key) = await make_tenant("egress-gw"), await make_tenant("egress-gw-other")
     await EgressRepo(pool).allow(mine.id, "10.20.0.0/16", 8443)
-    deps = GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]),
-                       egress=EgressRepo(pool))
+    deps = repo_deps(pool, egress=EgressRepo(pool))
 
     async def contract(tenant_id: str) -> dict:
         return {"tenant_id": tenant_id, "tools": []}

@@ -20,25 +20,16 @@ from aiohttp.test_utils import TestClient, TestServer
 import storage.repos.builtins as builtins_repo
 import storage.repos.tools as tools_repo
 from services.gateway.app import build_app
-from services.gateway.common import GatewayDeps
 from services.gateway.limits import TenantRate
-from services.tools.crypto import SecretBox, generate_key
-from storage.repos import BotConfigRepo, SessionRepo, TenantRepo, ToolCallRepo, ToolRepo
-from tests.support.gateways import FakeRouter, problem_of
+from tests.support.gateways import problem_of, repo_deps
 
 FORM = {"type": "object", "properties": {"email": {"type": "string"}}}
 SERVICE = {"duration_minutes": 30, "timezone": "UTC", "opening_hours": {"mon": [["09:00", "17:00"]]}}
 
 
-def gateway_deps(pool, **extra) -> GatewayDeps:
-    return GatewayDeps(router=FakeRouter(), tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]),
-                       **extra)
-
-
 @pytest_asyncio.fixture
 async def client(pool) -> AsyncIterator[TestClient]:
-    async with TestClient(TestServer(build_app(gateway_deps(pool)), host="127.0.0.1")) as c:
+    async with TestClient(TestServer(build_app(repo_deps(pool)), host="127.0.0.1")) as c:
         yield c
 
 
@@ -143,7 +134,7 @@ async def test_configuration_writes_past_the_tenants_rate_are_429_with_retry_aft
             return self.now
 
     clock = Frozen()
-    deps = gateway_deps(pool, admin_writes=TenantRate(rate=1, burst=3, reason="admin_rate",
+    deps = repo_deps(pool, admin_writes=TenantRate(rate=1, burst=3, reason="admin_rate",
                                                       what="rate of configuration writes", clock=clock))
     _, key = await make_tenant("writes")
     _, other = await make_tenant("writes-other")

@@ -87,11 +87,18 @@ class FakeRouter:
         return []
 
 
+def repo_deps(pool, router: Any = None, **extra: Any) -> GatewayDeps:
+    """A gateway's deps over the real repositories on `pool`, a FakeRouter unless `router` is
+    given, a fresh encryption key; `extra` sets any other field (jobs, egress, metrics_token...)."""
+    return GatewayDeps(router=router if router is not None else FakeRouter(), tenants=TenantRepo(pool),
+                       tools=ToolRepo(pool), calls=ToolCallRepo(pool), sessions=SessionRepo(pool),
+                       configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]), **extra)
+
+
 @pytest_asyncio.fixture
 async def gateway(pool, make_tenant) -> AsyncIterator[tuple[TestClient, FakeRouter, dict[str, str]]]:
     router = FakeRouter()
-    deps = GatewayDeps(router=router, tenants=TenantRepo(pool), tools=ToolRepo(pool), calls=ToolCallRepo(pool),
-                       sessions=SessionRepo(pool), configs=BotConfigRepo(pool), secret_box=SecretBox([generate_key()]))
+    deps = repo_deps(pool, router)
     _, key = await make_tenant("bad-input")
     async with TestClient(TestServer(build_app(deps), host="127.0.0.1")) as client:
         yield client, router, {"Authorization": f"Bearer {key.api_key}"}

@@ -24,6 +24,7 @@ from services.tools.validation import (
     schemas_checked,
     validator_for,
 )
+from tests.support.offload_spy import spy_on_offload
 
 
 def wide(properties: int, **extra) -> dict:
@@ -58,15 +59,7 @@ def nothing_offloaded(monkeypatch):
 @pytest.fixture
 def offloaded(monkeypatch) -> list[str]:
     """The names of the functions sent to the (real) worker process."""
-    sent: list[str] = []
-    real = offload.run
-
-    async def spy(fn, *args, **kwargs):
-        sent.append(fn.__name__)
-        return await real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(offload, "run", spy)
-    return sent
+    return spy_on_offload(monkeypatch)
 
 
 # -- measured before anything reads it ---------------------------------------------------------------
