@@ -9,9 +9,10 @@ Tenant A, in a process of its own, for the whole second phase:
 - a version flood: PATCHes of that tool, as fast as the gateway answers (its write rate);
 - connection bursts: 1,000 clients at once, each a connection of its own, sending a message.
 
-Three processes: the stack (`app.stack.Stack`: embedded Postgres, Ray, the session hosts, the
-gateway, the local model, the demo store), A's load, and this one measuring B, so that neither
-load generator's own work shows in the other's figures. Numbers are reported, never asserted.
+Four processes: the local model (a stand-in for the model API, which is not the engine's CPU),
+the stack (`app.stack.Stack`: embedded Postgres, Ray, the session hosts, the gateway, the demo
+store), A's load, and this one measuring B, so that neither load generator's own work shows in
+the other's figures. Numbers are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -37,13 +38,28 @@ WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength"
 B_TEXT = '/call check_order {"order_id": "12345"}'
 
 
-# -- the stack, in a process of its own ------------------------------------------------------------------
+# -- the model and the stack, each in a process of its own ----------------------------------------------------
 
-def _serve(data_dir: str, ready: Any, stop: Any) -> None:
-    asyncio.run(_serve_async(data_dir, ready, stop))
+def _model(ready: Any, stop: Any) -> None:
+    asyncio.run(_model_async(ready, stop))
 
 
-async def _serve_async(data_dir: str, ready: Any, stop: Any) -> None:
+async def _model_async(ready: Any, stop: Any) -> None:
+    from app.local_model import start_local_model
+    from services.logging import configure_logging
+
+    configure_logging(fmt="json", level="warning")  # a log line per request would cost it CPU
+    server = await start_local_model("127.0.0.1", 0)
+    ready.put(server.url)
+    await asyncio.to_thread(stop.wait)
+    await server.stop()
+
+
+def _serve(data_dir: str, model_url: str, ready: Any, stop: Any) -> None:
+    asyncio.run(_serve_async(data_dir, model_url, ready, stop))
+
+
+async def _serve_async(data_dir: str, model_url: str, ready: Any, stop: Any) -> None:
     from aiohttp import web
 
     from app.stack import Stack
@@ -59,7 +75,8 @@ async def _serve_async(data_dir: str, ready: Any, stop: Any) -> None:
     site = web.TCPSite(upstream, "127.0.0.1", 0)
     await site.start()
     upstream_port = upstream.addresses[0][1]
-    settings = msgspec.structs.replace(Settings.from_env(), data_dir=data_dir, host="127.0.0.1")
+    settings = msgspec.structs.replace(Settings.from_env(), data_dir=data_dir, host="127.0.0.1",
+                                       anthropic_base_url=model_url)
     stack = await Stack.start(settings, port=0)
     try:
         tenants = stack.gateway.deps.tenants
@@ -209,8 +226,10 @@ async def _setup_tenants(target: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     ready, stop, out = context.Queue(), context.Event(), context.Queue()
+    model = context.Process(target=_model, args=(ready, stop), daemon=True)
+    model.start()
     # not daemonic: the gateway in it starts its own worker process (services/offload.py)
-    stack = context.Process(target=_serve, args=(args.data_dir, ready, stop))
+    stack = context.Process(target=_serve, args=(args.data_dir, ready.get(timeout=120), ready, stop))
     stack.start()
     try:
         target = ready.get(timeout=300)
@@ -228,8 +247,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop.set()
         stack.join(timeout=120)
-        if stack.is_alive():
-            stack.terminate()
+        model.join(timeout=10)
+        for process in (stack, model):
+            if process.is_alive():
+                process.terminate()
     ratio = (round(together["p99_ms"] / alone["p99_ms"], 2)
              if together["p99_ms"] and alone["p99_ms"] else None)
     return {"b_alone": alone, "b_with_neighbours": together, "b_p99_ratio": ratio,
