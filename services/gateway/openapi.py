@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from services.gateway.bodies import BotConfigIn, ToolCreate, ToolPatch
-from services.gateway.common import CHAT_ROUTES
+from services.gateway.common import CHAT_ROUTES, CONFIG_PREFIXES, WRITE_METHODS
 from services.wire import DecideApproval, SendMessage, SessionView, TurnReply
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
@@ -53,12 +53,12 @@ ANSWERS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("GET", "/metrics"): ("200", ("401", "403", "422")),  # an operator token, or a loopback peer
     # services.gateway.builtin_routes
     ("GET", "/v1/forms"): ("200", _V1),
-    ("PUT", "/v1/forms/{name}"): ("200", (*_V1, *_BODY)),
+    ("PUT", "/v1/forms/{name}"): ("200", (*_V1, *_BODY, "409")),  # 409: a new form past the tenant's cap
     ("GET", "/v1/forms/{name}"): ("200", (*_V1, "404")),
     ("DELETE", "/v1/forms/{name}"): ("204", (*_V1, "404")),
     ("GET", "/v1/forms/{name}/submissions"): ("200", _V1),  # an unknown form has none: []
     ("GET", "/v1/appointment-services"): ("200", _V1),
-    ("PUT", "/v1/appointment-services/{name}"): ("200", (*_V1, *_BODY)),
+    ("PUT", "/v1/appointment-services/{name}"): ("200", (*_V1, *_BODY, "409")),  # 409: a new one past the cap
     ("GET", "/v1/appointment-services/{name}"): ("200", (*_V1, "404")),
     ("DELETE", "/v1/appointment-services/{name}"): ("204", (*_V1, "404")),
     ("GET", "/v1/appointments"): ("200", _V1),
@@ -125,6 +125,8 @@ def _responses(method: str, path: str, ok_schema: dict | None = None) -> dict[st
         errors = (*errors, "403")  # a chat key on a route it may not use
     if "503" not in errors:
         errors = (*errors, "503")  # any route: past the gateway's connection limit (CE_GATEWAY_MAX_CONNECTIONS)
+    if method.upper() in WRITE_METHODS and path.startswith(CONFIG_PREFIXES) and "429" not in errors:
+        errors = (*errors, "429")  # a configuration write past the tenant's rate (CE_ADMIN_WRITE_RATE)
     responses: dict[str, Any] = {
         status: {"description": "deleted"} if status == "204" else
         {"description": "ok", "content": {"application/json": {"schema": ok_schema or {"type": "object"}}}}}

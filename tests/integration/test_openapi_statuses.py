@@ -54,12 +54,12 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
     ("GET", "/readyz"): {200, 422, 503},
     ("GET", "/metrics"): {200, 401, 403, 422, 503},
     ("GET", "/v1/forms"): V1 | {200},
-    ("PUT", "/v1/forms/{name}"): V1 | BODY | {200},
+    ("PUT", "/v1/forms/{name}"): V1 | BODY | {200, 409},  # 409: a new form past the tenant's cap
     ("GET", "/v1/forms/{name}"): V1 | {200, 404},
     ("DELETE", "/v1/forms/{name}"): V1 | {204, 404},
     ("GET", "/v1/forms/{name}/submissions"): V1 | {200},
     ("GET", "/v1/appointment-services"): V1 | {200},
-    ("PUT", "/v1/appointment-services/{name}"): V1 | BODY | {200},
+    ("PUT", "/v1/appointment-services/{name}"): V1 | BODY | {200, 409},  # 409: past the tenant's cap
     ("GET", "/v1/appointment-services/{name}"): V1 | {200, 404},
     ("DELETE", "/v1/appointment-services/{name}"): V1 | {204, 404},
     ("GET", "/v1/appointments"): V1 | {200},
@@ -86,6 +86,10 @@ EXPECTED: dict[tuple[str, str], set[int]] = {
 #: a chat key on any /v1 route but the few it may use: 403
 EXPECTED.update({route: statuses | {403} for route, statuses in EXPECTED.items()
                  if route[1].startswith("/v1/") and route not in CHAT_ROUTES})
+#: a configuration write (tools, forms, services, MCP servers, bot config): past the tenant's write rate, 429
+EXPECTED.update({route: statuses | {429} for route, statuses in EXPECTED.items()
+                 if route[0] in ("POST", "PUT", "PATCH", "DELETE") and route[1].startswith(
+                     ("/v1/tools", "/v1/forms", "/v1/appointment-services", "/v1/mcp-servers", "/v1/bot-config"))})
 #: served but not part of the API the document describes: the dashboard page, its files, the document
 NOT_DOCUMENTED = {("GET", "/"), ("GET", "/static/{file}"), ("GET", "/openapi.json")}
 DELETES = [path for (method, path), statuses in EXPECTED.items() if method == "DELETE"]
