@@ -300,25 +300,30 @@ def _digest(value: Any) -> bytes:
 
 # -- checking a schema when it is saved -----------------------------------------------------------
 
-class SchemaNeedsWorker(Exception):
-    """Raised by `check_schema` within `schemas_checked`: this schema is too large to check on the
-    event loop; `schemas_checked` checks it in the worker process, then builds again."""
-
-    def __init__(self, schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
-        super().__init__(where)
-        self.schema, self.where, self.checked_formats_only = schema, where, checked_formats_only
-
-
 #: (message, path) of a schema's refusal; None when it is usable
 _Verdict = tuple[str, str | None] | None
 #: verdicts by schema content and place: a form listed again, a catalog loaded again, a tool saved
 #: again with the same schema is never checked again
 _verdicts: LRUCache = LRUCache(maxsize=4096)
 _MISSING = object()
-#: inside `schemas_checked`: a schema above INLINE_NODES is not checked here (SchemaNeedsWorker)
-_deferring: ContextVar[bool] = ContextVar("schemas_deferred", default=False)
-#: the most schemas one `schemas_checked` sends to the worker (a tool has two, a catalog hundreds)
-_MAX_DEFERRED = 2_000
+#: schema work sent to the worker in one task: about 0.3 ms a subschema, a few seconds at most
+_NODES_PER_TASK = 10_000
+
+
+class _Build:
+    """What one `schemas_checked` knows: the large schemas its build met unchecked (by key), and
+    verdicts made for it that are not kept (a check that ran past its deadline)."""
+
+    __slots__ = ("known", "pending", "rebuilding")
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[bytes, str, bool], tuple[dict[str, Any], int]] = {}
+        self.known: dict[tuple[bytes, str, bool], _Verdict] = {}
+        self.rebuilding = False
+
+
+#: the `schemas_checked` running now, if any
+_build_state: ContextVar[_Build | None] = ContextVar("schemas_checked_build", default=None)
 
 
 def check_schema(schema: dict[str, Any], *, where: str = "$.parameters", checked_formats_only: bool = False) -> None:
@@ -340,32 +345,59 @@ def check_any_schema(schema: dict[str, Any], *, where: str, checked_formats_only
 
 
 async def schemas_checked(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`build(*args, **kwargs)`, whose `check_schema`s of schemas above INLINE_NODES subschemas run in the worker
-    process (services.offload) rather than on the event loop: each such schema stops `build`,
-    is checked there (its verdict cached), and `build` runs again, finding it. Raises what `build`
-    raises, InvalidInput for a schema whose check passed its deadline, Overloaded when the worker
-    has too much in hand."""
-    token = _deferring.set(True)
+    """`build(*args, **kwargs)`, with the checks of schemas above INLINE_NODES subschemas done in
+    the worker process (services.offload) rather than on the event loop. `build` (pure: a tool's
+    definition, a catalog, a form's view) runs once taking each such schema it has no verdict for
+    as usable; those schemas are then checked in the worker, a few seconds' work per task, and
+    their verdicts kept. When every one is usable, that first result is the answer; otherwise
+    `build` runs again, and each refusal is raised where `build` meets it. Raises what `build`
+    raises, and Overloaded when the worker has too much in hand."""
+    state = _Build()
+    token = _build_state.set(state)
     try:
-        for _ in range(_MAX_DEFERRED):
-            try:
-                return build(*args, **kwargs)
-            except SchemaNeedsWorker as need:
-                key = _verdict_key(need.schema, need.where, need.checked_formats_only)
-                try:
-                    verdict = await offload.run(schema_verdict, need.schema, need.where, need.checked_formats_only)
-                except offload.NotFinished as exc:
-                    raise InvalidInput(f"checking the schema took too long ({exc}); make it smaller or simpler "
-                                       f"- at `{need.where}`", path=need.where) from None
-                _verdicts[key] = verdict
-        raise InvalidInput("too many schemas to check at once; send fewer", path="$")
+        built = build(*args, **kwargs)
+        if not state.pending:
+            return built
+        await _check_in_worker(state)
+        if all(state.known.get(key, _verdicts.get(key)) is None for key in state.pending):
+            return built
+        state.rebuilding = True
+        return build(*args, **kwargs)
     finally:
-        _deferring.reset(token)
+        _build_state.reset(token)
+
+
+async def _check_in_worker(state: _Build) -> None:
+    """Check `state.pending` in the worker, in tasks of at most _NODES_PER_TASK subschemas: the
+    verdicts go to `_verdicts`, a check that ran past its deadline to `state.known` alone."""
+    tasks: list[list[tuple[bytes, str, bool]]] = [[]]
+    load = 0
+    for key, (_, nodes) in state.pending.items():
+        if tasks[-1] and load + nodes > _NODES_PER_TASK:
+            tasks.append([])
+            load = 0
+        tasks[-1].append(key)
+        load += nodes
+    for keys in tasks:
+        items = [(state.pending[key][0], key[1], key[2]) for key in keys]
+        try:
+            verdicts = await offload.run(schema_verdicts, items)
+        except offload.NotFinished as exc:
+            for key in keys:
+                said = f"checking the schema took too long ({exc}); make it smaller or simpler - at `{key[1]}`"
+                state.known[key] = (said, key[1])
+            continue
+        for key, verdict in zip(keys, verdicts, strict=True):
+            _verdicts[key] = verdict
+
+
+def schema_verdicts(items: list[tuple[dict[str, Any], str, bool]]) -> list[_Verdict]:
+    """`schema_verdict` of each (schema, where, checked_formats_only): what the worker runs."""
+    return [schema_verdict(schema, where, formats_only) for schema, where, formats_only in items]
 
 
 def schema_verdict(schema: dict[str, Any], where: str, checked_formats_only: bool) -> _Verdict:
-    """The dialect's check and the engine's (`_check`) as data, never cached: what the worker
-    process runs."""
+    """The dialect's check and the engine's (`_check`) as data, never cached."""
     try:
         _check(schema, where, checked_formats_only)
     except InvalidInput as exc:
@@ -374,14 +406,18 @@ def schema_verdict(schema: dict[str, Any], where: str, checked_formats_only: boo
 
 
 def _settle(schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
-    """Refuse a schema over budget at once, then raise its verdict: cached, made here (a small
-    schema, or outside `schemas_checked`), or made in the worker (SchemaNeedsWorker)."""
+    """Refuse a schema over budget at once, then raise its verdict: kept, made here (a small
+    schema, or outside `schemas_checked`), or left for the worker (inside `schemas_checked`)."""
     nodes = _bounded_count(schema, where)
     key = _verdict_key(schema, where, checked_formats_only)
     verdict = _verdicts.get(key, _MISSING)
+    state = _build_state.get()
+    if verdict is _MISSING and state is not None:
+        verdict = state.known.get(key, _MISSING)
     if verdict is _MISSING:
-        if nodes > INLINE_NODES and _deferring.get():
-            raise SchemaNeedsWorker(schema, where, checked_formats_only)
+        if nodes > INLINE_NODES and state is not None and not state.rebuilding:
+            state.pending[key] = (schema, nodes)
+            return  # usable for now: schemas_checked builds again if the worker says otherwise
         verdict = _verdicts[key] = schema_verdict(schema, where, checked_formats_only)
     if verdict is not None:
         message, path = verdict

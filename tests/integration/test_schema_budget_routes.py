@@ -76,10 +76,10 @@ async def test_a_large_tool_schema_is_checked_off_the_loop_once(gw, offloaded):
     parameters = wide(60, "lookup")
     r = await client.post("/v1/tools", headers=headers, json=tool("wide_lookup", parameters))
     assert r.status == 201, await r.text()
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
     r = await client.patch("/v1/tools/wide_lookup", headers=headers, json={"description": "Looks more things up."})
     assert r.status == 200, await r.text()
-    assert offloaded == ["schema_verdict"]  # the same schema: its verdict was kept
+    assert offloaded == ["schema_verdicts"]  # the same schema: its verdict was kept
 
     broken = wide(60, "broken")
     broken["properties"]["broken9"] = {"type": "strin"}
@@ -92,12 +92,12 @@ async def test_forms_are_checked_off_the_loop_when_saved_and_never_again_when_li
     client, headers = gw
     form = wide(40, "answer")
     assert (await client.put("/v1/forms/long_survey", headers=headers, json=form)).status == 200
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
     for _ in range(3):
         listed = await (await client.get("/v1/forms", headers=headers)).json()
         assert [f["name"] for f in listed["forms"]] == ["long_survey"] and "problems" not in listed["forms"][0]
         assert (await client.get("/v1/forms/long_survey", headers=headers)).status == 200
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
 
 
 async def test_a_catalog_with_a_large_schema_loads_off_the_loop_and_again_without_checks(pool, make_tenant, offloaded):
@@ -115,7 +115,7 @@ async def test_a_catalog_with_a_large_schema_loads_off_the_loop_and_again_withou
                               builtins=no_builtins, llm=None, executor=None, main_model="m", cheap_model="c")
     env = await catalogs.env_for(tenant.id)
     assert env.catalog.problems == {"wide_search": "no webhook client is configured"}
-    assert offloaded == ["schema_verdict", "schema_verdict"]  # parameters and output schema
+    assert offloaded == ["schema_verdicts"]  # parameters and output schema, in one task
     catalogs.invalidate(tenant.id)
     await catalogs.env_for(tenant.id)
-    assert offloaded == ["schema_verdict", "schema_verdict"]
+    assert offloaded == ["schema_verdicts"]

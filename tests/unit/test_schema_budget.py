@@ -122,10 +122,10 @@ async def test_a_large_schema_is_checked_in_the_worker_and_its_verdict_kept(monk
     monkeypatch.setattr(validation, "_check", _refused_here)
     schema = wide(40, minLength=1)
     await schemas_checked(check_schema, schema)
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
     await schemas_checked(check_schema, schema)  # kept: the worker is not asked again
     check_schema(schema)  # nor checked here
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
 
 
 async def test_a_large_schema_the_worker_refuses_is_a_422_naming_the_place(monkeypatch, offloaded):
@@ -135,19 +135,43 @@ async def test_a_large_schema_the_worker_refuses_is_a_422_naming_the_place(monke
     with pytest.raises(InvalidInput, match=r"invalid JSON schema.*at `\$.properties.p7.type`") as refused:
         await schemas_checked(check_schema, schema, where="$", checked_formats_only=True)
     assert refused.value.path == "$.properties.p7.type"
-    assert offloaded == ["schema_verdict"]
+    assert offloaded == ["schema_verdicts"]
 
 
-async def test_every_large_schema_of_one_build_goes_to_the_worker(monkeypatch, offloaded):
+async def test_every_large_schema_of_one_build_goes_to_the_worker_in_one_pass(monkeypatch, offloaded):
     monkeypatch.setattr(validation, "_check", _refused_here)
+    builds = []
 
     def build():  # what a tool's definition or a catalog does: several checks, then a result
+        builds.append(1)
         check_schema(wide(30, minLength=2))
         check_any_schema(wide(31, minLength=2), where="$.output_schema")
         return "built"
 
     assert await schemas_checked(build) == "built"
-    assert offloaded == ["schema_verdict", "schema_verdict"]
+    assert offloaded == ["schema_verdicts"] and len(builds) == 1  # both in one task; all usable: built once
+
+
+async def test_a_catalog_of_many_large_schemas_is_checked_in_bounded_tasks_and_built_twice_at_most(
+        monkeypatch, offloaded):
+    monkeypatch.setattr(validation, "_check", _refused_here)
+    monkeypatch.setattr(validation, "_NODES_PER_TASK", 100)  # about 2 schemas of 42 subschemas a task
+    schemas = [wide(40, minLength=3 + i) for i in range(7)]
+    schemas[5]["properties"]["p1"] = {"type": "strin"}
+    builds, refused = [], []
+
+    def build():  # a catalog: one tool's refusal is that tool's problem, the rest load
+        builds.append(1)
+        for i, schema in enumerate(schemas):
+            try:
+                check_schema(schema, where=f"$.tools[{i}]")
+            except InvalidInput as exc:
+                refused.append(exc.path)
+        return len(schemas) - len(refused)
+
+    assert await schemas_checked(build) == 6
+    assert len(offloaded) == 4 and len(builds) == 2  # 7 schemas in tasks of two; built again for the refusal
+    assert refused == ["$.tools[5].properties.p1.type"]
 
 
 def _refused_here(*args):
