@@ -289,13 +289,21 @@ def value_problems(schema: dict[str, Any], value: Any, sensitive: frozenset[str]
     return validator_for(schema, sensitive=sensitive, all_sensitive=all_sensitive, subject=subject).errors(value)
 
 
-def _digest(value: Any) -> bytes:
-    """A digest of `value`'s JSON (keys sorted): equal for equal schemas, whatever their key order."""
+def _digest(value: Any, encoded: bytes | None = None) -> bytes:
+    """A digest of `value`'s JSON with keys sorted (`encoded`, when the caller has it): equal for
+    equal schemas, whatever their key order."""
+    if encoded is None:
+        encoded = _encoded(value)
+    return hashlib.blake2b(encoded if encoded is not None else repr(value).encode(), digest_size=16).digest()
+
+
+def _encoded(value: Any) -> bytes | None:
+    """`value` as JSON with keys sorted (as long as it is in any key order); None when it is not
+    JSON (never from a request: its identity is then its repr)."""
     try:
-        encoded = msgspec.json.encode(value, order="sorted")
-    except Exception:  # noqa: BLE001 - not JSON (never from a request): its identity is its content
-        encoded = repr(value).encode()
-    return hashlib.blake2b(encoded, digest_size=16).digest()
+        return msgspec.json.encode(value, order="sorted")
+    except Exception:  # noqa: BLE001 - any value a caller holds: not JSON is an answer, not an error
+        return None
 
 
 # -- checking a schema when it is saved -----------------------------------------------------------
@@ -408,8 +416,9 @@ def schema_verdict(schema: dict[str, Any], where: str, checked_formats_only: boo
 def _settle(schema: dict[str, Any], where: str, checked_formats_only: bool) -> None:
     """Refuse a schema over budget at once, then raise its verdict: kept, made here (a small
     schema, or outside `schemas_checked`), or left for the worker (inside `schemas_checked`)."""
-    nodes = _bounded_count(schema, where)
-    key = _verdict_key(schema, where, checked_formats_only)
+    encoded = _encoded(schema)  # once: its length is the budget's, its digest the verdict's key
+    nodes = _bounded_count(schema, where, len(encoded) if encoded is not None else 0)
+    key = (_digest(schema, encoded), where, checked_formats_only)
     verdict = _verdicts.get(key, _MISSING)
     state = _build_state.get()
     if verdict is _MISSING and state is not None:
@@ -424,19 +433,12 @@ def _settle(schema: dict[str, Any], where: str, checked_formats_only: bool) -> N
         raise InvalidInput(message, path=path)
 
 
-def _verdict_key(schema: dict[str, Any], where: str, checked_formats_only: bool) -> tuple[bytes, str, bool]:
-    return _digest(schema), where, checked_formats_only
-
-
-def _bounded_count(schema: dict[str, Any], where: str) -> int:
+def _bounded_count(schema: dict[str, Any], where: str, size: int) -> int:
     """How many objects `schema` holds at any depth (itself included), refusing it first when its
-    JSON is over MAX_SCHEMA_BYTES, or, counting without recursion, when it nests deeper than a
-    schema may (twice MAX_SCHEMA_DEPTH levels of objects and lists: `_schema_nodes` then says
-    exactly where) or the count passes MAX_SCHEMA_NODES. Nothing else reads it before."""
-    try:
-        size = len(msgspec.json.encode(schema))
-    except Exception:  # noqa: BLE001 - not JSON: `_check` says what it cannot read
-        size = 0
+    JSON (`size` bytes; 0 when it is not JSON: `_check` says what it cannot read) is over
+    MAX_SCHEMA_BYTES, or, counting without recursion, when it nests deeper than a schema may
+    (twice MAX_SCHEMA_DEPTH levels of objects and lists: `_schema_nodes` then says exactly where)
+    or the count passes MAX_SCHEMA_NODES. Nothing else reads it before."""
     if size > MAX_SCHEMA_BYTES:
         raise InvalidInput(f"the schema is {size:,} bytes of JSON, more than the {MAX_SCHEMA_BYTES:,} allowed; "
                            f"make it smaller - at `{where}`", path=where)
