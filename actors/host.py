@@ -41,6 +41,7 @@ from actors.session import SealedTurns, SessionState, TurnEnv
 from kernel.errors import ChatEngineError, Overloaded
 from kernel.records import ActivatedSession, FlushResult, JobRecord, SessionDelta, SessionEvent
 from services import heap
+from services.fairshare import FairShare, fair_batch, turn_slot
 from services.wire import (
     AgentMessage,
     ApprovalDecision,
@@ -129,6 +130,10 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: unwritten turns a host holds before it refuses new ones; 0: UNWRITTEN_PER_INFLIGHT x max_inflight
     max_unwritten: int = 0
     max_unwritten_per_session: int = MAX_UNWRITTEN_PER_SESSION  # likewise, of one session
+    #: turns computing at once, the next slot to the tenant with the fewest (services.fairshare); 0: no bound
+    cpu_slots: int = 8
+    #: sessions written per transaction, every tenant in turn (services.fairshare.fair_batch); 0: all
+    flush_batch: int = 64
 
     @classmethod
     def from_settings(cls, settings: Any) -> HostSettings:
@@ -139,6 +144,7 @@ class HostSettings(msgspec.Struct, frozen=True, kw_only=True):
             max_inflight=settings.host_max_inflight, max_sessions=settings.host_max_sessions,
             max_unwritten=settings.host_max_unwritten,
             max_unwritten_per_session=settings.host_max_unwritten_per_session,
+            cpu_slots=settings.host_cpu_slots, flush_batch=settings.host_flush_batch,
         )
 
 
@@ -253,7 +259,7 @@ class SessionHost:
         self._settings = settings or HostSettings()
         self._sessions: dict[Key, _Entry] = {}
         self._activating: dict[Key, asyncio.Future[_Entry]] = {}
-        self._dirty: set[Key] = set()
+        self._dirty: dict[Key, None] = {}  # sessions to write, in the order they asked
         self._inflight: set[Key] = set()  # sessions whose delta is in the flush now running
         #: per session, who waits for its turns to be durable: (the number of the newest turn
         #: waited for, state.sealed_turns when it began waiting; the future resolved then)
@@ -266,6 +272,7 @@ class SessionHost:
         self._running = 0
         #: turns admitted per tenant; one tenant may hold at most half the host's admission
         self._tenant_running: dict[str, int] = {}
+        self._share = FairShare(self._settings.cpu_slots)
         self._tenant_share = max(1, self._settings.max_inflight // 2)
         self._busy = 0  # turns running their session's code now (not queued, not at the gate)
         self._none_busy = asyncio.Event()  # set while _busy is 0: the group-commit window may end
@@ -788,7 +795,8 @@ class SessionHost:
                 if task is not None:
                     self._turn_tasks[key] = task
                 try:
-                    reply = await run(entry, env)
+                    async with turn_slot(self._share, tenant_id):  # a fair share of the loop
+                        reply = await run(entry, env)
                 except BaseException as exc:
                     try:  # what ran is kept, made whole, and written without waiting for a next turn
                         entry.state.close_failed_turn()
@@ -980,7 +988,7 @@ class SessionHost:
 
     def _queue_flush(self, key: Key) -> None:
         """Have the flusher write this session's sealed changes (no one waits for them)."""
-        self._dirty.add(key)
+        self._dirty.setdefault(key, None)
         self._wake.set()
 
     async def flush_all(self) -> None:
@@ -989,6 +997,8 @@ class SessionHost:
             if entry.state.dirty:
                 self._mark_dirty(key)
         await self._flush_once()
+        while self._dirty:  # a flush takes at most flush_batch sessions
+            await self._flush_once()
 
     async def _flusher(self) -> None:
         backoff = 0.05
@@ -1079,7 +1089,13 @@ class SessionHost:
         return False, newest
 
     async def _flush_locked(self) -> None:
-        keys, self._dirty = self._dirty, set()
+        # At most flush_batch sessions, every tenant in turn: one tenant's thousand new sessions
+        # make several short transactions, and another tenant's reply waits for one of them.
+        keys = fair_batch(self._dirty, self._settings.flush_batch)
+        for key in keys:
+            del self._dirty[key]
+        if self._dirty:
+            self._wake.set()  # the rest in the next flush, at once
         waiters = {k: self._waiters.pop(k, []) for k in keys}
         # Each session's turns with the entry they came from: the session may be evicted or
         # re-activated while the flush runs, and a result must reach that copy, not the current.
@@ -1104,7 +1120,7 @@ class SessionHost:
                 kept = [w for w in fs if not w[1].done()]
                 if kept:
                     self._waiters.setdefault(key, [])[:0] = kept
-            self._dirty |= keys
+            self._dirty = {**dict.fromkeys(keys), **self._dirty}  # first again
             raise
         finally:
             self._inflight = set()

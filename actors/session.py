@@ -43,6 +43,7 @@ from kernel.records import (
 from services.approvals import new_approval_id, verify_approval_id
 from services.botconfig import BotConfig
 from services.contacts import Contact, ContactVerifier
+from services.fairshare import waiting
 from services.llm.marker import MarkerFilter, defused, without_marker
 from services.llm.port import (
     ChatMessage,
@@ -898,9 +899,10 @@ async def _loop(
 async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
     """One model call. Streamed only when someone watches the turn (SSE): a turn answered as one
     JSON body asks for the whole answer at once, which costs the SDK and the model less."""
-    if emit is _no_emit:
-        return await llm.complete(request)
-    return await final_response(_relay_text(llm.stream(request), emit))
+    async with waiting():  # the model's answer is not this loop's work: other turns compute meanwhile
+        if emit is _no_emit:
+            return await llm.complete(request)
+        return await final_response(_relay_text(llm.stream(request), emit))
 
 
 async def _relay_text(events: AsyncIterator[LLMEvent], emit: Emit) -> AsyncIterator[LLMEvent]:

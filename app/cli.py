@@ -30,6 +30,7 @@ import msgspec
 from app.chat_client import chat, print_contract
 from kernel.errors import ChatEngineError, Conflict, NotFound
 from kernel.records import KEY_KINDS, KeyKind
+from services import heap
 from services.gateway.common import KEY_CACHE_TTL_S
 from services.gateway.server import check_listen_address, open_gateway
 from services.heap import tune_collector
@@ -102,10 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         configure_logging(fmt=settings.log_format, level=settings.log_level,
                           stream=sys.stdout if args.command in SERVERS else sys.stderr)
         if args.command == "run":
-            _as_server()
+            as_server()
             asyncio.run(_run(settings, port=args.port))
         elif args.command == "serve":
-            _as_server()
+            as_server()
             asyncio.run(_serve(settings))
         elif args.command == "scale":
             from app.shards import scale
@@ -159,8 +160,9 @@ def _join_cluster(settings: Settings) -> None:
         connect_ray(settings)
 
 
-def _as_server() -> None:
-    """Set this process up as a long-running server: the collector's settings (services.heap), uvloop."""
+def as_server() -> None:
+    """Set this process up as a long-running server: the collector's settings (services.heap), uvloop.
+    Once it serves, `heap.settle()` freezes what start-up built."""
     tune_collector()
     try:
         import uvloop
@@ -208,6 +210,7 @@ async def _run(settings: Settings, *, port: int | None) -> None:
 
     print("chat-engine: starting (embedded Postgres, local Ray, local model, demo store)...", flush=True)
     stack = await Stack.start(settings, port=port)
+    heap.settle()
     hurry = None
     try:
         gw = stack.gateway
@@ -251,6 +254,7 @@ async def _serve(settings: Settings) -> None:
             return placement.mode == "dedicated" or len(await placement.stats()) >= placement.shards
 
         gateway = await open_gateway(settings, placement, contract=placement.contract, ready_check=hosts_ready)
+        heap.settle()
         print(f"chat-engine gateway on {gateway.url}", flush=True)
         hurry = None
         try:

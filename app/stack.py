@@ -26,6 +26,7 @@ from app.demo_store import start_demo_store
 from app.local_model import start_local_model
 from app.shards import follow_shards
 from kernel.errors import NotFound
+from services import offload
 from services.builtins.appointments import service_from_body
 from services.builtins.forms import check_form
 from services.gateway.bodies import ToolCreate, definition_from_body
@@ -145,6 +146,9 @@ class Stack:
             await self.local_model.stop()
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
+        # the gateway's schema worker, if it started one: a process run as a multiprocessing child
+        # (the benchmark's) would otherwise wait for it on exit, before any atexit handler ran
+        await asyncio.to_thread(offload.shutdown)
 
 
 async def seed_demo_tenant(pool: Any, settings: Settings, store_url: str, data: Path) -> str:

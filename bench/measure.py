@@ -1852,6 +1852,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--neighbours-seconds", type=float, default=20.0, help="each phase's length")
     p.add_argument("--neighbours-sessions", type=int, default=16, help="tenant B's sessions")
     p.add_argument("--neighbours-burst", type=int, default=1000, help="clients in each of tenant A's bursts")
+    p.add_argument("--neighbours-loads", default="schemas,heavy,versions,bursts",
+                   help="tenant A's loads, comma-separated (default: all of schemas, heavy, versions, bursts)")
     p.add_argument("--data-dir", default=".data/bench", help="embedded Postgres and keys of the benchmark")
     p.add_argument("--output", default=None, help="default: .data/bench.json")
     p.add_argument("--results-dir", default=str(RESULTS_DIR),
@@ -1860,6 +1862,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the markdown page regenerated from every run kept there (default: docs/benchmarks.md)")
     args = p.parse_args(argv)
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    args.neighbours_loads = [x.strip() for x in args.neighbours_loads.split(",") if x.strip()]
+    if unknown := set(args.neighbours_loads) - {"schemas", "heavy", "versions", "bursts"}:
+        p.error(f"--neighbours-loads: unknown load(s) {', '.join(sorted(unknown))}; "
+                "pick from schemas, heavy, versions, bursts")
     args.growth_levels = [int(x) for x in args.growth_levels.split(",")]
     args.peak_concurrency = [int(x) for x in args.peak_concurrency.split(",")]
     if args.half_load_rate is not None and not args.half_load_rate > 0:

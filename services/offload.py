@@ -6,7 +6,9 @@ is every tenant's request waiting; on a session host's, every session on it (and
 long enough is declared hung). Such work goes to one worker process per serving process (pebble's
 `ProcessPool`, started on first use with `spawn`: the parent holds threads and sockets a fork
 would copy), which is killed and replaced when a task passes its deadline. The worker runs at a
-lower priority (nice 10): on a busy machine the serving processes beside it come first.
+lower priority (nice 10) from its first instruction: its start (it imports what its parent's main
+module imports, seconds of CPU in a Ray worker) and its work never take the CPU from the serving
+processes beside it.
 
 Only work that may be slow comes here: callers do what they can inline within a small budget
 first (services.tools.validation), so the common case never pays the round trip (about 0.1 ms
@@ -17,6 +19,8 @@ caller is told to come back (`Overloaded`, 503 with `Retry-After`), not queued w
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -30,6 +34,7 @@ import pebble
 import structlog
 
 from kernel.errors import Overloaded
+from services.fairshare import waiting
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +48,8 @@ MAX_PENDING = 32
 DEADLINE_S = 10.0
 #: how soon a refused caller is told to retry
 RETRY_AFTER_S = 1.0
+#: the worker's niceness (and that of the pool's threads, which start it again after a kill)
+NICE = 10
 
 
 class NotFinished(Exception):
@@ -59,9 +66,41 @@ def _worker_pool() -> pebble.ProcessPool:
     global _pool
     with _lock:
         if _pool is None or not _pool.active:
-            _pool = pebble.ProcessPool(max_workers=1, initializer=_yield_cpu,
-                                       context=multiprocessing.get_context("spawn"))
+            if _pool is None:
+                # before multiprocessing's own exit handler, which would wait for the worker forever
+                atexit.register(shutdown)
+            _pool = _started_pool()
         return _pool
+
+
+def _started_pool() -> pebble.ProcessPool:
+    """A pool whose worker is started by a thread of lower priority: Linux keeps a niceness per
+    thread, and a thread or process started from one inherits it, so the worker (and the pool's
+    own threads, which start it again after a kill) run at NICE from the start, while every other
+    thread of this process keeps its own."""
+    made: list[pebble.ProcessPool | BaseException] = []
+
+    def start() -> None:
+        try:
+            with contextlib.suppress(OSError):  # where a thread's niceness cannot be set: the initializer's only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            pool = pebble.ProcessPool(max_workers=1, initializer=_yield_cpu,
+                                      context=multiprocessing.get_context("spawn"))
+            pool.schedule(_started)  # the pool starts its threads and its worker here, in this thread
+            made.append(pool)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            made.append(exc)
+
+    starter = threading.Thread(target=start, name="offload-start")
+    starter.start()
+    starter.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+def _started() -> None:
+    """In the worker: nothing (its first task makes the pool start it)."""
 
 
 def _unpacked(payload: bytes) -> Any:
@@ -71,8 +110,10 @@ def _unpacked(payload: bytes) -> Any:
 
 
 def _yield_cpu() -> None:
-    """In the worker: the serving processes beside it come first for the CPU."""
-    os.nice(10)
+    """In the worker: the serving processes beside it come first for the CPU (at NICE already
+    when its starter's was; set, not added, so never lower)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, max(NICE, os.getpriority(os.PRIO_PROCESS, 0)))
 
 
 async def run(fn: Callable[..., T], *args: Any, deadline_s: float | None = None) -> T:
@@ -95,11 +136,13 @@ async def run(fn: Callable[..., T], *args: Any, deadline_s: float | None = None)
             # a daemonic process may not start one (multiprocessing's rule): the work runs on a
             # thread instead, bounded by its own budget, and the event loop still takes turns
             _say_no_worker()
-            return await asyncio.to_thread(_unpacked, payload)
+            async with waiting():
+                return await asyncio.to_thread(_unpacked, payload)
         # from a thread: the first task starts the worker, a fork and exec of 0.1-0.2 s
         future = await asyncio.to_thread(_worker_pool().schedule, _unpacked, args=(payload,), timeout=deadline_s)
         try:
-            return await asyncio.wrap_future(future)
+            async with waiting():  # the worker's CPU, not the loop's: other turns compute meanwhile
+                return await asyncio.wrap_future(future)
         except FutureTimeout:
             log.warning("offload_deadline", task=getattr(fn, "__name__", "?"), deadline_s=deadline_s)
             raise NotFinished(f"the work ran past its {deadline_s:g} s deadline and was stopped") from None

@@ -80,6 +80,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     host_max_unwritten: int = 0
     host_max_unwritten_per_session: int = UNWRITTEN_PER_SESSION_MAX  # likewise, of one session
     host_max_sessions: int = 10_000  # live sessions per host; beyond, the least recently used passivate
+    #: turns computing at once on a host, shared fairly among tenants (services.fairshare); 0: no bound
+    host_cpu_slots: int = 8
+    #: sessions a host writes per transaction, every tenant in turn; 0: every dirty one at once
+    host_flush_batch: int = 64
     #: dedicated placement: session actors a gateway keeps alive, in all and of one tenant (0: no bound)
     dedicated_max_actors: int = 1_000
     dedicated_max_actors_per_tenant: int = 250
@@ -182,6 +186,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 get, "CE_HOST_MAX_UNWRITTEN_PER_SESSION", UNWRITTEN_PER_SESSION_MAX,
                 minimum=UNWRITTEN_PER_SESSION_MIN, maximum=UNWRITTEN_PER_SESSION_MAX),
             host_max_sessions=_int(get, "CE_HOST_MAX_SESSIONS", 10_000, minimum=1),
+            host_cpu_slots=_int(get, "CE_HOST_CPU_SLOTS", 8, minimum=0),
+            host_flush_batch=_int(get, "CE_HOST_FLUSH_BATCH", 64, minimum=0),
             dedicated_max_actors=_int(get, "CE_DEDICATED_MAX_ACTORS", 1_000, minimum=0),
             dedicated_max_actors_per_tenant=_int(get, "CE_DEDICATED_MAX_ACTORS_PER_TENANT", 250, minimum=0),
             host_lane=_switch(get, "CE_HOST_LANE", True),

@@ -53,15 +53,35 @@ SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 FULL_RETRY_AFTER_S = 1
 
 
+#: connections accepted per wake-up of the loop: a burst of a thousand is taken in batches, and
+#: the requests of clients already connected are read between them, not after the whole burst
+ACCEPT_BATCH = 8
+
+
 def listen_backlog(path: Path = SOMAXCONN) -> int:
     """The backlog the gateway listens with: the kernel's cap (`net.core.somaxconn`; asking for
     more is cut to it). aiohttp's default of 128 let a burst of 600 clients overflow the queue
-    while the loop was busy with turns, and they were reset instead of answered. asyncio also
-    accepts up to this many connections per wake-up, so accepting never lags the queue."""
+    while the loop was busy with turns, and they were reset instead of answered."""
     try:
         return max(128, int(path.read_text().strip()))
     except (OSError, ValueError):
         return DEFAULT_BACKLOG
+
+
+class _BatchedAcceptSite(web.TCPSite):
+    """A TCP site whose kernel queue is `listen_backlog()` deep while asyncio accepts at most
+    `backlog` (ACCEPT_BATCH) connections per wake-up: asyncio takes one number for both, so the
+    queue is deepened again once the site listens (`listen` on a listening socket resizes it)."""
+
+    async def start(self) -> None:
+        await super().start()
+        depth = listen_backlog()
+        for transport_socket in self._server.sockets if self._server is not None else ():
+            listening = transport_socket.dup()  # the same socket; asyncio's wrapper offers no listen()
+            try:
+                listening.listen(depth)
+            finally:
+                listening.close()
 
 
 def connection_limit(configured: int) -> int:
@@ -286,7 +306,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
     try:
         await runner.setup()
         cap.server = runner.server
-        site = web.TCPSite(runner, host, port, backlog=listen_backlog())
+        site = _BatchedAcceptSite(runner, host, port, backlog=ACCEPT_BATCH)
         try:
             await site.start()
         except OSError as exc:

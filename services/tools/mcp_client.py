@@ -45,6 +45,7 @@ from mcp_types import (
     TextResourceContents,
 )
 
+from services.fairshare import waiting
 from services.tools.errors import (
     ToolError,
     UpstreamMalformed,
@@ -273,7 +274,9 @@ class McpHttpClient:
         """
 
         async def run(client: Client) -> McpCallResult:
-            return _call_result(await client.call_tool(name, arguments))
+            async with waiting():  # the server's answer: other turns compute meanwhile (services.fairshare)
+                result = await client.call_tool(name, arguments)
+            return _call_result(result)
 
         return await self._session(url, auth_header, timeout_s, run, idempotency_key=idempotency_key)
 

@@ -47,6 +47,7 @@ import structlog
 import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from services.fairshare import waiting
 from services.nesting import MAX_JSON_DEPTH, nests_deeper_than, raw_nests_deeper_than
 from services.tools.context import TrustedContext
 from services.tools.crypto import SecretBox, SecretDecryptError
@@ -515,7 +516,7 @@ class WebhookClient:
     ) -> WebhookResponse:
         token = _checked_destination.set(destination)
         try:
-            async with session.request(
+            async with waiting(), session.request(
                 method,
                 yarl.URL(destination.url, encoded=True),
                 headers=headers,

@@ -94,6 +94,7 @@ class FakeSessionStore:
         self.flush_calls = 0  # every attempt, failed ones included
         self.failed_flushes = 0
         self.deltas_per_flush: list[int] = []  # committed flushes only
+        self.keys_per_flush: list[list[Key]] = []  # likewise, the sessions each one wrote, in order
         self.refused: list[tuple[Key, int]] = []  # (key, stale epoch)
         self.get_turn_calls = 0
         self.flush_entered = asyncio.Event()
@@ -141,6 +142,7 @@ class FakeSessionStore:
             self._apply(key, delta, acked=self.lose_ack_next == 0)
             written.append(key)
         self.deltas_per_flush.append(len(deltas))
+        self.keys_per_flush.append([(d.tenant_id, d.session_id) for d in deltas])
         if self.lose_ack_next > 0:
             self.lose_ack_next -= 1
             self.failed_flushes += 1

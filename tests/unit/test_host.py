@@ -630,6 +630,36 @@ async def test_one_tenant_takes_at_most_half_a_host_and_the_others_still_get_in(
     assert reply.reply == "echo: hello"
 
 
+async def test_a_turn_waiting_on_the_model_holds_no_compute_slot(world):
+    # one slot: were it held across the model's answer, the other tenant's turn would wait for it
+    slow = world.model.hold("busy")
+    host = await world.host(cpu_slots=1)
+    waiting = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="busy", message_id="m1")))
+    await eventually(lambda: len(world.model.requests) == 1)
+    other = await asyncio.wait_for(host.send(Turn(tenant_id="t2", session_id="s1", text="hello", message_id="m1")), T)
+    assert other.reply == "echo: hello"
+    slow.set()
+    assert (await asyncio.wait_for(waiting, T)).reply == "echo: busy"
+    assert host._share.running("t1") == host._share.running("t2") == 0 and host._share.waiting() == 0
+
+
+async def test_a_tenant_with_one_session_to_write_is_in_the_next_flush_however_many_another_has(world):
+    store, model = world.store, world.model
+    hold = model.hold("go")
+    host = await world.host(flush_interval_s=0.02, flush_batch=8)
+    tasks = [asyncio.create_task(host.send(Turn(tenant_id="t1", session_id=f"s{i}", text="go", message_id=f"m{i}")))
+             for i in range(40)]
+    await eventually(lambda: sum(1 for kind, text in model.log if kind == "enter" and text == "go") == 40)
+    tasks.append(asyncio.create_task(host.send(Turn(tenant_id="t2", session_id="b", text="go", message_id="m1"))))
+    await eventually(lambda: sum(1 for kind, text in model.log if kind == "enter" and text == "go") == 41)
+    hold.set()  # all 41 turns reach the gate at once: t2's one came last
+    await asyncio.wait_for(asyncio.gather(*tasks), T)
+    assert sum(store.deltas_per_flush) == 41 and max(store.deltas_per_flush) <= 8, store.deltas_per_flush
+    first_with_t1 = next(i for i, keys in enumerate(store.keys_per_flush) if any(k[0] == "t1" for k in keys))
+    with_t2 = next(i for i, keys in enumerate(store.keys_per_flush) if ("t2", "b") in keys)
+    assert with_t2 <= first_with_t1 + 1, store.keys_per_flush  # not behind t1's five batches
+
+
 # -- passivation ---------------------------------------------------------------------------------
 
 

@@ -5,7 +5,11 @@ ran is shown by what ran in this process and what did not."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +242,25 @@ async def test_arguments_that_cannot_be_sent_to_the_worker_fail_at_once_not_neve
     with pytest.raises(offload.NotFinished, match=r"could not be sent to the worker \(RecursionError\)"):
         await offload.run(len, deep)
     assert await offload.run(len, [1, 2]) == 2
+
+
+def _thread_niceness() -> dict[int, int]:
+    """This process's threads and their niceness (field 19 of /proc/self/task/<tid>/stat)."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            out[int(task.name)] = int(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+async def test_the_worker_and_the_threads_that_start_it_run_at_lower_priority_from_the_start():
+    offload.shutdown()  # a worker of its own, started by this test
+    try:
+        assert await offload.run(os.getpriority, os.PRIO_PROCESS, 0) == offload.NICE
+        threads = _thread_niceness()
+        assert threads[threading.get_native_id()] == 0  # this thread keeps its own
+        # the pool's threads, started by a thread at NICE: the worker is a process they start
+        # (again after a kill), so it runs at NICE from its first instruction, its imports too
+        assert offload.NICE in threads.values()
+    finally:
+        offload.shutdown()
