@@ -26,6 +26,7 @@ import structlog
 from actors.session import TurnEnv
 from services.botconfig import BotConfig, approval_ttl, botconfig_from_dict
 from services.builtins.handoff import HANDLER as HANDOFF_HANDLER
+from services.fairshare import waiting
 from services.tools.mcp import with_mcp_tools
 from services.tools.model import ToolDefinition
 from services.tools.registry import Catalog, HandlerRegistry, ToolBackend, build_catalog
@@ -131,7 +132,9 @@ class TenantCatalogs:
             return cached[0]
         loading = self._loading.get(tenant_id)
         if loading is not None and stamp in (None, loading[0]):
-            return await asyncio.shield(loading[1])
+            # another turn's load: it needs a compute slot to finish, so this wait holds none
+            async with waiting():
+                return await asyncio.shield(loading[1])
         future: asyncio.Future[TurnEnv] = asyncio.get_running_loop().create_future()
         self._loading[tenant_id] = (stamp, future)
         load = _Load()

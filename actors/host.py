@@ -41,7 +41,7 @@ from actors.session import SealedTurns, SessionState, TurnEnv
 from kernel.errors import ChatEngineError, Overloaded
 from kernel.records import ActivatedSession, FlushResult, JobRecord, SessionDelta, SessionEvent
 from services import heap
-from services.fairshare import FairShare, fair_batch, turn_slot
+from services.fairshare import FairShare, fair_batch, turn_slot, waiting
 from services.wire import (
     AgentMessage,
     ApprovalDecision,
@@ -744,7 +744,9 @@ class SessionHost:
         self._tenant_running[tenant_id] = mine + 1
         self._drained.clear()
         try:
-            reply, gate_s = await self._admitted_turn(tenant_id, session_id, run)
+            # a fair share of the loop from here: activation, the turn, its reply (services.fairshare)
+            async with turn_slot(self._share, tenant_id):
+                reply, gate_s = await self._admitted_turn(tenant_id, session_id, run)
         finally:
             self._running -= 1
             left = self._tenant_running[tenant_id] - 1
@@ -776,7 +778,8 @@ class SessionHost:
             )
         entry.queued += 1
         try:
-            await entry.lock.acquire()
+            async with waiting():  # behind the session's running turn, which needs a slot to finish
+                await entry.lock.acquire()
         finally:
             entry.queued -= 1
         try:
@@ -795,8 +798,7 @@ class SessionHost:
                 if task is not None:
                     self._turn_tasks[key] = task
                 try:
-                    async with turn_slot(self._share, tenant_id):  # a fair share of the loop
-                        reply = await run(entry, env)
+                    reply = await run(entry, env)
                 except BaseException as exc:
                     try:  # what ran is kept, made whole, and written without waiting for a next turn
                         entry.state.close_failed_turn()
@@ -842,7 +844,8 @@ class SessionHost:
         if durable is not None:
             gated = time.perf_counter()
             try:
-                await self._until_durable(key, durable)
+                async with waiting():  # the flush's work, not this turn's
+                    await self._until_durable(key, durable)
             except TimeoutError:
                 raise Overloaded(
                     "the reply is ready but could not be saved yet (database unavailable); "
@@ -864,17 +867,20 @@ class SessionHost:
             return entry
         pending = self._activating.get(key)
         if pending is not None:
-            return await asyncio.shield(pending)
+            async with waiting():
+                return await asyncio.shield(pending)
         future: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
         self._activating[key] = future
         started = time.perf_counter()
         try:
-            activated = await self._store.activate(key[0], key[1], self.owner)
+            async with waiting():  # Postgres's work: other turns compute meanwhile
+                activated = await self._store.activate(key[0], key[1], self.owner)
             state = SessionState(activated)
             if activated.history:
                 recent = activated.recent_turns  # read with the state: no round trip of its own
                 if recent is None:
-                    recent = await self._store.recent_turns(key[0], key[1], core.TURN_CACHE + 1)
+                    async with waiting():
+                        recent = await self._store.recent_turns(key[0], key[1], core.TURN_CACHE + 1)
                 state.load_turns(recent, complete=len(recent) <= core.TURN_CACHE)
             entry = _Entry(state)
             self._sessions[key] = entry

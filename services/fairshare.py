@@ -10,7 +10,7 @@ A turn holds its slot only while it computes: around the waits that are not the 
 model's answer, a webhook's, a worker process's) it steps aside with `waiting()`, and others run.
 Code anywhere below a turn calls `waiting()`; outside a turn it does nothing.
 
-Pure asyncio: no clock, no I/O.
+Pure asyncio: no I/O.
 """
 
 from __future__ import annotations
@@ -22,12 +22,24 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+#: the longest a turn waits for a slot before it runs anyway, one over the bound: a wait that would
+#: last for ever (slot holders waiting on what only a waiter can do) becomes a slow turn, not a hang
+MAX_WAIT_S = 1.0
+
 
 class FairShare:
-    """`slots` turns compute at once (0: no bound); the next slot goes to the tenant with the fewest."""
+    """`slots` turns compute at once (0: no bound); the next slot goes to the tenant with the fewest.
+    `overruns` counts the turns that waited `max_wait_s` and ran over the bound."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, *, max_wait_s: float = MAX_WAIT_S) -> None:
         self.slots = slots
+        self.max_wait_s = max_wait_s
+        self.overruns = 0
         self._free = slots
         self._running: dict[str, int] = {}
         self._waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = {}
@@ -50,7 +62,16 @@ class FairShare:
         entry = (next(self._order), future)
         self._waiting.setdefault(tenant_id, deque()).append(entry)
         try:
-            await future
+            async with asyncio.timeout(self.max_wait_s):
+                await future
+        except TimeoutError:
+            if future.done() and not future.cancelled():  # handed a slot as the wait ended: it is this turn's
+                return
+            self._forget(tenant_id, entry)
+            self._free -= 1  # one over the bound, given back by its release like any slot
+            self._take(tenant_id)
+            self.overruns += 1
+            log.warning("fair_share_overrun", tenant_id=tenant_id, waited_s=self.max_wait_s, slots=self.slots)
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self.release(tenant_id)  # handed a slot just as it was cancelled: pass it on

@@ -30,16 +30,15 @@ from services.gateway.common import (
     TENANT,
     decode_body,
     json_response,
+    keyset_cursor,
+    keyset_of,
     page_of,
     paged,
     parse_since,
-    whole_number,
 )
 from services.tools.validation import schemas_checked
 from storage.repos.builtins import MAX_FORMS_PER_TENANT, MAX_SERVICES_PER_TENANT, BuiltinRepos
 from storage.repos.notifications import NotFailed
-
-_LIMIT_MAX = 1000
 
 
 def _repos(request: web.Request) -> BuiltinRepos:
@@ -50,13 +49,6 @@ def _repos(request: web.Request) -> BuiltinRepos:
         raise NotFound("the built-in tool admin routes are not available in this process", kind="route",
                        key=request.path)
     return BuiltinRepos(pool)
-
-
-def _limit(request: web.Request, default: int = 100) -> int:
-    raw = request.query.get("limit")
-    if raw is None:
-        return default
-    return whole_number(raw, name="limit", low=1, high=_LIMIT_MAX, at="?limit")
 
 
 def _view(record: Any) -> dict[str, Any]:
@@ -102,8 +94,12 @@ async def delete_form(request: web.Request) -> web.Response:
 
 
 async def form_submissions(request: web.Request) -> web.Response:
-    rows = await _repos(request).forms.submissions(request[TENANT], request.match_info["name"], _limit(request))
-    return json_response({"submissions": [_view(r) for r in rows]})
+    limit, cursor = page_of(request, default=100)
+    rows, next_cursor = paged(
+        await _repos(request).forms.submissions(request[TENANT], request.match_info["name"], limit + 1,
+                                                before=keyset_of(cursor)),
+        limit, lambda row: keyset_cursor(row.created_at, row.id))
+    return json_response({"submissions": [_view(r) for r in rows], "next_cursor": next_cursor})
 
 
 # -- appointments -------------------------------------------------------------------------------
@@ -139,17 +135,20 @@ async def delete_service(request: web.Request) -> web.Response:
 
 async def list_appointments(request: web.Request) -> web.Response:
     since = parse_since(request.query["since"]) if request.query.get("since") else None
-    rows = await _repos(request).appointments.list(
-        request[TENANT], service=request.query.get("service") or None, since=since, limit=_limit(request, 200)
-    )
-    return json_response({"appointments": [_view(r) for r in rows]})
+    limit, cursor = page_of(request, default=200)
+    rows, next_cursor = paged(await _repos(request).appointments.list(
+        request[TENANT], service=request.query.get("service") or None, since=since, limit=limit + 1,
+        after=keyset_of(cursor)), limit, lambda row: keyset_cursor(row.starts_at, row.id))
+    return json_response({"appointments": [_view(r) for r in rows], "next_cursor": next_cursor})
 
 
 # -- leads -------------------------------------------------------------------------
 
 async def list_leads(request: web.Request) -> web.Response:
-    rows = await _repos(request).leads.list(request[TENANT], _limit(request))
-    return json_response({"leads": [_view(r) for r in rows]})
+    limit, cursor = page_of(request, default=100)
+    rows, next_cursor = paged(await _repos(request).leads.list(request[TENANT], limit + 1, before=keyset_of(cursor)),
+                              limit, lambda row: keyset_cursor(row.created_at, row.id))
+    return json_response({"leads": [_view(r) for r in rows], "next_cursor": next_cursor})
 
 
 # -- notifications (the outbox of tenant events) -------------------------------------------------
@@ -161,8 +160,11 @@ async def list_notifications(request: web.Request) -> web.Response:
     status = request.query.get("status")
     if status is not None and status not in _STATUSES:
         raise InvalidInput(f"status must be one of {', '.join(_STATUSES)}, got {status[:20]!r}")
-    rows = await _repos(request).notifications.list(request[TENANT], status, _limit(request))
-    return json_response({"notifications": rows})
+    limit, cursor = page_of(request, default=100)
+    rows, next_cursor = paged(
+        await _repos(request).notifications.list(request[TENANT], status, limit + 1, before=keyset_of(cursor)),
+        limit, lambda row: keyset_cursor(row["created_at"], row["id"]))
+    return json_response({"notifications": rows, "next_cursor": next_cursor})
 
 
 async def retry_notification(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ app.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -250,6 +251,27 @@ def page_of(request: web.Request, *, default: int) -> tuple[int, str]:
     if len(cursor) > 256 or "\x00" in cursor:
         raise InvalidInput("cursor must be the next_cursor of the page before - at `?cursor`", path="?cursor")
     return limit, cursor
+
+
+def keyset_cursor(at: datetime, row_id: str) -> str:
+    """The `next_cursor` of a list read by time (a row's time and id), opaque to clients: URL-safe
+    base64 of both, so that it goes into a query string as it is."""
+    return base64.urlsafe_b64encode(f"{at.isoformat()}|{row_id}".encode()).decode().rstrip("=")
+
+
+def keyset_of(cursor: str) -> tuple[datetime, str] | None:
+    """The row `cursor` (a `keyset_cursor`) names; None for "" (the first page). Raises InvalidInput."""
+    if not cursor:
+        return None
+    try:
+        at, sep, row_id = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().partition("|")
+        moment = datetime.fromisoformat(at)
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        sep = ""
+    if not sep or not row_id or moment.tzinfo is None:
+        raise InvalidInput("cursor must be the next_cursor of the page before, as it was given - at `?cursor`",
+                           path="?cursor")
+    return moment, row_id
 
 
 def paged(rows: list[Any], limit: int, cursor_of: Callable[[Any], str]) -> tuple[list[Any], str | None]:

@@ -35,6 +35,10 @@ from services.gateway.common import (
     decode_body,
     failure,
     json_response,
+    keyset_cursor,
+    keyset_of,
+    page_of,
+    paged,
     path_session_id,
     whole_number,
 )
@@ -294,10 +298,11 @@ async def list_handoffs(request: web.Request) -> web.Response:
     state = request.query.get("state")
     if state is not None and state not in _HANDOFF_STATES:
         raise InvalidInput(f"state must be one of {', '.join(_HANDOFF_STATES)}, got {state[:20]!r} - at ?state")
-    raw = request.query.get("limit")
-    limit = 100 if raw is None else whole_number(raw, name="limit", low=1, high=1000, at="?limit")
-    rows = await _desk(request).list(request[TENANT], state=state, limit=limit)
-    return json_response({"handoffs": [msgspec.to_builtins(r) for r in rows]})
+    limit, cursor = page_of(request, default=100)
+    rows, next_cursor = paged(await _desk(request).list(request[TENANT], state=state, limit=limit + 1,
+                                                        before=keyset_of(cursor)),
+                              limit, lambda row: keyset_cursor(row.created_at, row.id))
+    return json_response({"handoffs": [msgspec.to_builtins(r) for r in rows], "next_cursor": next_cursor})
 
 
 async def _change(request: web.Request, **change: Any) -> web.Response:

@@ -28,9 +28,9 @@ from kernel.errors import InvalidInput, NotFound
 from kernel.records import McpServerRecord
 from services.gateway.bodies import check_credential_stays
 from services.gateway.bodies import check_url as check_destination
-from services.gateway.common import DEPS, TENANT, decode_body, json_response
+from services.gateway.common import DEPS, TENANT, decode_body, json_response, page_of, paged
 from services.tools.mcp import DEFAULT_TIMEOUT_MS, ORIGIN, SEPARATOR, check_server_name
-from storage.repos.mcp_servers import McpServerRepo
+from storage.repos.mcp_servers import MAX_SERVERS_PER_TENANT, McpServerRepo
 
 MAX_TIMEOUT_MS = 60_000
 MAX_NAMES = 256
@@ -134,8 +134,10 @@ async def create_server(request: web.Request) -> web.Response:
 
 
 async def list_servers(request: web.Request) -> web.Response:
-    records = await _repo(request).list(request[TENANT])
-    return json_response({"mcp_servers": [_view(r) for r in records]})
+    limit, cursor = page_of(request, default=MAX_SERVERS_PER_TENANT)  # by default, every one
+    records, next_cursor = paged(await _repo(request).list(request[TENANT], after=cursor, limit=limit + 1),
+                                 limit, lambda record: record.name)
+    return json_response({"mcp_servers": [_view(r) for r in records], "next_cursor": next_cursor})
 
 
 async def get_server(request: web.Request) -> web.Response:

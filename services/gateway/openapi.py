@@ -163,7 +163,8 @@ def openapi_document(routes: tuple[tuple[str, str, str], ...] = ()) -> dict[str,
 
 
 #: list routes that answer a page: `?limit=` and `?cursor=` in, `next_cursor` out
-PAGED = ("/v1/tools", "/v1/tools/{name}/versions", "/v1/forms", "/v1/appointment-services")
+PAGED = ("/v1/tools", "/v1/tools/{name}/versions", "/v1/forms", "/v1/appointment-services", "/v1/mcp-servers",
+         "/v1/forms/{name}/submissions", "/v1/appointments", "/v1/leads", "/v1/notifications", "/v1/handoffs")
 _PAGE_PARAMS = (
     {"name": "limit", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 1, "maximum": 1000},

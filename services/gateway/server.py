@@ -53,9 +53,13 @@ SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 FULL_RETRY_AFTER_S = 1
 
 
-#: connections accepted per wake-up of the loop: a burst of a thousand is taken in batches, and
-#: the requests of clients already connected are read between them, not after the whole burst
-ACCEPT_BATCH = 8
+#: tasks accepting connections, each one per wake-up of the loop: a burst of a thousand clients is
+#: taken this many at a time, and the requests of clients already connected are read in between
+#: (asyncio's server accepts up to its backlog per wake-up, uvloop's every pending connection)
+ACCEPTORS = 8
+#: accept errors that pass (descriptors or memory run out), and how soon to try again (asyncio's delay)
+_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_RETRY_S = 1.0
 
 
 def listen_backlog(path: Path = SOMAXCONN) -> int:
@@ -68,20 +72,76 @@ def listen_backlog(path: Path = SOMAXCONN) -> int:
         return DEFAULT_BACKLOG
 
 
-class _BatchedAcceptSite(web.TCPSite):
-    """A TCP site whose kernel queue is `listen_backlog()` deep while asyncio accepts at most
-    `backlog` (ACCEPT_BATCH) connections per wake-up: asyncio takes one number for both, so the
-    queue is deepened again once the site listens (`listen` on a listening socket resizes it)."""
+class _PacedSite(web.BaseSite):
+    """The gateway's listening sockets (every address `host` resolves to, as asyncio binds them),
+    each with a kernel queue `listen_backlog()` deep, accepted by ACCEPTORS tasks at one
+    connection each per wake-up of the loop, handed to aiohttp's server as asyncio would."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int) -> None:
+        super().__init__(runner, backlog=listen_backlog())
+        self._host = host
+        self._port = port
+        self.sockets: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task] = []
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
-        depth = listen_backlog()
-        for transport_socket in self._server.sockets if self._server is not None else ():
-            listening = transport_socket.dup()  # the same socket; asyncio's wrapper offers no listen()
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self.sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # its own family only
+                sock.bind(address)
+                sock.listen(self._backlog)
+                sock.setblocking(False)
+        except BaseException:
+            self._close_sockets()
+            raise
+        factory = self._runner.server
+        assert factory is not None
+        self._acceptors = [asyncio.create_task(self._accept(loop, sock, factory))
+                           for sock in self.sockets for _ in range(ACCEPTORS)]
+
+    async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, factory: Any) -> None:
+        while True:
             try:
-                listening.listen(depth)
-            finally:
-                listening.close()
+                conn, _ = await loop.sock_accept(sock)
+            except (ConnectionAbortedError, InterruptedError):
+                continue  # the client gave up while queued
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_LATER:
+                    raise
+                # out of descriptors or memory: the clients wait in the kernel's queue meanwhile
+                log.warning("gateway_accept_failed", error=str(exc), retry_in_s=ACCEPT_RETRY_S)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            conn.setblocking(False)
+            try:
+                await loop.connect_accepted_socket(factory, conn)
+            except OSError:
+                conn.close()  # the client left before its connection was set up
+            await asyncio.sleep(0)  # one per wake-up: what else is ready runs in between
+
+    async def stop(self) -> None:
+        for task in self._acceptors:
+            task.cancel()
+        await asyncio.gather(*self._acceptors, return_exceptions=True)
+        self._acceptors = []
+        self._close_sockets()
+        await super().stop()
+
+    def _close_sockets(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
 
 
 def connection_limit(configured: int) -> int:
@@ -233,7 +293,7 @@ class Gateway:
 
     def listening_sockets(self) -> list[socket.socket]:
         """The sockets the gateway listens on."""
-        return [sock for site in self._runner.sites for sock in site._server.sockets]
+        return [sock for site in self._runner.sites for sock in getattr(site, "sockets", ())]
 
     async def close(self, *, hurry: asyncio.Event | None = None) -> None:
         """Stop listening, let the requests in flight finish (DRAIN_TIMEOUT_S at most, or until
@@ -306,7 +366,7 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
     try:
         await runner.setup()
         cap.server = runner.server
-        site = _BatchedAcceptSite(runner, host, port, backlog=ACCEPT_BATCH)
+        site = _PacedSite(runner, host, port)
         try:
             await site.start()
         except OSError as exc:
@@ -315,5 +375,5 @@ async def open_gateway(settings: Settings, router: Any, *, contract=None, ready_
         await runner.cleanup()
         await pool.close()
         raise
-    bound_host, bound_port = runner.addresses[0][:2]
+    bound_host, bound_port = site.sockets[0].getsockname()[:2]
     return Gateway(runner, pool, deps, f"http://{bound_host}:{bound_port}", in_flight, drain_timeout_s)

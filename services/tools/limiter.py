@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
+from services.fairshare import waiting
 from services.tools.errors import DeadlineExceeded, QueueTimeout, ToolError
 
 T = TypeVar("T")
@@ -101,16 +102,28 @@ class ResourceLimiter:
         start = self._clock.monotonic()
         if start >= deadline:
             raise _timed(QueueTimeout("deadline passed before the call could start", advice=_ADVICE), 0.0, 0.0)
+        admitted_here = False
         try:
-            async with asyncio.timeout(deadline - start):
-                if gate is not None:
-                    await gate.acquire()
-                try:
-                    await sem.acquire()
-                except BaseException:
+            try:
+                async with asyncio.timeout(deadline - start):
+                    # queued behind calls that need a compute slot to finish: the wait holds none
+                    # (services.fairshare), and the turn's slot is taken back within the deadline
+                    async with waiting():
+                        if gate is not None:
+                            await gate.acquire()
+                        try:
+                            await sem.acquire()
+                        except BaseException:
+                            if gate is not None:
+                                gate.release()
+                            raise
+                        admitted_here = True
+            except BaseException:
+                if admitted_here:  # given up while taking the compute slot back: the call's slots go too
+                    sem.release()
                     if gate is not None:
                         gate.release()
-                    raise
+                raise
         except TimeoutError:
             waited = self._clock.monotonic() - start
             raise _timed(QueueTimeout(

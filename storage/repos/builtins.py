@@ -60,6 +60,12 @@ class MemoryHit(msgspec.Struct, frozen=True, kw_only=True):
     role: str | None = None  # for messages: "user" (the contact) or "assistant"
 
 
+#: a row's place in a list read a page at a time: its time (created_at, or starts_at) and its id
+Keyset = tuple[datetime, str]
+#: rows after the keyset ($at, $id) in the order "created_at DESC, id" (none given: every row)
+_OLDER = "({at}::timestamptz IS NULL OR created_at < {at} OR (created_at = {at} AND id > {id}::text))"
+
+
 class LeadRecord(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant_id: str
@@ -352,12 +358,14 @@ class LeadRepo:
             )
         return None if row is None else _lead(row)
 
-    async def list(self, tenant_id: str, limit: int = 100) -> list[LeadRecord]:
-        """The tenant's leads, newest first."""
+    async def list(self, tenant_id: str, limit: int = 100, *, before: Keyset | None = None) -> list[LeadRecord]:
+        """The tenant's leads, newest first; after the lead `before` names (created_at, id), if given."""
+        at, key = before or (None, None)
         with translate("listing leads"):
             rows = await self._pool.fetch(
-                f"SELECT {_LEAD_COLUMNS} FROM ce_leads WHERE tenant_id = $1 ORDER BY created_at DESC, id LIMIT $2",
-                tenant_id, limit,
+                f"SELECT {_LEAD_COLUMNS} FROM ce_leads WHERE tenant_id = $1 AND {_OLDER.format(at='$3', id='$4')} "
+                "ORDER BY created_at DESC, id LIMIT $2",
+                tenant_id, limit, at, key,
             )
         return [_lead(r) for r in rows]
 
@@ -456,13 +464,16 @@ class FormRepo:
                 )
         return SubmissionRecord(**dict(row)), False
 
-    async def submissions(self, tenant_id: str, form_name: str, limit: int = 100) -> list[SubmissionRecord]:
-        """The form's submissions, newest first."""
+    async def submissions(self, tenant_id: str, form_name: str, limit: int = 100, *,
+                          before: Keyset | None = None) -> list[SubmissionRecord]:
+        """The form's submissions, newest first; after the one `before` names (created_at, id), if given."""
+        at, key = before or (None, None)
         with translate("listing form submissions"):
             rows = await self._pool.fetch(
                 "SELECT id, form_name, session_id, data, created_at FROM ce_form_submissions "
-                "WHERE tenant_id = $1 AND form_name = $2 ORDER BY created_at DESC, id LIMIT $3",
-                tenant_id, _text(form_name), limit,
+                f"WHERE tenant_id = $1 AND form_name = $2 AND {_OLDER.format(at='$4', id='$5')} "
+                "ORDER BY created_at DESC, id LIMIT $3",
+                tenant_id, _text(form_name), limit, at, key,
             )
         return [SubmissionRecord(**dict(r)) for r in rows]
 
@@ -604,15 +615,17 @@ class AppointmentRepo:
         return None if row is None else AppointmentRecord(**dict(row))
 
     async def list(self, tenant_id: str, *, service: str | None = None, since: datetime | None = None,
-                   limit: int = 200) -> list[AppointmentRecord]:
+                   limit: int = 200, after: Keyset | None = None) -> list[AppointmentRecord]:
         """The tenant's appointments (optionally of one service, starting at or after `since`),
-        by start time."""
+        by start time; after the one `after` names (starts_at, id), if given."""
+        at, key = after or (None, None)
         with translate("listing appointments"):
             rows = await self._pool.fetch(
                 f"SELECT {_APPOINTMENT_COLUMNS} FROM ce_appointments WHERE tenant_id = $1 "
                 "AND ($2::text IS NULL OR service = $2) AND ($3::timestamptz IS NULL OR starts_at >= $3) "
+                "AND ($5::timestamptz IS NULL OR (starts_at, id) > ($5, $6::text)) "
                 "ORDER BY starts_at, id LIMIT $4",
-                tenant_id, _text(service), since, limit,
+                tenant_id, _text(service), since, limit, at, key,
             )
         return [AppointmentRecord(**dict(r)) for r in rows]
 
@@ -644,7 +657,7 @@ _GET_SQL = _WITH_MESSAGES.format(
     handoffs=f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND id = $2", last="$3")
 _LIST_SQL = _WITH_MESSAGES.format(
     handoffs=f"SELECT {_HANDOFF_COLUMNS} FROM ce_handoffs WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
-             "ORDER BY created_at DESC, id LIMIT $3",
+             f"AND {_OLDER.format(at='$5', id='$6')} ORDER BY created_at DESC, id LIMIT $3",
     last="$4")
 
 # Transitions are conditional updates: of two racing claims Postgres lets exactly one match
@@ -755,13 +768,16 @@ class HandoffRepo:
 
     async def list(
         self, tenant_id: str, state: HandoffState | None = None, limit: int = 100, *, last_messages: int = 5,
+        before: Keyset | None = None,
     ) -> list[HandoffRecord]:
-        """The tenant's handoffs (in `state`, or all), newest first, each with its session's last
-        `last_messages` messages that hold text. Raises InvalidInput for an unknown state."""
+        """The tenant's handoffs (in `state`, or all), newest first (after the one `before` names:
+        (created_at, id)), each with its session's last `last_messages` messages that hold text.
+        Raises InvalidInput for an unknown state."""
         if state is not None and state not in HANDOFF_STATES:
             raise InvalidInput(f"state must be one of {', '.join(HANDOFF_STATES)}, got {str(state)[:20]!r}")
         with translate("listing handoffs"):
-            rows = await self._pool.fetch(_LIST_SQL, tenant_id, state, limit, last_messages)
+            at, key = before or (None, None)
+            rows = await self._pool.fetch(_LIST_SQL, tenant_id, state, limit, last_messages, at, key)
         return [_handoff(r, messages=True) for r in rows]
 
     async def claim(

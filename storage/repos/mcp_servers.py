@@ -97,11 +97,12 @@ class McpServerRepo:
             raise _not_found(name)
         return _record(row)
 
-    async def list(self, tenant_id: str) -> list[McpServerRecord]:
-        """The tenant's registrations (enabled or not), by name."""
+    async def list(self, tenant_id: str, *, after: str = "", limit: int | None = None) -> list[McpServerRecord]:
+        """The tenant's registrations (enabled or not) named after `after`, by name, at most `limit`."""
         with translate("listing mcp servers"):
             rows = await self._pool.fetch(
-                f"SELECT {_COLUMNS} FROM ce_mcp_servers WHERE tenant_id = $1 ORDER BY name", tenant_id
+                f"SELECT {_COLUMNS} FROM ce_mcp_servers WHERE tenant_id = $1 AND name > $2 ORDER BY name LIMIT $3",
+                tenant_id, after.replace("\x00", ""), limit,
             )
         return [_record(r) for r in rows]
 

@@ -7,6 +7,7 @@ so a process that dies mid-delivery leaves the row to be claimed again once the 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -122,14 +123,18 @@ class NotificationRepo:
                 older_than_s)
         return int(done.split()[-1])
 
-    async def list(self, tenant_id: str, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """The tenant's notifications, newest first; `status` one of pending, delivered, failed."""
+    async def list(self, tenant_id: str, status: str | None = None, limit: int = 100, *,
+                   before: tuple[datetime, str] | None = None) -> list[dict[str, Any]]:
+        """The tenant's notifications, newest first (after the one `before` names: (created_at,
+        id)); `status` one of pending, delivered, failed."""
         where = {None: "", "pending": " AND delivered_at IS NULL AND failed_at IS NULL",
                  "delivered": " AND delivered_at IS NOT NULL", "failed": " AND failed_at IS NOT NULL"}[status]
+        at, key = before or (None, None)
         with translate("listing notifications"):
             rows = await self._pool.fetch(
                 f"SELECT {_VIEW_COLUMNS} FROM ce_notifications WHERE tenant_id = $1{where} "
-                "ORDER BY created_at DESC, id LIMIT $2", tenant_id, limit)
+                "AND ($3::timestamptz IS NULL OR created_at < $3 OR (created_at = $3 AND id > $4::text)) "
+                "ORDER BY created_at DESC, id LIMIT $2", tenant_id, limit, at, key)
         return [_view(r) for r in rows]
 
     async def retry(self, tenant_id: str, id: str) -> dict[str, Any] | None:

@@ -5,13 +5,15 @@ gateway's real routes on loopback with the real Postgres; the SessionRouter is a
   replacing one at the cap is never refused).
 - A tool keeps its live version and its newest MAX_VERSIONS_KEPT: older ones are pruned as new
   ones are stored (they were kept for ever, and one listing returned them all).
-- List routes answer pages: `limit` and `cursor` in, `next_cursor` out.
+- List routes answer pages: `limit` and `cursor` in, `next_cursor` out; the lists that grow
+  with conversations by time (ties broken by id), so no page skips or repeats a row.
 - Configuration writes have a per-tenant rate at each gateway (429 admin_rate, Retry-After).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import pytest_asyncio
@@ -21,6 +23,7 @@ import storage.repos.builtins as builtins_repo
 import storage.repos.tools as tools_repo
 from services.gateway.app import build_app
 from services.gateway.limits import TenantRate
+from storage.repos.builtins import HandoffRepo
 from tests.support.gateways import problem_of, repo_deps
 
 FORM = {"type": "object", "properties": {"email": {"type": "string"}}}
@@ -152,3 +155,75 @@ async def test_configuration_writes_past_the_tenants_rate_are_429_with_retry_aft
         assert (await client.put("/v1/forms/f3", headers=headers, json=FORM)).status == 200
         metrics = await (await client.get("/metrics")).text()
         assert 'ce_refused_total{reason="admin_rate"} 1.0' in metrics
+
+
+# -- lists that grow with conversations: pages by time, newest first (appointments: by start) -------------------
+
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
+#: five rows' times, two of them tied: the id orders those, and no page skips or repeats one
+TIMES = [T0, T0 + timedelta(hours=1), T0 + timedelta(hours=1), T0 + timedelta(hours=2), T0 + timedelta(hours=3)]
+
+
+async def _seed(pool, tenant_id: str, table: str) -> list[str]:
+    """Five rows of `table` for the tenant at TIMES, by SQL (their times chosen); returns their ids
+    in the order the route lists them."""
+    ids = [f"row-{i}" for i in range(5)]
+    sql = {
+        "leads": "INSERT INTO ce_leads (id, tenant_id, session_id, created_at) VALUES ($1, $2, $1, $3)",
+        "submissions": "INSERT INTO ce_form_submissions (id, tenant_id, form_name, data, created_at) "
+                       "VALUES ($1, $2, 'signup', '{}', $3)",
+        "notifications": "INSERT INTO ce_notifications (id, tenant_id, event_type, payload, created_at) "
+                         "VALUES ($1, $2, 'lead.created', '{}', $3)",
+        "handoffs": "INSERT INTO ce_handoffs (id, tenant_id, session_id, created_at) VALUES ($1, $2, $1, $3)",
+        "appointments": "INSERT INTO ce_appointments (id, tenant_id, service, starts_at, ends_at) "
+                        "VALUES ($1, $2, $1, $3::timestamptz, $3::timestamptz + interval '30 minutes')",
+    }[table]
+    async with pool.acquire() as conn:
+        for row_id, at in zip(ids, TIMES, strict=True):
+            await conn.execute(sql, row_id, tenant_id, at)
+    by_time = sorted(zip(TIMES, ids, strict=True), key=lambda p: (p[0], p[1]))
+    if table == "appointments":  # by start time, earliest first
+        return [i for _, i in by_time]
+    return [i for _, i in sorted(by_time, key=lambda p: (-p[0].timestamp(), p[1]))]
+
+
+@pytest.mark.parametrize("table,path,listed", [
+    ("leads", "/v1/leads", "leads"),
+    ("submissions", "/v1/forms/signup/submissions", "submissions"),
+    ("notifications", "/v1/notifications", "notifications"),
+    ("handoffs", "/v1/handoffs", "handoffs"),
+    ("appointments", "/v1/appointments", "appointments"),
+])
+async def test_growing_lists_come_in_pages_that_neither_skip_nor_repeat_a_row(pool, make_tenant, table, path, listed):
+    tenant, key = await make_tenant(f"pages-{table}")
+    headers = {"Authorization": f"Bearer {key.api_key}"}
+    expected = await _seed(pool, tenant.id, table)
+    async with TestClient(TestServer(build_app(repo_deps(pool, handoffs=HandoffRepo(pool))), host="127.0.0.1")) as c:
+        whole = await (await c.get(path, headers=headers)).json()
+        assert [row["id"] for row in whole[listed]] == expected and whole["next_cursor"] is None
+        pages, cursor = [], None
+        while True:
+            page = await (await c.get(path, headers=headers, params={"limit": "2"} | (
+                {"cursor": cursor} if cursor else {}))).json()
+            pages.append([row["id"] for row in page[listed]])
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert pages == [expected[0:2], expected[2:4], expected[4:]]
+        r = await c.get(path, headers=headers, params={"cursor": "not-a-cursor"})
+        assert "cursor must be the next_cursor of the page before" in await problem_of(r, 422)
+
+
+async def test_mcp_servers_come_in_pages_by_name(pool, make_tenant):
+    tenant, key = await make_tenant("pages-mcp")
+    async with pool.acquire() as conn:
+        for name in ("echo", "alpha", "delta", "bravo", "charlie"):
+            await conn.execute("INSERT INTO ce_mcp_servers (tenant_id, name, url) VALUES ($1, $2, $3)",
+                               tenant.id, name, f"https://{name}.example.com/mcp")
+    async with TestClient(TestServer(build_app(repo_deps(pool)), host="127.0.0.1")) as c:
+        headers = {"Authorization": f"Bearer {key.api_key}"}
+        first = await (await c.get("/v1/mcp-servers", headers=headers, params={"limit": "3"})).json()
+        rest = await (await c.get("/v1/mcp-servers", headers=headers,
+                                  params={"limit": "3", "cursor": first["next_cursor"]})).json()
+    assert [s["name"] for s in first["mcp_servers"]] == ["alpha", "bravo", "charlie"]
+    assert [s["name"] for s in rest["mcp_servers"]] == ["delta", "echo"] and rest["next_cursor"] is None

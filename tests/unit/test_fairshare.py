@@ -111,17 +111,17 @@ async def test_a_cancelled_waiter_leaves_no_trace_and_a_cancelled_holder_frees_i
 
 
 async def test_a_slot_handed_over_as_the_waiter_is_cancelled_passes_on():
-    share, order, gate = FairShare(1), [], asyncio.Event()
-    holder = asyncio.create_task(_started(share, "a", order, gate))
-    await _until(lambda: order == ["a"])
-    doomed = asyncio.create_task(_started(share, "b", order, gate))
-    after = asyncio.create_task(_started(share, "c", order, gate))
+    share = FairShare(1)
+    await share.acquire("a")
+    doomed = asyncio.create_task(share.acquire("b"))
+    after = asyncio.create_task(share.acquire("c"))
     await _until(lambda: share.waiting() == 2)
-    gate.set()
-    await _until(lambda: holder.done())  # the slot is b's now, b not yet resumed
-    doomed.cancel()
-    await asyncio.gather(doomed, after, return_exceptions=True)
-    assert order == ["a", "c"] and share.waiting() == 0 and share.running("b") == 0
+    share.release("a")  # the slot is b's now (b is first in line and has none)...
+    doomed.cancel()  # ...and b is cancelled before it could resume
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    await asyncio.wait_for(after, 5)  # b passed it on
+    assert share.running("b") == 0 and share.running("c") == 1 and share.waiting() == 0
 
 
 async def test_no_slots_means_no_bound_and_waiting_outside_a_turn_does_nothing():
@@ -139,3 +139,26 @@ def test_a_flush_batch_takes_every_tenant_in_turn_oldest_first():
     batch = fair_batch(keys, 6)
     assert batch == [("a", "s0"), ("b", "late"), ("c", "x"), ("a", "s1"), ("c", "y"), ("a", "s2")]
     assert fair_batch(keys, 0) == keys and fair_batch(keys[:3], 5) == keys[:3]
+
+
+async def test_a_wait_that_would_never_end_runs_over_the_bound_instead():
+    # the one slot's holder waits (holding it) on what only the waiter can do: without the bound on
+    # waiting, both would wait for ever
+    share = FairShare(1, max_wait_s=0.05)
+    done = asyncio.Event()
+
+    async def holder() -> None:
+        async with turn_slot(share, "a"):
+            await done.wait()
+
+    async def waiter() -> None:
+        async with turn_slot(share, "b"):
+            done.set()
+
+    first = asyncio.create_task(holder())
+    await _until(lambda: share.running("a") == 1)
+    await asyncio.wait_for(asyncio.gather(first, waiter()), 5)
+    assert share.overruns == 1 and share.waiting() == 0
+    assert share.running("a") == share.running("b") == 0
+    async with turn_slot(share, "c"):  # the count is whole again: one slot, free
+        assert share.running("c") == 1 and share._free == 0
