@@ -745,7 +745,7 @@ class SessionHost:
         self._drained.clear()
         try:
             # a fair share of the loop from here: activation, the turn, its reply (services.fairshare)
-            async with turn_slot(self._share, tenant_id):
+            async with turn_slot(self._share, tenant_id) as hold:
                 reply, gate_s = await self._admitted_turn(tenant_id, session_id, run)
         finally:
             self._running -= 1
@@ -758,7 +758,9 @@ class SessionHost:
                 self._drained.set()
         # A copy: the answer stored for a repeated message id stays as the session code made it.
         return msgspec.structs.replace(reply, timing=TurnTiming(
-            host_ms=round((time.perf_counter() - started) * 1000, 2), gate_ms=round(gate_s * 1000, 2)))
+            host_ms=round((time.perf_counter() - started) * 1000, 2), gate_ms=round(gate_s * 1000, 2),
+            share_ms=round(hold.waited_s * 1000, 2), model_ms=round(hold.away_s.get("model", 0.0) * 1000, 2),
+            upstream_ms=round(hold.away_s.get("upstream", 0.0) * 1000, 2)))
 
     async def _admitted_turn(
         self, tenant_id: str, session_id: str, run: Callable[[_Entry, TurnEnv], Awaitable[TurnReply]]

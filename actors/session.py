@@ -899,7 +899,7 @@ async def _loop(
 async def _ask(llm: LLMClient, request: LLMRequest, emit: Emit) -> LLMResponse:
     """One model call. Streamed only when someone watches the turn (SSE): a turn answered as one
     JSON body asks for the whole answer at once, which costs the SDK and the model less."""
-    async with waiting():  # the model's answer is not this loop's work: other turns compute meanwhile
+    async with waiting("model"):  # the model's answer is not this loop's work: other turns compute meanwhile
         if emit is _no_emit:
             return await llm.complete(request)
         return await final_response(_relay_text(llm.stream(request), emit))

@@ -79,7 +79,7 @@ from bench.report import (
     report,
     tail_text,
 )
-from bench.stats import percentile
+from bench.stats import percentile, server_timing
 from services.heap import PAUSES, tune_collector
 
 WAYS = ("inprocess", "sharded", "dedicated")
@@ -274,20 +274,6 @@ def tail_split(records: list[Record], p: float = 99) -> dict[str, Any] | None:
         "gateway_own_ms": median(r[4] - r[2] for r in tail),
         "host_share": sum(r[2] for r in known) / sum(r[1] for r in known) if known else None,
     }
-
-
-def server_timing(header: str) -> dict[str, float]:
-    """A `Server-Timing` header's durations by name (`host;dur=12.5, gate;dur=3` -> {"host": 12.5,
-    "gate": 3.0}); a metric without a readable duration is left out."""
-    out = {}
-    for metric in header.split(","):
-        name, *params = (p.strip() for p in metric.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if key == "dur" and name:
-                with contextlib.suppress(ValueError):
-                    out[name] = float(value)
-    return out
 
 
 class CpuShare:

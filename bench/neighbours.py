@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.stats import percentile, server_timing
+
 #: what tenant A's tool returns: long enough that its output schema needs the worker process
 HEAVY_ITEMS = 4_000
 HEAVY_OUTPUT = {"type": "object", "properties": {"items": {"type": "array", "items": {
@@ -205,7 +207,7 @@ async def _steady(target: dict[str, Any], rate: float, seconds: float, sessions:
             errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
             return
         latencies.append(ms := (time.perf_counter() - started) * 1000)
-        parts.append((ms, _server_timing(r.headers.get("Server-Timing", ""))))
+        parts.append((ms, server_timing(r.headers.get("Server-Timing", ""))))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         tasks, start, i = [], time.perf_counter(), 0
@@ -217,22 +219,11 @@ async def _steady(target: dict[str, Any], rate: float, seconds: float, sessions:
     return {"messages": i, **_figures(latencies), "slowest": _slowest(parts), "errors": errors}
 
 
-def _server_timing(header: str) -> dict[str, float]:
-    """`gateway;dur=1.2, host;dur=0.8` -> {"gateway": 1.2, "host": 0.8}."""
-    out = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        try:
-            out[name] = float(dur)
-        except ValueError:
-            continue
-    return out
-
-
 def _slowest(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float] | None:
     """Where the slowest 2% of answers spent their time, on average (ms): before the gateway read the
     body (`outside_gateway`: the client, the connection, the gateway's loop), in the gateway and the hop
-    to the session host (`gateway_and_hop`), on the host (`host`, of which `gate` waited for durability)."""
+    to the session host (`gateway_and_hop`), on the host (`host`, of which `gate` waited for durability
+    and `share` for a compute slot behind other turns)."""
     worst = sorted(parts, key=lambda p: p[0])[-max(1, len(parts) // 50):] if parts else []
     if not worst:
         return None
@@ -243,16 +234,16 @@ def _slowest(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float] | 
     return {"answers": len(worst), "total": mean([ms for ms, _ in worst]),
             "outside_gateway": mean([ms - t.get("gateway", 0.0) for ms, t in worst]),
             "gateway_and_hop": mean([t.get("gateway", 0.0) - t.get("host", 0.0) for _, t in worst]),
-            "host": mean([t.get("host", 0.0) for _, t in worst]), "gate": mean([t.get("gate", 0.0) for _, t in worst])}
+            "host": mean([t.get("host", 0.0) for _, t in worst]), "gate": mean([t.get("gate", 0.0) for _, t in worst]),
+            "share": mean([t.get("share", 0.0) for _, t in worst]), "model": mean([t.get("model", 0.0) for _, t in worst]),
+            "upstream": mean([t.get("upstream", 0.0) for _, t in worst])}
 
 
 def _figures(latencies: list[float]) -> dict[str, Any]:
-    ordered = sorted(latencies)
-
     def pct(p: float) -> float | None:
-        return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))], 1) if ordered else None
+        return round(percentile(latencies, p), 1) if latencies else None
 
-    return {"answered": len(ordered), "p50_ms": pct(50), "p99_ms": pct(99)}
+    return {"answered": len(latencies), "p50_ms": pct(50), "p99_ms": pct(99)}
 
 
 async def _setup_tenants(target: dict[str, Any]) -> None:

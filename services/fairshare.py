@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -111,32 +112,40 @@ class FairShare:
                 del self._waiting[tenant_id]
 
 
-class _Hold:
-    """A turn's slot: `away` counts its tasks inside `waiting()` (a batch's calls wait at once)."""
+class Hold:
+    """A turn's slot: `away` counts its tasks inside `waiting()` (a batch's calls wait at once);
+    `waited_s` is how long the turn has waited for its slot, first and after each step aside."""
 
-    __slots__ = ("away", "back", "held", "share", "tenant_id")
+    __slots__ = ("away", "away_s", "back", "held", "share", "tenant_id", "waited_s")
 
     def __init__(self, share: FairShare, tenant_id: str) -> None:
         self.share = share
         self.tenant_id = tenant_id
         self.held = False
         self.away = 0
+        self.waited_s = 0.0
+        self.away_s: dict[str, float] = {}  # time spent inside `waiting(kind)`, by kind
         self.back = asyncio.Lock()  # one of its tasks takes the slot back, never two
 
+    async def take(self) -> None:
+        started = time.perf_counter()
+        await self.share.acquire(self.tenant_id)
+        self.held = True
+        self.waited_s += time.perf_counter() - started
 
-_hold: ContextVar[_Hold | None] = ContextVar("fairshare_hold", default=None)
+
+_hold: ContextVar[Hold | None] = ContextVar("fairshare_hold", default=None)
 
 
 @asynccontextmanager
-async def turn_slot(share: FairShare, tenant_id: str) -> AsyncIterator[None]:
+async def turn_slot(share: FairShare, tenant_id: str) -> AsyncIterator[Hold]:
     """Run the block as one of `share`'s turns: it waits for a slot first, and holds it (save
     inside `waiting()`) until the block ends."""
-    hold = _Hold(share, tenant_id)
-    await share.acquire(tenant_id)
-    hold.held = True
+    hold = Hold(share, tenant_id)
+    await hold.take()
     token = _hold.set(hold)
     try:
-        yield
+        yield hold
     finally:
         _hold.reset(token)
         if hold.held:
@@ -145,12 +154,21 @@ async def turn_slot(share: FairShare, tenant_id: str) -> AsyncIterator[None]:
 
 
 @asynccontextmanager
-async def waiting() -> AsyncIterator[None]:
+async def waiting(kind: str | None = None) -> AsyncIterator[None]:
     """Around a wait that is not the loop's work: the turn's slot goes to others meanwhile and is
-    taken back (fairly) after. Outside a turn, nothing."""
+    taken back (fairly) after; its time is added to the turn's `away_s[kind]` when a kind is
+    named ("model", "upstream": where a turn's time went). Outside a turn, nothing."""
     hold = _hold.get()
     if hold is None:
         yield
+        return
+    if kind is not None:
+        started = time.perf_counter()
+        try:
+            async with waiting():
+                yield
+        finally:
+            hold.away_s[kind] = hold.away_s.get(kind, 0.0) + time.perf_counter() - started
         return
     hold.away += 1
     if hold.away == 1 and hold.held:
@@ -163,8 +181,7 @@ async def waiting() -> AsyncIterator[None]:
         if hold.away == 0:
             async with hold.back:
                 if hold.away == 0 and not hold.held:  # another task may have taken it back, or gone away
-                    await hold.share.acquire(hold.tenant_id)
-                    hold.held = True
+                    await hold.take()
 
 
 def fair_batch(keys: Iterable[tuple[str, str]], limit: int) -> list[tuple[str, str]]:

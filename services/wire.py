@@ -75,6 +75,12 @@ class TurnTiming(msgspec.Struct, frozen=True, kw_only=True):
     host_ms: float
     #: of which: waiting for the turn's state to be durable (the output gate; 0 with it off)
     gate_ms: float = 0.0
+    #: of which: waiting for a compute slot, behind other turns of the host (services.fairshare)
+    share_ms: float = 0.0
+    #: waiting for the model's answers, and for tools' upstreams (webhooks, backends, MCP
+    #: servers; calls at once each counted)
+    model_ms: float = 0.0
+    upstream_ms: float = 0.0
 
 
 class TurnReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

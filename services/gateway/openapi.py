@@ -209,7 +209,8 @@ def _core_document() -> dict[str, Any]:
         o["responses"]["503"]["description"] = _TURN_503
         o["responses"]["200"]["headers"] = {
             "Server-Timing": {"description": "ms: gateway (the whole turn here), host (the session host's part), "
-                              "gate (the host's wait for durability); JSON replies only",
+                              "gate (the host's wait for durability), share (its wait for a compute slot); "
+                              "JSON replies only",
                               "schema": {"type": "string"}},
             "X-Replayed": {"description": "true: the stored answer to a repeated message_id or an approval already decided", "schema": {"type": "string"}},
         }

@@ -59,10 +59,14 @@ def reply_body(reply: TurnReply | dict[str, Any]) -> dict[str, Any]:
 
 def server_timing(timing: TurnTiming | None, gateway_s: float) -> str:
     """The `Server-Timing` header of a turn's reply (milliseconds): `gateway` from the body read
-    to the reply, `host` the session host's part of it, `gate` the host's wait for durability."""
+    to the reply, `host` the session host's part of it, `gate` the host's wait for durability,
+    `share` its wait for a compute slot behind other turns (services.fairshare), `model` and
+    `upstream` its waits for the model's answers and its tools' upstreams."""
     parts = [f"gateway;dur={gateway_s * 1000:.2f}"]
     if timing is not None:
-        parts += [f"host;dur={timing.host_ms:.2f}", f"gate;dur={timing.gate_ms:.2f}"]
+        parts += [f"host;dur={timing.host_ms:.2f}", f"gate;dur={timing.gate_ms:.2f}",
+                  f"share;dur={timing.share_ms:.2f}", f"model;dur={timing.model_ms:.2f}",
+                  f"upstream;dur={timing.upstream_ms:.2f}"]
     return ", ".join(parts)
 
 

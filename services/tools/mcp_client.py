@@ -274,7 +274,7 @@ class McpHttpClient:
         """
 
         async def run(client: Client) -> McpCallResult:
-            async with waiting():  # the server's answer: other turns compute meanwhile (services.fairshare)
+            async with waiting("upstream"):  # the server's answer: other turns compute meanwhile (services.fairshare)
                 result = await client.call_tool(name, arguments)
             return _call_result(result)
 

@@ -516,7 +516,7 @@ class WebhookClient:
     ) -> WebhookResponse:
         token = _checked_destination.set(destination)
         try:
-            async with waiting(), session.request(
+            async with waiting("upstream"), session.request(
                 method,
                 yarl.URL(destination.url, encoded=True),
                 headers=headers,

@@ -415,9 +415,11 @@ async def test_a_reply_says_in_server_timing_where_its_time_went(stack, client, 
         header = r.headers["Server-Timing"]
     assert r.status == 200 and "timing" not in body
     seen = {name: float(dur) for name, _, dur in (p.strip().partition(";dur=") for p in header.split(","))}
-    assert seen.keys() == {"gateway", "host", "gate"}, header
-    # the host's turn includes its wait at the output gate; the gateway's time includes the host's
+    assert seen.keys() == {"gateway", "host", "gate", "share", "model", "upstream"}, header
+    # the host's turn includes its wait at the output gate and on the model; the gateway's time
+    # includes the host's
     assert 0 < seen["gate"] <= seen["host"] <= seen["gateway"], header
+    assert 0 < seen["model"] <= seen["host"] and seen["share"] >= 0 and seen["upstream"] == 0, header
 
     async with client.post(url, headers=tenant[2], json={"text": "hello", "message_id": "m-1"}) as r:
         assert r.headers["X-Replayed"] == "true" and await r.json() == body, "a replay is the first answer"

@@ -62,14 +62,14 @@ def timings(header: str) -> dict[str, float]:
 
 async def test_the_hosts_timing_comes_as_a_server_timing_header_not_in_the_body(gateway):
     client, router, headers = gateway
-    router.timing = TurnTiming(host_ms=12.5, gate_ms=3.25)
+    router.timing = TurnTiming(host_ms=12.5, gate_ms=3.25, share_ms=0.5, model_ms=6.0, upstream_ms=1.75)
     for path, body in (("/v1/sessions/s1/messages", {"text": "hi"}),
                        ("/v1/sessions/s1/approvals/ap-1", {"approve": True})):
         r = await client.post(path, headers=headers, json=body)
         assert r.status == 200 and "timing" not in await r.json()
         seen = timings(r.headers["Server-Timing"])
-        assert seen.keys() == {"gateway", "host", "gate"}
-        assert (seen["host"], seen["gate"]) == (12.5, 3.25)
+        assert seen.keys() == {"gateway", "host", "gate", "share", "model", "upstream"}
+        assert (seen["host"], seen["gate"], seen["share"], seen["model"], seen["upstream"]) == (12.5, 3.25, 0.5, 6.0, 1.75)
         assert seen["gateway"] >= 0
 
     router.timing = None  # a reply without the host's timing: the gateway's own time only

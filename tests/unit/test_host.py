@@ -643,6 +643,18 @@ async def test_a_turn_waiting_on_the_model_holds_no_compute_slot(world):
     assert host._share.running("t1") == host._share.running("t2") == 0 and host._share.waiting() == 0
 
 
+async def test_a_turns_timing_says_how_long_it_waited_on_the_model_and_for_a_slot(world):
+    slow = world.model.hold("busy")
+    host = await world.host(cpu_slots=1)
+    turn = asyncio.create_task(host.send(Turn(tenant_id="t1", session_id="s1", text="busy", message_id="m1")))
+    await eventually(lambda: len(world.model.requests) == 1)
+    await asyncio.sleep(0.01)  # the model "thinks": the turn waits on it, holding no slot
+    slow.set()
+    timing = (await asyncio.wait_for(turn, T)).timing
+    assert timing.model_ms >= 10 and timing.upstream_ms == 0.0  # no tool called
+    assert 0.0 <= timing.share_ms < timing.model_ms and timing.host_ms >= timing.model_ms
+
+
 async def test_a_tenant_with_one_session_to_write_is_in_the_next_flush_however_many_another_has(world):
     store, model = world.store, world.model
     hold = model.hold("go")
