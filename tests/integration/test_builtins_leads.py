@@ -91,7 +91,11 @@ async def test_the_call_record_keeps_no_contact_details_of_a_saved_or_a_refused_
     assert saved.record.result == {"lead_id": saved.record.result["lead_id"], "status": "saved", "name": "Jane Doe"}
     assert not refused.success and refused.error_kind == "invalid_arguments"
     assert "'email' is not a valid email address" in refused.record.error
-    for text in (msgspec.json.encode(saved.record).decode(), refused.record.error, refused.content):
+    # the record but its random ids and times, which may hold "7946" by chance (hex digits)
+    record = {k: v for k, v in msgspec.structs.asdict(saved.record).items()
+              if k not in ("id", "tenant_id", "session_id", "trace_id", "created_at")}
+    record["result"] = {k: v for k, v in record["result"].items() if k != "lead_id"}
+    for text in (msgspec.json.encode(record).decode(), refused.record.error, refused.content):
         assert "private" not in text and "7946" not in text, text
 
 
