@@ -121,7 +121,7 @@ class Runtime:
         rt.registry = HandlerRegistry()
         rt.executor = Executor(limiter=ResourceLimiter())
         rt.jobs = JobRepo(rt.pool)
-        rt.workflows = WorkflowRunner(rt.jobs, rt.webhooks)
+        rt.workflows = WorkflowRunner(rt.jobs, rt.webhooks, egress=EgressRepo(rt.pool))
         rt.workflows.start_sweeping()  # jobs whose runner died with its process fail, not wait for ever
         builtins = rt._install_builtins()
         rt.tenants = TenantCatalogs(
@@ -153,7 +153,8 @@ class Runtime:
     def _install_mcp(self) -> None:
         """MCP servers as a tool source: the same SSRF policy as webhooks (CE_WEBHOOK_ALLOW)."""
         client = McpHttpClient(policy=policy_from_entries(self.settings.webhook_allow))
-        self.mcp = McpCatalogSource(McpServerRepo(self.pool), client, secret_box=self.secret_box)
+        self.mcp = McpCatalogSource(McpServerRepo(self.pool), client, secret_box=self.secret_box,
+                                    egress=EgressRepo(self.pool))
         self.tenants.attach_mcp(self.mcp)
 
     def _install_builtins(self):

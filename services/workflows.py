@@ -56,9 +56,10 @@ def job_id_for(ctx: TrustedContext) -> str:
 class WorkflowRunner:
     """Implements registry.WorkflowStarter over a JobRepo and the guarded webhook client."""
 
-    def __init__(self, jobs: Any, webhooks: Any, *, job_timeout_s: float = 3600.0) -> None:
+    def __init__(self, jobs: Any, webhooks: Any, *, job_timeout_s: float = 3600.0, egress: Any = None) -> None:
         self._jobs = jobs
         self._webhooks = webhooks
+        self._egress = egress  # storage EgressRepo: a start_url is checked with the tenant's allowances added
         self._timeout = job_timeout_s
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
@@ -89,11 +90,20 @@ class WorkflowRunner:
                 args={"job_id": job_id, "tool": tool.name, "arguments": args,
                       "callback_path": f"/v1/jobs/{job_id}/result"},
                 headers={}, timeout_s=tool.timeout_ms / 1000, idempotency_key=job_id, tool_name=tool.name,
+                policy=await self._policy(ctx.tenant_id),
             )
         except ToolError as exc:
             await self._jobs.finish(ctx.tenant_id, job_id, succeeded=False, error=exc.reason)
             raise
         return JobStarted(job_id=job_id)
+
+    async def _policy(self, tenant_id: str) -> Any:
+        """The operator's policy with the tenant's egress allowances added; None (the client's own)
+        when it has none."""
+        if self._egress is None:
+            return None
+        allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+        return self._webhooks.policy.for_tenant(allowances) if allowances else None
 
     async def await_client(self, tool: ClientTool, args: dict[str, Any], ctx: TrustedContext) -> str:
         """A client tool's call as a job the client's UI finishes with its answer."""

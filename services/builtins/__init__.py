@@ -38,6 +38,7 @@ from services.builtins.notify import (
 from services.tools.model import ToolDefinition
 from services.tools.registry import HandlerRegistry
 from storage.repos.builtins import BuiltinRepos
+from storage.repos.egress import EgressRepo
 from storage.repos.notifications import NotificationRepo
 
 DEFINITIONS: tuple[ToolDefinition, ...] = (
@@ -111,7 +112,7 @@ def install(runtime: Any) -> Callable[[str], Awaitable[tuple[ToolDefinition, ...
     box = runtime.secret_box
     notifier = Notifier(runtime.webhooks, NotificationRepo(runtime.pool), configs,
                         poll_s=LIGHT_POLL_S if light else POLL_S, batch=LIGHT_BATCH if light else CLAIM_BATCH,
-                        decrypt=box.decrypt if box is not None else None)
+                        decrypt=box.decrypt if box is not None else None, egress=EgressRepo(runtime.pool))
     services = BuiltinServices(repos, configs, runtime.webhooks, notifier=notifier)
     services.register(runtime.registry)
     services.notifier.start()  # also delivers what an earlier process queued and did not send

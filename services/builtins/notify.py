@@ -127,8 +127,16 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 class WebhookPoster(Protocol):
     """services.tools.webhook.WebhookClient's `call` (the SSRF-guarded client)."""
 
+    policy: Any  # services.tools.ssrf.DestinationPolicy: the operator's (CE_WEBHOOK_ALLOW)
+
     async def call(self, *, url_template: str, method: str, args: Any, headers: Any, timeout_s: float,
-                   idempotency_key: str | None = None, tool_name: str | None = None) -> Any: ...
+                   idempotency_key: str | None = None, tool_name: str | None = None, policy: Any = None) -> Any: ...
+
+
+class EgressSource(Protocol):
+    """storage.repos.egress.EgressRepo: the destinations an operator allowed each tenant."""
+
+    async def list(self, tenant_id: str) -> Any: ...
 
 
 class Outbox(Protocol):
@@ -208,8 +216,10 @@ class Notifier:
         now: Callable[[], float] = time.time,
         decrypt: Callable[[str], str] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        egress: EgressSource | None = None,
     ) -> None:
         self._client = client
+        self._egress = egress  # a tenant's webhook is checked with its egress allowances added
         self._outbox = outbox
         self._configs = configs
         self._attempt_timeout_s = attempt_timeout_s
@@ -349,6 +359,14 @@ class Notifier:
         else:
             await self._outbox.retry_in(n.id, n.attempts, self._delay(n.attempts), text)
 
+    async def _policy(self, tenant_id: str) -> Any:
+        """The operator's policy with the tenant's egress allowances added; None (the client's
+        own) when it has none. Raises the storage error when they cannot be read (retried)."""
+        if self._egress is None:
+            return None
+        allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+        return self._client.policy.for_tenant(allowances) if allowances else None  # type: ignore[union-attr]
+
     def _delay(self, attempts: int) -> float:
         return self._schedule_s[min(attempts, len(self._schedule_s)) - 1] if self._schedule_s else self._poll_s
 
@@ -383,6 +401,7 @@ class Notifier:
             await self._client.call(  # type: ignore[union-attr]
                 url_template=url, method="POST", args=n.payload, headers=headers,
                 timeout_s=self._attempt_timeout_s, tool_name=f"notify:{n.event_type}",
+                policy=await self._policy(n.tenant_id),
             )
         except UpstreamMalformed:
             return None  # a 2xx with a body that is not JSON: delivered all the same

@@ -98,10 +98,12 @@ async def put_bot_config(request: web.Request) -> web.Response:
     deps = request.app[DEPS]
     body: BotConfigIn = await decode_body(request, BotConfigIn)
     check_bot_config(body)
-    if body.backend is not None:
-        check_url(body.backend.base_url, field="backend.base_url", policy=await tenant_policy(deps, request[TENANT]))
-    if body.notification_webhook:
-        check_url(body.notification_webhook, field="notification_webhook", policy=deps.webhook_policy)
+    if body.backend is not None or body.notification_webhook:
+        policy = await tenant_policy(deps, request[TENANT])  # the operator's list and this tenant's allowances
+        if body.backend is not None:
+            check_url(body.backend.base_url, field="backend.base_url", policy=policy)
+        if body.notification_webhook:
+            check_url(body.notification_webhook, field="notification_webhook", policy=policy)
     previous = await deps.configs.get(request[TENANT]) or {}
     data = {k: v for k, v in msgspec.to_builtins(body).items()
             if v is not None and k not in ("backend", "notification_secret", "contact_verification")}

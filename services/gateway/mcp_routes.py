@@ -28,7 +28,15 @@ from kernel.errors import InvalidInput, NotFound
 from kernel.records import McpServerRecord
 from services.gateway.bodies import check_credential_stays
 from services.gateway.bodies import check_url as check_destination
-from services.gateway.common import DEPS, TENANT, decode_body, json_response, page_of, paged
+from services.gateway.common import (
+    DEPS,
+    TENANT,
+    decode_body,
+    json_response,
+    page_of,
+    paged,
+    tenant_policy,
+)
 from services.tools.mcp import DEFAULT_TIMEOUT_MS, ORIGIN, SEPARATOR, check_server_name
 from storage.repos.mcp_servers import MAX_SERVERS_PER_TENANT, McpServerRepo
 
@@ -71,9 +79,10 @@ def _repo(request: web.Request) -> McpServerRepo:
     return repo
 
 
-def check_url(request: web.Request, url: str) -> str:
+async def check_url(request: web.Request, url: str) -> str:
     """`url` when it is an http(s) URL with a host and no credentials, and its host is not an IP
-    literal the SSRF guard refuses (as for webhook tools); raises InvalidInput naming the problem.
+    literal the SSRF guard refuses, the tenant's egress allowances counted (as for webhook tools);
+    raises InvalidInput naming the problem.
 
     A host name is checked by the guard on every connection (it may resolve differently later).
     """
@@ -81,7 +90,8 @@ def check_url(request: web.Request, url: str) -> str:
         raise InvalidInput("url is longer than 2048 characters - at `$.url`", path="$.url")
     if "{" in url or "}" in url:
         raise InvalidInput("url must be a plain URL without { or } - at `$.url`", path="$.url")
-    check_destination(url, field="url", policy=request.app[DEPS].webhook_policy, example="https://mcp.example.com/mcp")
+    policy = await tenant_policy(request.app[DEPS], request[TENANT])
+    check_destination(url, field="url", policy=policy, example="https://mcp.example.com/mcp")
     return url
 
 
@@ -119,7 +129,7 @@ def _view(record: McpServerRecord) -> dict[str, Any]:
 async def create_server(request: web.Request) -> web.Response:
     body: McpServerIn = await decode_body(request, McpServerIn)
     check_server_name(body.name)
-    check_url(request, body.url)
+    await check_url(request, body.url)
     _check_names(body.read_only_tools, "read_only_tools")
     _check_names(body.include_tools, "include_tools")
     _check_timeout(body.timeout_ms)
@@ -161,7 +171,7 @@ async def patch_server(request: web.Request) -> web.Response:
     patch: McpServerPatch = await decode_body(request, McpServerPatch)
     changes: dict[str, Any] = {}
     if patch.url is not UNSET:
-        changes["url"] = check_url(request, patch.url)
+        changes["url"] = await check_url(request, patch.url)
     if patch.auth_header is not UNSET:
         changes["auth_header_enc"] = _encrypt(request, patch.auth_header) if patch.auth_header else None
     if patch.enabled is not UNSET:

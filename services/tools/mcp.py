@@ -105,6 +105,10 @@ class McpToolFailed(ToolError):
 class McpConnector(Protocol):
     """Port: list and call tools on one server URL (services.tools.mcp_client implements it)."""
 
+    def for_tenant(self, allowances: tuple[tuple[str, int], ...]) -> McpConnector:
+        """This connector, its destinations checked with one tenant's egress allowances added."""
+        ...
+
     async def list_tools(self, url: str, *, auth_header: str | None, timeout_s: float) -> list[McpToolInfo]: ...
 
     async def call_tool(
@@ -340,9 +344,11 @@ class McpCatalogSource:
         secret_box: SecretOpener | None,
         list_timeout_s: float = LIST_TIMEOUT_S,
         retry_after_s: float = 10.0,
+        egress: Any = None,  # storage EgressRepo: the destinations an operator allowed each tenant
     ) -> None:
         self._store = store
         self._connector = connector
+        self._egress = egress
         self._secret_box = secret_box
         self._list_timeout_s = list_timeout_s
         self.retry_after_s = retry_after_s
@@ -351,7 +357,12 @@ class McpCatalogSource:
         servers = [s for s in await self._store.list(tenant_id) if s.enabled]
         if not servers:
             return McpLoad(tools=[], problems={})
-        results = await asyncio.gather(*(self._load_server(s) for s in servers))
+        connector = self._connector
+        if self._egress is not None:  # listed and called with what an operator allowed this tenant
+            allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+            if allowances:
+                connector = connector.for_tenant(allowances)
+        results = await asyncio.gather(*(self._load_server(s, connector) for s in servers))
         tools: list[CompiledTool] = []
         problems: dict[str, str] = {}
         complete = True
@@ -361,12 +372,14 @@ class McpCatalogSource:
             complete = complete and ok
         return McpLoad(tools=tools, problems=problems, complete=complete)
 
-    async def _load_server(self, server: McpServer) -> tuple[list[CompiledTool], dict[str, str], bool]:
+    async def _load_server(
+        self, server: McpServer, connector: McpConnector
+    ) -> tuple[list[CompiledTool], dict[str, str], bool]:
         key = server_problem_key(server.name)
         open_auth = auth_opener(server, self._secret_box)
         timeout_s = min(self._list_timeout_s, server.timeout_ms / 1000)
         try:
-            listed = await self._connector.list_tools(server.url, auth_header=open_auth(), timeout_s=timeout_s)
+            listed = await connector.list_tools(server.url, auth_header=open_auth(), timeout_s=timeout_s)
         except ToolError as exc:
             rule = getattr(exc, "rule", None)
             detail = f"{exc.reason} ({rule})" if rule else exc.reason
@@ -377,7 +390,7 @@ class McpCatalogSource:
             return [], {key: f"mcp server {server.name!r} could not be listed: internal error"}, False
         # a server's input schemas are checked off the event loop when large (validation.schemas_checked)
         tools, problems = await schemas_checked(
-            lambda: compile_server_tools(server, listed, self._connector, open_auth=open_auth))
+            lambda: compile_server_tools(server, listed, connector, open_auth=open_auth))
         return tools, problems, True
 
 

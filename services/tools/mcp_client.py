@@ -25,6 +25,7 @@ auth header, a URL's query or a stack trace.
 from __future__ import annotations
 
 import asyncio
+import copy
 import ssl
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -239,6 +240,13 @@ class McpHttpClient:
         self._network_backend = network_backend
         self._max_body_bytes = max_body_bytes
         self._ssl_context: ssl.SSLContext | None = None  # built once: loading the CA bundle takes ~50 ms
+
+    def for_tenant(self, allowances: tuple[tuple[str, int], ...]) -> McpHttpClient:
+        """This client (its resolver, its TLS context once built), checking destinations with one
+        tenant's egress allowances added to the operator's (DestinationPolicy.for_tenant)."""
+        tenant = copy.copy(self)
+        tenant._policy = self._policy.for_tenant(allowances)
+        return tenant
 
     async def list_tools(self, url: str, *, auth_header: str | None, timeout_s: float) -> list[McpToolInfo]:
         """Every tool the server at `url` lists (at most MAX_LIST_PAGES pages).

@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
+import yarl
 from structlog.testing import capture_logs
 
 from services.builtins.notify import LIGHT_POLL_S, PRUNE_EVERY_S, Notifier, verify
 from services.tools.ssrf import policy_from_entries
 from services.tools.webhook import WebhookClient
+from storage.repos.egress import EgressRepo
 from storage.repos.notifications import NewNotification, NotificationRepo
 from tests.support.builtin_services import SECRET, FakeConfigs, ctx, receiver, services
 
@@ -228,3 +230,27 @@ async def test_any_process_running_the_outbox_prunes_old_events_on_a_clock(pool,
         assert await kept() == {"msg_recent", "msg_old_2"}
         clock[0] += 1
         await until({"msg_recent"})
+
+
+async def test_a_tenants_egress_allowance_opens_its_notification_webhook_to_it_alone(pool, make_tenant):
+    # the client refuses loopback (no CE_WEBHOOK_ALLOW entry): only an operator's allowance for the
+    # tenant lets its events through; the other tenant's, to the same receiver, fail as blocked
+    (mine, _), (theirs, _) = await make_tenant("outbox-mine"), await make_tenant("outbox-theirs")
+    configs = FakeConfigs()
+    async with receiver() as rec, WebhookClient(policy=policy_from_entries(())) as client:
+        for tenant in (mine, theirs):
+            configs.set(tenant.id, notification_webhook=rec.url, notification_secret=SECRET)
+        await EgressRepo(pool).allow(mine.id, "127.0.0.1/32", yarl.URL(rec.url).port)
+        n = Notifier(client, NotificationRepo(pool), configs, attempt_timeout_s=2.0, schedule_s=(0.05,),
+                     poll_s=0.05, egress=EgressRepo(pool))
+        n.start()
+        try:
+            sent = await n.emit(configs.configs[mine.id], "lead.created", {"lead_id": 1}, tenant_id=mine.id, key=1)
+            blocked = await n.emit(configs.configs[theirs.id], "lead.created", {"lead_id": 2}, tenant_id=theirs.id,
+                                   key=2)
+            await n.drain(10)
+        finally:
+            await n.close(timeout_s=0)
+        delivered, refused = await row(pool, sent), await row(pool, blocked)
+    assert delivered["delivered_at"] is not None and [h["webhook-id"] for h, _ in rec.requests] == [sent]
+    assert refused["failed_at"] is not None and "blocked" in (refused["last_error"] or ""), dict(refused)

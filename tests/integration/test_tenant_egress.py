@@ -12,20 +12,26 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+import yarl
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from actors.catalogs import TenantCatalogs
 from actors.runtime import Runtime
+from kernel.records import McpServerRecord
 from services.gateway.app import build_app
+from services.tools.mcp import McpCatalogSource
+from services.tools.mcp_client import McpHttpClient
 from services.tools.registry import HandlerRegistry
 from services.tools.ssrf import DestinationPolicy
 from storage.pool import create_pool
 from storage.repos import BotConfigRepo, TenantRepo, ToolRepo
 from storage.repos.egress import EgressRepo
+from storage.repos.mcp_servers import McpServerRepo
 from tests.support.catalogs import loopback_runtime, no_builtins, through_catalog
 from tests.support.cli import run_cli
 from tests.support.gateways import problem_of, repo_deps
+from tests.support.mcp_server import ShopMcpServer
 
 
 @pytest_asyncio.fixture
@@ -146,3 +152,56 @@ def test_a_tenant_policy_parses_its_allowances_strictly(entry):
 
     with pytest.raises(ConfigError, match="host bits set"):
         DestinationPolicy().for_tenant([(entry, 0)])
+
+
+@pytest.fixture(scope="module")
+def shop_mcp():
+    try:
+        server = ShopMcpServer(token=None, allowed_hosts=["127.0.0.2:*"]).start()
+    except OSError:
+        pytest.skip("127.0.0.2 cannot be bound here")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_an_allowance_opens_an_mcp_server_to_one_tenant(pool, make_tenant, shop_mcp):
+    # the guard refuses loopback (no CE_WEBHOOK_ALLOW here): only an allowance lets a tenant list it
+    (mine, _), (theirs, _) = await make_tenant("egress-mcp-mine"), await make_tenant("egress-mcp-theirs")
+    servers, egress = McpServerRepo(pool), EgressRepo(pool)
+    for tenant in (mine, theirs):
+        await servers.create(McpServerRecord(tenant_id=tenant.id, name="shop", url=shop_mcp.url))
+    source = McpCatalogSource(servers, McpHttpClient(policy=DestinationPolicy()), secret_box=None, egress=egress)
+
+    refused = await source.load(mine.id)
+    assert refused.tools == [] and "could not be listed" in next(iter(refused.problems.values()))
+
+    port = yarl.URL(shop_mcp.url).port
+    assert await egress.allow(mine.id, "127.0.0.2/32", port)
+    listed = await source.load(mine.id)
+    assert {t.name for t in listed.tools} >= {"shop__lookup_order"} and listed.problems == {}, listed.problems
+    other = await source.load(theirs.id)  # the other tenant: still refused
+    assert other.tools == [] and other.problems
+
+
+async def test_the_gateway_checks_a_tenants_mcp_server_url_with_its_allowances(pool, make_tenant):
+    (mine, key), (_, other_key) = await make_tenant("egress-mcp-gw"), await make_tenant("egress-mcp-gw-other")
+    await EgressRepo(pool).allow(mine.id, "10.20.0.0/16", 8443)
+    body = {"name": "erp", "url": "https://10.20.0.5:8443/mcp"}
+    async with TestClient(TestServer(build_app(repo_deps(pool, egress=EgressRepo(pool))), host="127.0.0.1")) as client:
+        r = await client.post("/v1/mcp-servers", headers={"Authorization": f"Bearer {other_key.api_key}"}, json=body)
+        assert "private" in await problem_of(r, 422)
+        r = await client.post("/v1/mcp-servers", headers={"Authorization": f"Bearer {key.api_key}"}, json=body)
+        assert r.status == 201, await r.text()
+
+
+async def test_the_gateway_checks_a_tenants_notification_webhook_with_its_allowances(pool, make_tenant):
+    (mine, key), (_, other_key) = await make_tenant("egress-notify"), await make_tenant("egress-notify-other")
+    await EgressRepo(pool).allow(mine.id, "10.20.0.0/16", 8443)
+    body = {"notification_webhook": "https://10.20.0.5:8443/events"}
+    async with TestClient(TestServer(build_app(repo_deps(pool, egress=EgressRepo(pool))), host="127.0.0.1")) as client:
+        r = await client.put("/v1/bot-config", headers={"Authorization": f"Bearer {other_key.api_key}"}, json=body)
+        assert "notification_webhook" in await problem_of(r, 422)
+        r = await client.put("/v1/bot-config", headers={"Authorization": f"Bearer {key.api_key}"}, json=body)
+        assert r.status == 200, await r.text()

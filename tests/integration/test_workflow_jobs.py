@@ -8,6 +8,7 @@ tests of its own): what matters is what reaches ce_jobs and what a tenant's syst
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import Any
 
 import pytest
@@ -15,7 +16,9 @@ import pytest
 from kernel.errors import Conflict
 from services.tools.context import TrustedContext
 from services.tools.model import WorkflowTool
+from services.tools.ssrf import DestinationPolicy
 from services.workflows import STOPPED_ERROR, WorkflowRunner, job_id_for
+from storage.repos.egress import EgressRepo
 from storage.repos.jobs import JobRepo
 
 SCHEMA = {"type": "object", "properties": {"order": {"type": "string"}}}
@@ -24,6 +27,7 @@ SCHEMA = {"type": "object", "properties": {"order": {"type": "string"}}}
 class RecordingWebhooks:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
+        self.policy: Any = None
 
     async def call(self, **kw: Any) -> dict:
         self.sent.append(kw)
@@ -156,3 +160,19 @@ async def test_each_kind_of_job_records_who_reports_its_outcome(pool, make_tenan
     finally:
         release.set()
         await runner.close()
+
+
+async def test_a_start_url_is_sent_with_the_tenants_egress_allowances_added(pool, make_tenant):
+    (mine, _), (theirs, _) = await make_tenant("wf-egress"), await make_tenant("wf-egress-other")
+    await EgressRepo(pool).allow(mine.id, "10.20.0.0/16", 8443)
+    hooks = RecordingWebhooks()
+    hooks.policy = DestinationPolicy()  # the operator's: nothing private
+    runner = WorkflowRunner(JobRepo(pool), hooks, egress=EgressRepo(pool))
+    tool = WorkflowTool(name="refund", description="Refund an order", parameters=SCHEMA,
+                        start_url="https://10.20.0.5:8443/start")
+    await runner.start(tool, None, {"order": "A1"}, _ctx(mine.id))
+    await runner.start(tool, None, {"order": "A1"}, _ctx(theirs.id))
+    mine_policy, theirs_policy = (sent["policy"] for sent in hooks.sent)
+    assert mine_policy is not None and mine_policy.covers(ipaddress.ip_address("10.20.0.5"), 8443)
+    assert not mine_policy.covers(ipaddress.ip_address("10.20.0.5"), 9000)
+    assert theirs_policy is None  # the client's own: the operator's list alone
