@@ -11,21 +11,15 @@ import json
 import pytest
 
 from tests.support.api import Api, call
-from tests.support.mcp_server import ShopMcpServer
+from tests.support.mcp_server import ShopMcpServer, serving
 
 TOKEN = "Bearer mcp-test-token"
 
 
 @pytest.fixture(scope="module")
 def shop():
-    try:
-        server = ShopMcpServer(token=TOKEN).start()
-    except OSError:
-        pytest.skip("127.0.0.2 cannot be bound here")
-    try:
+    with serving(ShopMcpServer(token=TOKEN)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def register_shop(api: Api, shop: ShopMcpServer, **extra) -> dict:

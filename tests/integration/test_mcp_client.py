@@ -11,7 +11,7 @@ from services.tools.errors import DestinationBlocked, UpstreamTimeout, UpstreamU
 from services.tools.mcp import McpToolFailed, result_value
 from services.tools.mcp_client import McpHttpClient, _PinnedBackend
 from services.tools.ssrf import CheckedDestination, DestinationPolicy
-from tests.support.mcp_server import ShopMcpServer
+from tests.support.mcp_server import ShopMcpServer, serving
 from tests.support.net_fakes import MapResolver
 
 LOOPBACK_TWO = DestinationPolicy(allow=("127.0.0.2/32",))
@@ -36,14 +36,8 @@ class RecordingBackend(httpcore2.AsyncNetworkBackend):
 
 @pytest.fixture(scope="module")
 def shop():
-    try:
-        server = ShopMcpServer(allowed_hosts=["127.0.0.2:*", "mcp.shop.test:*"]).start()
-    except OSError:
-        pytest.skip("127.0.0.2 cannot be bound here")
-    try:
+    with serving(ShopMcpServer(allowed_hosts=["127.0.0.2:*", "mcp.shop.test:*"])) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_lists_the_servers_tools_with_their_hints_sending_the_auth_header(shop) -> None:

@@ -31,7 +31,7 @@ from storage.repos.mcp_servers import McpServerRepo
 from tests.support.catalogs import loopback_runtime, no_builtins, through_catalog
 from tests.support.cli import run_cli
 from tests.support.gateways import problem_of, repo_deps
-from tests.support.mcp_server import ShopMcpServer
+from tests.support.mcp_server import ShopMcpServer, serving
 
 
 @pytest_asyncio.fixture
@@ -156,14 +156,8 @@ def test_a_tenant_policy_parses_its_allowances_strictly(entry):
 
 @pytest.fixture(scope="module")
 def shop_mcp():
-    try:
-        server = ShopMcpServer(token=None, allowed_hosts=["127.0.0.2:*"]).start()
-    except OSError:
-        pytest.skip("127.0.0.2 cannot be bound here")
-    try:
+    with serving(ShopMcpServer(token=None, allowed_hosts=["127.0.0.2:*"])) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_an_allowance_opens_an_mcp_server_to_one_tenant(pool, make_tenant, shop_mcp):

@@ -33,7 +33,7 @@ from services.tools.registry import Catalog, HandlerRegistry, build_catalog
 from services.tools.ssrf import DestinationPolicy
 from services.tools.toolset import SessionToolState
 from services.tools.webhook import WebhookClient, WebhookToolBackend
-from tests.support.mcp_server import ShopMcpServer, serve_in_thread, stop_served
+from tests.support.mcp_server import ShopMcpServer, serve_in_thread, serving, stop_served
 from tests.support.net_fakes import LoopbackOnlySockets, MapResolver
 from tests.support.turns import ScriptedLLM
 
@@ -208,14 +208,8 @@ class DeepMcpServer:
 
 @pytest.fixture(scope="module")
 def deep_mcp() -> Iterator[DeepMcpServer]:
-    try:
-        server = DeepMcpServer(150).start()
-    except OSError:
-        pytest.skip("127.0.0.2 cannot be bound here")
-    try:
+    with serving(DeepMcpServer(150)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_an_mcp_tools_structured_result_nested_past_the_bound_is_an_in_band_failure(deep_mcp) -> None:
@@ -283,14 +277,8 @@ async def test_a_webhook_write_sends_the_idempotency_key_as_ascii(client: Webhoo
 
 @pytest.fixture(scope="module")
 def shop() -> Iterator[ShopMcpServer]:
-    try:
-        server = ShopMcpServer(allowed_hosts=["127.0.0.2:*"]).start()
-    except OSError:
-        pytest.skip("127.0.0.2 cannot be bound here")
-    try:
+    with serving(ShopMcpServer(allowed_hosts=["127.0.0.2:*"])) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_an_mcp_write_whose_message_id_is_not_ascii_reaches_the_server(shop: ShopMcpServer) -> None:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypedDict
 
+import pytest
 import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
@@ -136,3 +139,17 @@ def stop_served(server: uvicorn.Server | None, thread: threading.Thread | None) 
         server.should_exit = True
     if thread is not None:
         thread.join(timeout=10)
+
+
+@contextmanager
+def serving(server: Any) -> Iterator[Any]:
+    """`server` (one with `start()` and `stop()` on 127.0.0.2) started, and stopped after; the
+    test is skipped where 127.0.0.2 cannot be bound."""
+    try:
+        server.start()
+    except OSError:
+        pytest.skip("127.0.0.2 cannot be bound here")
+    try:
+        yield server
+    finally:
+        server.stop()
