@@ -430,6 +430,8 @@ class SessionHost:
             "gc_collections": heap.collections(),  # the process's, every generation
             # the process's collector pauses (measured once tune_collector ran: server processes)
             "gc_pause_s_total": paused, "gc_pause_longest_s": longest,
+            # turns waiting now for a compute slot, and those that waited MAX_WAIT_S and ran over the bound
+            "share_waiting": self._share.waiting(), "share_overruns": self._share.overruns,
         }
 
     # -- turns ------------------------------------------------------------------------------

@@ -75,13 +75,22 @@ class GatewayMetrics:
             "The host's longest single garbage-collector pause of the last minute (every turn in flight waits it out)",
             ["host"], registry=r,
         )
+        self.share_waiting = Gauge(
+            "ce_host_share_waiting", "Turns waiting for a compute slot on the host now, behind other turns "
+            "(CE_HOST_CPU_SLOTS; a freed slot goes to the tenant with the fewest)", ["host"], registry=r,
+        )
+        self.share_overruns = Gauge(
+            "ce_host_share_overruns_total", "Turns that waited a second for a compute slot and ran over the "
+            "bound (log fair_share_overrun): a host short of CPU, or slots too few", ["host"], registry=r,
+        )
         self.host_up = Gauge(
             "ce_host_up", "1 when the host answered this scrape; 0 when it did not (its other series keep "
             "their last values)", ["host"], registry=r,
         )
         self._per_host = (self.live_sessions, self.flush_ms, self.flushes, self.flushed_sessions,
                           self.host_turns, self.lane_turns, self.stored_turn_reads, self.unwritten_turns,
-                          self.unwritten_cap, self.gc_paused, self.gc_longest, self.host_up)
+                          self.unwritten_cap, self.gc_paused, self.gc_longest, self.share_waiting,
+                          self.share_overruns, self.host_up)
         self._hosts: set[str] = set()  # the hosts with series
 
     def observe_turn(self, reply: TurnReply, seconds: float) -> None:
@@ -141,6 +150,9 @@ class GatewayMetrics:
             if "gc_pause_s_total" in s:  # an older host does not measure them
                 self.gc_paused.labels(host).set(s["gc_pause_s_total"])
                 self.gc_longest.labels(host).set(s["gc_pause_longest_s"])
+            if "share_waiting" in s:  # likewise
+                self.share_waiting.labels(host).set(s["share_waiting"])
+                self.share_overruns.labels(host).set(s["share_overruns"])
             if "unwritten_turns" in s:  # an older host says neither: no sample rather than a false 0
                 self.unwritten_turns.labels(host).set(s["unwritten_turns"])
                 self.unwritten_cap.labels(host).set(s["unwritten_turns_cap"])

@@ -11,13 +11,14 @@ from services.gateway.metrics import GatewayMetrics
 PER_HOST = ("ce_live_sessions", "ce_flush_last_ms", "ce_flushes", "ce_flushed_sessions", "ce_host_turns",
             "ce_host_lane_turns", "ce_host_stored_turn_reads", "ce_host_unwritten_turns",
             "ce_host_unwritten_turns_cap", "ce_host_gc_pause_seconds_total", "ce_host_gc_pause_longest_seconds",
-            "ce_host_up")
+            "ce_host_share_waiting", "ce_host_share_overruns_total", "ce_host_up")
 
 
 def _stats(host: str, live: int) -> dict:
     return {"host": host, "live_sessions": live, "last_flush_ms": 1.5, "flushes": 10, "flushed_sessions": 20,
             "turn_calls": 30, "lane_calls": 25, "stored_turn_reads": 2, "unwritten_turns": 3,
-            "unwritten_turns_cap": 512, "gc_pause_s_total": 1.25, "gc_pause_longest_s": 0.04}
+            "unwritten_turns_cap": 512, "gc_pause_s_total": 1.25, "gc_pause_longest_s": 0.04,
+            "share_waiting": 4, "share_overruns": 2}
 
 
 def _hosts(metrics: GatewayMetrics) -> dict[str, set[str]]:
@@ -93,7 +94,7 @@ def test_a_hosts_unwritten_turns_and_their_cap_are_gauges_an_alert_can_compare()
 def test_a_host_that_does_not_count_unwritten_turns_gets_no_sample_rather_than_a_false_zero():
     # an older host during a rolling upgrade: its stats say neither figure
     metrics = GatewayMetrics()
-    old = {k: v for k, v in _stats("ce-host-0", 5).items() if not k.startswith(("unwritten", "gc_pause"))}
+    old = {k: v for k, v in _stats("ce-host-0", 5).items() if not k.startswith(("unwritten", "gc_pause", "share"))}
     metrics.observe_hosts([old, _stats("ce-host-1", 6)])
     seen = _hosts(metrics)
     assert seen["ce_host_unwritten_turns"] == {"ce-host-1"} and seen["ce_host_unwritten_turns_cap"] == {"ce-host-1"}
@@ -106,3 +107,11 @@ def test_a_hosts_collector_pauses_are_gauges():
     text = metrics.render().decode()
     assert 'ce_host_gc_pause_seconds_total{host="ce-host-0"} 1.25' in text
     assert 'ce_host_gc_pause_longest_seconds{host="ce-host-0"} 0.04' in text
+
+
+def test_a_hosts_fair_share_waits_and_overruns_are_gauges():
+    metrics = GatewayMetrics()
+    metrics.observe_hosts([_stats("ce-host-0", 5)])
+    text = metrics.render().decode()
+    assert 'ce_host_share_waiting{host="ce-host-0"} 4.0' in text
+    assert 'ce_host_share_overruns_total{host="ce-host-0"} 2.0' in text

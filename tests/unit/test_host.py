@@ -641,6 +641,7 @@ async def test_a_turn_waiting_on_the_model_holds_no_compute_slot(world):
     slow.set()
     assert (await asyncio.wait_for(waiting, T)).reply == "echo: busy"
     assert host._share.running("t1") == host._share.running("t2") == 0 and host._share.waiting() == 0
+    assert (host.stats()["share_waiting"], host.stats()["share_overruns"]) == (0, 0)
 
 
 async def test_a_turns_timing_says_how_long_it_waited_on_the_model_and_for_a_slot(world):
