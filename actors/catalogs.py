@@ -203,7 +203,7 @@ class TenantCatalogs:
         """The tenant's egress allowances as (entry, port) pairs; none without a repository."""
         if self._egress is None:
             return ()
-        return tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+        return await self._egress.allowances(tenant_id)
 
     async def _load(self, tenant_id: str) -> TurnEnv:
         self.reloads += 1

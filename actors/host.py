@@ -1006,7 +1006,7 @@ class SessionHost:
         for key, entry in list(self._sessions.items()):
             if entry.state.dirty:
                 self._mark_dirty(key)
-        await self._flush_once()
+        await self._flush_once()  # also waits for a flush already under way (its lock)
         while self._dirty:  # a flush takes at most flush_batch sessions
             await self._flush_once()
 

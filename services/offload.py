@@ -66,9 +66,10 @@ def _worker_pool() -> pebble.ProcessPool:
     global _pool
     with _lock:
         if _pool is None or not _pool.active:
-            if _pool is None:
-                # before multiprocessing's own exit handler, which would wait for the worker forever
-                atexit.register(shutdown)
+            # before multiprocessing's own exit handler, which would wait for the worker forever;
+            # once, however often the pool is started again
+            atexit.unregister(shutdown)
+            atexit.register(shutdown)
             _pool = _started_pool()
         return _pool
 

@@ -100,9 +100,7 @@ class WorkflowRunner:
     async def _policy(self, tenant_id: str) -> Any:
         """The operator's policy with the tenant's egress allowances added; None (the client's own)
         when it has none."""
-        if self._egress is None:
-            return None
-        allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+        allowances = await self._egress.allowances(tenant_id) if self._egress is not None else ()
         return self._webhooks.policy.for_tenant(allowances) if allowances else None
 
     async def await_client(self, tool: ClientTool, args: dict[str, Any], ctx: TrustedContext) -> str:

@@ -136,7 +136,7 @@ class WebhookPoster(Protocol):
 class EgressSource(Protocol):
     """storage.repos.egress.EgressRepo: the destinations an operator allowed each tenant."""
 
-    async def list(self, tenant_id: str) -> Any: ...
+    async def allowances(self, tenant_id: str) -> tuple[tuple[str, int], ...]: ...
 
 
 class Outbox(Protocol):
@@ -362,9 +362,7 @@ class Notifier:
     async def _policy(self, tenant_id: str) -> Any:
         """The operator's policy with the tenant's egress allowances added; None (the client's
         own) when it has none. Raises the storage error when they cannot be read (retried)."""
-        if self._egress is None:
-            return None
-        allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+        allowances = await self._egress.allowances(tenant_id) if self._egress is not None else ()
         return self._client.policy.for_tenant(allowances) if allowances else None  # type: ignore[union-attr]
 
     def _delay(self, attempts: int) -> float:

@@ -235,7 +235,7 @@ async def tenant_policy(deps: GatewayDeps, tenant_id: str) -> DestinationPolicy:
     CE_WEBHOOK_ALLOW with the egress allowances an operator granted that tenant."""
     if deps.egress is None:
         return deps.webhook_policy
-    return deps.webhook_policy.for_tenant((a.entry, a.port) for a in await deps.egress.list(tenant_id))
+    return deps.webhook_policy.for_tenant(await deps.egress.allowances(tenant_id))
 
 
 #: the most items one page of a list route holds (`?limit=`)

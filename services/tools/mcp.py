@@ -359,7 +359,7 @@ class McpCatalogSource:
             return McpLoad(tools=[], problems={})
         connector = self._connector
         if self._egress is not None:  # listed and called with what an operator allowed this tenant
-            allowances = tuple((a.entry, a.port) for a in await self._egress.list(tenant_id))
+            allowances = await self._egress.allowances(tenant_id)
             if allowances:
                 connector = connector.for_tenant(allowances)
         results = await asyncio.gather(*(self._load_server(s, connector) for s in servers))

@@ -26,6 +26,10 @@ class EgressRepo:
                 "SELECT entry, port FROM ce_tenant_egress WHERE tenant_id = $1 ORDER BY entry, port", tenant_id)
         return [EgressAllowance(entry=r["entry"], port=r["port"]) for r in rows]
 
+    async def allowances(self, tenant_id: str) -> tuple[tuple[str, int], ...]:
+        """The tenant's allowances as (entry, port) pairs, as DestinationPolicy.for_tenant takes them."""
+        return tuple((a.entry, a.port) for a in await self.list(tenant_id))
+
     async def allow(self, tenant_id: str, entry: str, port: int = 0) -> bool:
         """Grant `entry` (a CIDR or host name, checked by the caller) on `port` (0: any); False
         when the tenant already had it. Raises LimitReached past MAX_ALLOWANCES_PER_TENANT."""

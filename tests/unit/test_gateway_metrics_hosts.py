@@ -4,6 +4,7 @@ values for ever."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics
@@ -101,17 +102,15 @@ def test_a_host_that_does_not_count_unwritten_turns_gets_no_sample_rather_than_a
     assert seen["ce_live_sessions"] == {"ce-host-0", "ce-host-1"}
 
 
-def test_a_hosts_collector_pauses_are_gauges():
+@pytest.mark.parametrize("samples", [
+    # the collector's pauses
+    ('ce_host_gc_pause_seconds_total{host="ce-host-0"} 1.25', 'ce_host_gc_pause_longest_seconds{host="ce-host-0"} 0.04'),
+    # the fair share's waits and overruns
+    ('ce_host_share_waiting{host="ce-host-0"} 4.0', 'ce_host_share_overruns_total{host="ce-host-0"} 2.0'),
+])
+def test_a_hosts_stats_are_gauges(samples):
     metrics = GatewayMetrics()
     metrics.observe_hosts([_stats("ce-host-0", 5)])
     text = metrics.render().decode()
-    assert 'ce_host_gc_pause_seconds_total{host="ce-host-0"} 1.25' in text
-    assert 'ce_host_gc_pause_longest_seconds{host="ce-host-0"} 0.04' in text
-
-
-def test_a_hosts_fair_share_waits_and_overruns_are_gauges():
-    metrics = GatewayMetrics()
-    metrics.observe_hosts([_stats("ce-host-0", 5)])
-    text = metrics.render().decode()
-    assert 'ce_host_share_waiting{host="ce-host-0"} 4.0' in text
-    assert 'ce_host_share_overruns_total{host="ce-host-0"} 2.0' in text
+    for sample in samples:
+        assert sample in text
